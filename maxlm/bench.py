@@ -1,0 +1,119 @@
+"""Benchmarks that print one JSON object: `python -m maxlm.bench [train] --config=configs/NAME.py`.
+
+`train` (the default) times the real jitted train step (same shardings, donation and optimizer as
+`maxlm.train`) on synthetic token batches, so the figure is the model's speed, independent of the
+input pipeline. Warm-up steps (compilation included) are excluded; every timed step is waited
+for, and the median is reported with the spread.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+from maxlm import config as config_lib, mesh as mesh_lib, metrics, model, optim, train
+
+
+def synthetic_batch(cfg, rng: np.random.Generator) -> dict:
+    """Random tokens, one document per row: the shape and cost of a real packed batch."""
+    B, L = cfg.batch_size, cfg.seq_len
+    tokens = rng.integers(3, cfg.model.vocab_size, size=(B, L + 1), dtype=np.int32)
+    return {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "segment_ids": np.ones((B, L), np.int32),
+        "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy(),
+    }
+
+
+def bench_train(cfg, warmup_steps: int, timed_steps: int) -> dict:
+    rules = mesh_lib.rules_of(cfg.mesh)
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    tx = optim.make_optimizer(cfg.optim)
+    state, shardings = train.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
+    train_fn, _ = train.compile_steps(cfg, tx, mesh, rules, shardings)
+    rng = np.random.default_rng(cfg.seed)
+    host_batch = synthetic_batch(cfg, rng)
+    rows = slice(jax.process_index() * cfg.batch_size // jax.process_count(),
+                 (jax.process_index() + 1) * cfg.batch_size // jax.process_count())
+    batch = train.global_batch({k: v[rows] for k, v in host_batch.items()}, mesh, rules)
+
+    times = []
+    with mesh_lib.activate(mesh, rules):
+        compile_start = time.perf_counter()
+        for i in range(warmup_steps + timed_steps):
+            start = time.perf_counter()
+            state, step_metrics = train_fn(state, batch)
+            jax.block_until_ready(step_metrics)
+            if i == 0:
+                compile_sec = time.perf_counter() - compile_start
+            if i >= warmup_steps:
+                times.append(time.perf_counter() - start)
+
+    step_sec = statistics.median(times)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tokens_per_sec = tokens_per_step / step_sec
+    flops_per_token = metrics.flops_per_token(cfg.model, cfg.seq_len)
+    peak = metrics.peak_flops(jax.devices(), cfg.model.dtype)
+    return {
+        "benchmark": "train_step",
+        "config": cfg.name,
+        "tokens_per_sec": tokens_per_sec,
+        "model_tflops_per_sec": tokens_per_sec * flops_per_token / 1e12,
+        "mfu": metrics.mfu(tokens_per_sec, flops_per_token, peak["total_flops_per_sec"]),
+        "peak_tflops_per_sec": peak["total_flops_per_sec"] / 1e12,
+        "peak_source": peak["source"],
+        "device_kind": peak["device_kind"],
+        "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
+        "mesh": {axis: cfg.mesh[axis] for axis in config_lib.MESH_AXES},
+        "params": model.count_params(cfg.model),
+        "training_flops_per_token": flops_per_token,
+        "batch_size": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "dtype": cfg.model.dtype,
+        "step_sec_median": step_sec,
+        "step_sec_min": min(times),
+        "step_sec_max": max(times),
+        "timed_steps": timed_steps,
+        "warmup_steps": warmup_steps,
+        "first_step_sec_incl_compile": compile_sec,
+        "final_loss": float(step_metrics["loss"]),
+        "jax_version": jax.__version__,
+    }
+
+
+def main(argv) -> None:
+    from absl import flags
+
+    what = argv[1] if len(argv) > 1 else "train"
+    if what != "train":
+        print(f"maxlm.bench: unknown benchmark {what!r}; available: train", file=sys.stderr)
+        sys.exit(2)
+    try:
+        cfg = config_lib.resolve(flags.FLAGS.config, jax.device_count())
+    except config_lib.ConfigError as e:
+        print(f"maxlm: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    result = bench_train(cfg, flags.FLAGS.warmup_steps, flags.FLAGS.steps)
+    print(json.dumps(result, indent=2))
+
+
+def cli() -> None:
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
+    flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (the first one compiles).")
+    flags.DEFINE_integer("steps", 10, "Timed steps; the median is reported.")
+    flags.mark_flags_as_required(["config"])
+    app.run(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,235 @@
+"""Defaults, validation and derived values for a run, in one place.
+
+A run's config is an `ml_collections.ConfigDict`. `configs/NAME.py` files start from `defaults()`
+and override what they need; command-line `--config.KEY=VALUE` flags override those. `resolve()`
+then checks every cross-field constraint *before* anything is compiled or written, fills the mesh's
+`-1`, and returns the config that `DIR/config.json` records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import ml_collections
+
+# Logical axis names → mesh axes. Parameters and activations are annotated with the logical names
+# on the left; a mesh sweep edits this table (or the mesh sizes), never the model.
+#   batch    : activations' batch dim      → data parallel and fully-sharded data parallel
+#   embed    : the d_model dim of weights  → fsdp (ZeRO-3: weights, grads and Adam state sharded)
+#   heads/kv_heads/mlp/vocab               → tensor (Megatron-style column/row splits)
+#   act_embed: the d_model dim of activations stays replicated: sharding it would add collectives
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+    ("length", None),
+    ("act_embed", None),
+)
+
+MESH_AXES = ("data", "fsdp", "tensor")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A user error in the config: the message names the key, the numbers and what to change."""
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """Every key a run reads, with its default. Config files override a subset."""
+    c = ml_collections.ConfigDict()
+    c.name = "default"
+    c.seed = 0
+    c.steps = 1000
+    c.batch_size = 8  # global, in sequences
+    c.seq_len = 256
+    c.log_every_steps = 10
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1
+    c.mesh.fsdp = -1  # -1: all devices left after the other axes
+    c.mesh.tensor = 1
+    c.mesh.rules = DEFAULT_RULES
+
+    c.model = ml_collections.ConfigDict()
+    c.model.num_layers = 4
+    c.model.d_model = 256
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 4
+    c.model.head_dim = 0  # 0: d_model // num_heads
+    c.model.mlp_dim = 768
+    c.model.vocab_size = 384
+    c.model.tie_embeddings = False
+    c.model.rope_theta = 10000.0
+    c.model.norm_eps = 1e-5
+    c.model.dtype = "float32"  # compute dtype; parameters are always float32
+    c.model.init_std = 0.02
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 3e-4  # peak, reached after warmup
+    c.optim.warmup_steps = 100
+    c.optim.decay_steps = 0  # 0: decay over the whole run (`steps`)
+    c.optim.min_lr_ratio = 0.1  # cosine floor as a fraction of lr
+    c.optim.clip_norm = 1.0  # 0 disables clipping
+    c.optim.weight_decay = 0.1
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.95
+    c.optim.eps = 1e-8
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "tfds:python_stdlib"
+    c.data.tfds_dir = "~/.cache/maxlm/tensorflow_datasets"
+    c.data.cache_dir = "~/.cache/maxlm/packed"
+    c.data.tokenizer = "byte"
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 100
+    c.checkpoint.max_to_keep = 3
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every_steps = 100  # 0 disables periodic eval
+    c.eval.steps = 4  # validation batches per eval
+
+    c.metrics = ml_collections.ConfigDict()
+    c.metrics.tensorboard = True
+    return c
+
+
+def _positive(c, *keys):
+    for key in keys:
+        value = _get(c, key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{key} must be a positive number, got {value!r}")
+
+
+def _non_negative(c, *keys):
+    for key in keys:
+        value = _get(c, key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value!r}")
+
+
+def _get(c, key):
+    for part in key.split("."):
+        c = c[part]
+    return c
+
+
+def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
+    """Fills the one optional -1 so that data × fsdp × tensor == num_devices."""
+    sizes = {axis: mesh_cfg[axis] for axis in MESH_AXES}
+    for axis, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise ConfigError(f"mesh.{axis} must be a positive int or -1, got {size!r}")
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ConfigError(
+            f"only one mesh axis may be -1, got {', '.join('mesh.' + a for a in fill)} = -1"
+        )
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        if num_devices % known:
+            raise ConfigError(
+                f"mesh.{fill[0]}=-1 cannot be filled: the other axes multiply to {known}, "
+                f"which does not divide the {num_devices} devices"
+            )
+        sizes[fill[0]] = num_devices // known
+    product = math.prod(sizes.values())
+    if product != num_devices:
+        shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
+        raise ConfigError(
+            f"mesh {shape} has {product} devices but {num_devices} are available; "
+            f"make the product {num_devices} or set one axis to -1"
+        )
+    return sizes
+
+
+def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
+    """Validates `config` for `num_devices` and returns a copy with derived values filled in.
+
+    Raises ConfigError with a one-line message on the first problem found.
+    """
+    c = ml_collections.ConfigDict(config.to_dict())
+    m = c.model
+    _positive(c, "steps", "batch_size", "seq_len", "log_every_steps", "optim.lr")
+    _positive(c, "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads")
+    _positive(c, "model.mlp_dim", "model.vocab_size", "model.rope_theta", "model.norm_eps")
+    _positive(c, "checkpoint.every_steps", "checkpoint.max_to_keep", "eval.steps")
+    _non_negative(c, "optim.warmup_steps", "optim.decay_steps", "optim.clip_norm")
+    _non_negative(c, "optim.weight_decay", "optim.min_lr_ratio", "eval.every_steps")
+    _non_negative(c, "model.head_dim", "model.init_std", "seed")
+    for key in ("b1", "b2"):
+        if not 0 <= c.optim[key] < 1:
+            raise ConfigError(f"optim.{key} must be in [0, 1), got {c.optim[key]}")
+    if c.optim.min_lr_ratio > 1:
+        raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {c.optim.min_lr_ratio}")
+    if m.dtype not in DTYPES:
+        raise ConfigError(f"model.dtype must be one of {DTYPES}, got {m.dtype!r}")
+
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads="
+            f"{m.num_kv_heads} (grouped-query attention shares each kv head by a group of heads)"
+        )
+    if m.head_dim == 0:
+        if m.d_model % m.num_heads:
+            raise ConfigError(
+                f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} "
+                "(or set model.head_dim)"
+            )
+        m.head_dim = m.d_model // m.num_heads
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be even for RoPE")
+    if c.optim.warmup_steps > c.steps:
+        raise ConfigError(
+            f"optim.warmup_steps={c.optim.warmup_steps} is longer than steps={c.steps}"
+        )
+    if c.optim.decay_steps == 0:
+        c.optim.decay_steps = c.steps
+
+    mesh = resolve_mesh_shape(c.mesh, num_devices)
+    c.mesh.update(mesh)
+    batch_shards = mesh["data"] * mesh["fsdp"]
+    if c.batch_size % batch_shards:
+        raise ConfigError(
+            f"batch_size={c.batch_size} must be divisible by mesh.data x mesh.fsdp = "
+            f"{mesh['data']} x {mesh['fsdp']} = {batch_shards}"
+        )
+    tensor = mesh["tensor"]
+    for key in ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
+        if m[key] % tensor:
+            raise ConfigError(
+                f"model.{key}={m[key]} must be divisible by mesh.tensor={tensor}"
+            )
+    if m.d_model % mesh["fsdp"]:
+        raise ConfigError(
+            f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']}"
+        )
+    _check_rules(c.mesh.rules)
+    return c
+
+
+def _check_rules(rules):
+    names = set()
+    for rule in rules:
+        if len(rule) != 2 or not isinstance(rule[0], str):
+            raise ConfigError(f"mesh.rules entries must be (logical_name, mesh_axes), got {rule!r}")
+        name, axes = rule
+        if name in names:
+            raise ConfigError(f"mesh.rules names {name!r} twice")
+        names.add(name)
+        for axis in (axes,) if isinstance(axes, str) or axes is None else axes:
+            if axis is not None and axis not in MESH_AXES:
+                raise ConfigError(
+                    f"mesh.rules maps {name!r} to unknown mesh axis {axis!r}; "
+                    f"mesh axes are {MESH_AXES}"
+                )
+
+
+def to_json(config: ml_collections.ConfigDict) -> str:
+    return json.dumps(config.to_dict(), indent=2, sort_keys=True)

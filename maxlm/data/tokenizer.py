@@ -1,0 +1,141 @@
+"""Tokenizers: a byte-level one (no files needed) and a SentencePiece wrapper.
+
+Both share one small interface so the pipeline never cares which is in use.
+`encode` never adds special tokens: packing adds BOS/EOS itself, so documents
+are framed the same way whatever the tokenizer.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+
+class Tokenizer(abc.ABC):
+    """Text <-> int32 ids. Special ids are part of `range(vocab_size)`."""
+
+    vocab_size: int
+    pad_id: int
+    bos_id: int
+    eos_id: int
+
+    @property
+    @abc.abstractmethod
+    def spec(self) -> str:
+        """The string `load_tokenizer` accepts to rebuild this tokenizer."""
+
+    @property
+    @abc.abstractmethod
+    def fingerprint(self) -> str:
+        """Changes whenever encoding could change (keys the packed-data cache)."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> np.ndarray:
+        """Returns int32 ids of `text`, without BOS/EOS."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Inverse of `encode`; special ids are dropped."""
+
+    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes shifted past three specials: pad=0, bos=1, eos=2, byte b -> b+3."""
+
+    pad_id = 0
+    bos_id = 1
+    eos_id = 2
+    _OFFSET = 3
+    vocab_size = 256 + _OFFSET
+
+    @property
+    def spec(self) -> str:
+        return "byte"
+
+    @property
+    def fingerprint(self) -> str:
+        return "byte-v1"
+
+    def encode(self, text: str) -> np.ndarray:
+        bytes_N = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        return bytes_N.astype(np.int32) + self._OFFSET
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        ids_N = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids_N = ids_N[ids_N >= self._OFFSET]  # drop pad/bos/eos
+        # A model whose vocab is padded past 259 can sample ids that are no byte:
+        # map them to 0xFF, which is never valid UTF-8 and so decodes to U+FFFD.
+        bytes_N = np.where(ids_N < self.vocab_size, ids_N - self._OFFSET, 0xFF)
+        return bytes_N.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A trained SentencePiece model; it must define bos, eos and pad pieces."""
+
+    def __init__(self, model_path: str | os.PathLike):
+        import sentencepiece as spm  # Only needed when such a model is used.
+
+        self._path = os.fspath(model_path)
+        with open(self._path, "rb") as f:
+            proto = f.read()
+        self._sp = spm.SentencePieceProcessor(model_proto=proto)
+        self._fingerprint = "sp-" + hashlib.sha256(proto).hexdigest()[:16]
+        self.vocab_size = int(self._sp.get_piece_size())
+        self.pad_id = int(self._sp.pad_id())
+        self.bos_id = int(self._sp.bos_id())
+        self.eos_id = int(self._sp.eos_id())
+        specials = {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id}
+        missing = [name for name, i in specials.items() if i < 0]
+        if missing:
+            raise ValueError(
+                f"SentencePiece model {self._path!r} does not define {'/'.join(missing)}; "
+                "train it with distinct non-negative bos_id, eos_id and pad_id "
+                "(e.g. pad_id=0 unk_id=1 bos_id=2 eos_id=3)"
+            )
+
+    @property
+    def spec(self) -> str:
+        return self._path
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._sp.encode(text, out_type=int), dtype=np.int32)
+
+    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
+        # One call so SentencePiece can use its own thread pool.
+        ids = self._sp.encode(list(texts), out_type=int, num_threads=os.cpu_count())
+        return [np.asarray(x, dtype=np.int32) for x in ids]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        ids_N = np.asarray(ids, dtype=np.int64).reshape(-1)
+        # SentencePiece drops control pieces itself but rejects unknown ids.
+        ids_N = ids_N[(ids_N >= 0) & (ids_N < self.vocab_size)]
+        return self._sp.decode(ids_N.tolist())
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer({self._path!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """`"byte"` or a path (`~` expanded) to a SentencePiece `.model` file."""
+    if spec == "byte":
+        return ByteTokenizer()
+    path = os.path.expanduser(spec)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"tokenizer model file not found: {path!r} (data.tokenizer must be 'byte' or the "
+            "path to a SentencePiece .model file)"
+        )
+    return SentencePieceTokenizer(path)

@@ -1,0 +1,204 @@
+"""A Llama-style decoder-only Transformer, used functionally.
+
+    params = init_params(model_cfg, rng)            # a plain pytree of float32 arrays
+    logits_BLV = apply(model_cfg, params, batch)    # no hidden state
+
+Blocks are pre-norm: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)); attention is
+grouped-query with rotary position embeddings. A batch is packed: `segment_ids` name the document
+each token belongs to (0 = padding) and `positions` restart at 0 for each document, so attention
+never crosses documents and RoPE sees per-document positions.
+
+Shape suffixes: B batch, L length (queries), S length (keys), D d_model, H heads, K kv heads,
+G heads per kv head (H = K·G), Dh head dim, F mlp hidden, V vocab.
+Every parameter carries logical axis names (see maxlm/mesh.py); activations are constrained with
+the same names, which only bind while a mesh and rules are active.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+Batch = dict[str, jax.Array]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _normal(std: float):
+    return nn.initializers.normal(stddev=std)
+
+
+def _param(module: nn.Module, name: str, init, shape, axes):
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+def _constrain(x, axes):
+    return nn.with_logical_constraint(x, axes)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        scale_D = _param(self, "scale", nn.initializers.ones, (x_BLD.shape[-1],), ("embed",))
+        x = x_BLD.astype(jnp.float32)  # the mean square in float32 even for bfloat16 compute
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * scale_D).astype(self.dtype)
+
+
+def rope(x_BLHDh, positions_BL, theta: float):
+    """Rotary embedding, rotating pairs (i, i + Dh/2) (the Llama/NeoX half-split layout)."""
+    half = x_BLHDh.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BL1F = (positions_BL.astype(jnp.float32)[:, :, None] * freq)[:, :, None, :]
+    sin, cos = jnp.sin(angle_BL1F), jnp.cos(angle_BL1F)
+    x1, x2 = jnp.split(x_BLHDh.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BLHDh.dtype)
+
+
+def attention_mask(segment_ids_BL):
+    """[B, 1, L, S] booleans: causal, and only within the same document (segment)."""
+    length = segment_ids_BL.shape[1]
+    causal_LS = jnp.tril(jnp.ones((length, length), dtype=bool))
+    same_doc_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
+    return (causal_LS[None] & same_doc_BLS)[:, None]
+
+
+class Attention(nn.Module):
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, x_BLD, positions_BL, mask_B1LS):
+        cfg = self.cfg
+        dtype = _DTYPES[cfg.dtype]
+        D, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)  # GPT-2: residual writes shrink with depth
+        wq_DHDh = _param(self, "wq", _normal(cfg.init_std), (D, H, Dh), ("embed", "heads", "head_dim"))
+        wk_DKDh = _param(self, "wk", _normal(cfg.init_std), (D, K, Dh), ("embed", "kv_heads", "head_dim"))
+        wv_DKDh = _param(self, "wv", _normal(cfg.init_std), (D, K, Dh), ("embed", "kv_heads", "head_dim"))
+        wo_HDhD = _param(self, "wo", _normal(out_std), (H, Dh, D), ("heads", "head_dim", "embed"))
+
+        q_BLHDh = jnp.einsum("bld,dhk->blhk", x_BLD, wq_DHDh.astype(dtype))
+        k_BSKDh = jnp.einsum("bsd,dhk->bshk", x_BLD, wk_DKDh.astype(dtype))
+        v_BSKDh = jnp.einsum("bsd,dhk->bshk", x_BLD, wv_DKDh.astype(dtype))
+        q_BLHDh = _constrain(rope(q_BLHDh, positions_BL, cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
+        k_BSKDh = _constrain(rope(k_BSKDh, positions_BL, cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
+
+        B, L = x_BLD.shape[:2]
+        q_BLKGDh = q_BLHDh.reshape(B, L, K, H // K, Dh)
+        scores_BKGLS = jnp.einsum("blkgd,bskd->bkgls", q_BLKGDh, k_BSKDh).astype(jnp.float32)
+        scores_BKGLS = scores_BKGLS / math.sqrt(Dh)
+        # Every row keeps at least its diagonal, so the softmax never sees an all-masked row.
+        scores_BKGLS = jnp.where(mask_B1LS[:, :, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
+        probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(dtype)
+        out_BLKGDh = jnp.einsum("bkgls,bskd->blkgd", probs_BKGLS, v_BSKDh)
+        out_BLHDh = out_BLKGDh.reshape(B, L, H, Dh)
+        return jnp.einsum("blhk,hkd->bld", out_BLHDh, wo_HDhD.astype(dtype))
+
+
+class SwiGLU(nn.Module):
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        cfg = self.cfg
+        dtype = _DTYPES[cfg.dtype]
+        D, F = cfg.d_model, cfg.mlp_dim
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        w_gate_DF = _param(self, "w_gate", _normal(cfg.init_std), (D, F), ("embed", "mlp"))
+        w_up_DF = _param(self, "w_up", _normal(cfg.init_std), (D, F), ("embed", "mlp"))
+        w_down_FD = _param(self, "w_down", _normal(out_std), (F, D), ("mlp", "embed"))
+        gate_BLF = jnp.einsum("bld,df->blf", x_BLD, w_gate_DF.astype(dtype))
+        up_BLF = jnp.einsum("bld,df->blf", x_BLD, w_up_DF.astype(dtype))
+        hidden_BLF = _constrain(nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
+        return jnp.einsum("blf,fd->bld", hidden_BLF, w_down_FD.astype(dtype))
+
+
+class Block(nn.Module):
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, x_BLD, positions_BL, mask_B1LS):
+        cfg = self.cfg
+        dtype = _DTYPES[cfg.dtype]
+        h_BLD = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_BLD)
+        x_BLD = x_BLD + Attention(cfg, name="attn")(h_BLD, positions_BL, mask_B1LS)
+        h_BLD = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_BLD)
+        x_BLD = x_BLD + SwiGLU(cfg, name="mlp")(h_BLD)
+        return _constrain(x_BLD, ("batch", "length", "act_embed"))
+
+
+class Transformer(nn.Module):
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, tokens_BL, segment_ids_BL, positions_BL):
+        cfg = self.cfg
+        dtype = _DTYPES[cfg.dtype]
+        embed_VD = _param(self, "embed", _normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+        x_BLD = _constrain(jnp.take(embed_VD, tokens_BL, axis=0).astype(dtype), ("batch", "length", "act_embed"))
+        mask_B1LS = attention_mask(segment_ids_BL)
+        for i in range(cfg.num_layers):
+            x_BLD = Block(cfg, name=f"layer_{i}")(x_BLD, positions_BL, mask_B1LS)
+        x_BLD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BLD)
+        if cfg.tie_embeddings:
+            head_DV = embed_VD.T
+        else:
+            head_DV = _param(self, "head", _normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, head_DV.astype(dtype))
+        return _constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+def _dummy_inputs(length: int = 8):
+    ids = jnp.zeros((1, length), jnp.int32)
+    return ids, jnp.ones_like(ids), jnp.arange(length, dtype=jnp.int32)[None]
+
+
+def init_params(model_cfg, rng: jax.Array):
+    """Float32 parameters as a plain pytree (logical-axis boxes removed)."""
+    return nn.unbox(Transformer(model_cfg).init(rng, *_dummy_inputs())["params"])
+
+
+def param_logical_specs(model_cfg):
+    """A pytree of PartitionSpecs of logical axis names, matching `init_params`'s output."""
+    boxed = jax.eval_shape(lambda: Transformer(model_cfg).init(jax.random.key(0), *_dummy_inputs()))
+    return nn.get_partition_spec(boxed["params"])
+
+
+def apply(model_cfg, params, batch: Batch) -> jax.Array:
+    """Float32 logits [B, L, V] for a packed batch {inputs, segment_ids, positions}."""
+    return Transformer(model_cfg).apply(
+        {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"]
+    )
+
+
+def loss_fn(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict]:
+    """Mean next-token cross-entropy over real (non-padding) tokens."""
+    logits_BLV = apply(model_cfg, params, batch)
+    log_probs_BLV = jax.nn.log_softmax(logits_BLV, axis=-1)
+    target_log_prob_BL = jnp.take_along_axis(log_probs_BLV, batch["targets"][..., None], axis=-1)[..., 0]
+    weights_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
+    num_tokens = weights_BL.sum()
+    loss = -(target_log_prob_BL * weights_BL).sum() / jnp.maximum(num_tokens, 1.0)
+    return loss, {"num_tokens": num_tokens}
+
+
+def count_params(model_cfg) -> int:
+    """Closed-form parameter count (checked against the real pytree in the tests)."""
+    D, H, K, Dh, F, V = (model_cfg.d_model, model_cfg.num_heads, model_cfg.num_kv_heads,
+                         model_cfg.head_dim, model_cfg.mlp_dim, model_cfg.vocab_size)
+    per_layer = D * H * Dh + 2 * D * K * Dh + H * Dh * D + 3 * D * F + 2 * D
+    head = 0 if model_cfg.tie_embeddings else D * V
+    return V * D + model_cfg.num_layers * per_layer + D + head
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)

@@ -1,0 +1,483 @@
+"""maxlm.data: tokenizers, packing, the python_stdlib TFDS corpus and the step-indexed pipeline.
+
+Most tests use a tiny fake "stdlib" (a few generated .py files) built once per session; one slow
+test builds and packs the real standard library.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import ml_collections
+import numpy as np
+import pytest
+
+from maxlm.data import (
+    ByteTokenizer,
+    SentencePieceTokenizer,
+    corpus,
+    ensure_corpus,
+    load_split,
+    load_tokenizer,
+    make_dataset,
+    pack_documents,
+    packing_efficiency,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ_LEN = 32
+BATCH = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+
+
+def _fake_module(i: int) -> str:
+    body = "\n".join(
+        f'def f_{i}_{j}(x):\n    """Ünïcode doc {j} — π≈3.14 🐍"""\n    return x * {j} + {i}\n'
+        for j in range(40)
+    )
+    return f"# module {i}\nimport os\n\n{body}"
+
+
+def _write_fake_stdlib(root: Path) -> dict[str, str]:
+    """~40 small modules, 3 of them in validation; returns {rel_path: text} of valid files."""
+    files: dict[str, str] = {}
+    num_val = num_train = 0
+    for i in range(100_000):
+        if num_val == 3 and num_train == 36:
+            break
+        rel = f"pkg{i % 3}/mod_{i:04d}.py" if i % 4 else f"mod_{i:04d}.py"
+        is_val = corpus.is_validation(rel)
+        if (is_val and num_val < 3) or (not is_val and num_train < 36):
+            files[rel] = _fake_module(i)
+            num_val += is_val
+            num_train += not is_val
+    assert num_val == 3, "no path hashes into validation: is_validation is broken"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text, encoding="utf-8")
+    # Excluded: third-party packages, non-Python files and files that are not UTF-8.
+    (root / "site-packages" / "thirdparty").mkdir(parents=True)
+    (root / "site-packages" / "thirdparty" / "x.py").write_text("print('not stdlib')\n")
+    (root / "README.txt").write_text("not python\n")
+    (root / "latin1.py").write_bytes("# caf\xe9\n".encode("latin-1"))
+    return files
+
+
+@pytest.fixture(scope="session")
+def fake_stdlib(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    root = tmp_path_factory.mktemp("fake_stdlib")
+    return root, _write_fake_stdlib(root)
+
+
+@pytest.fixture(scope="session")
+def tfds_dir(tmp_path_factory, fake_stdlib) -> Path:
+    data_dir = tmp_path_factory.mktemp("tfds")
+    ensure_corpus(data_dir, source_root=fake_stdlib[0])
+    return data_dir
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("packed")
+
+
+def make_config(tfds_dir, cache_dir, **overrides) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.batch_size = BATCH
+    c.seq_len = SEQ_LEN
+    c.model = ml_collections.ConfigDict({"vocab_size": 384})
+    c.data = ml_collections.ConfigDict(
+        {
+            "source": "tfds:python_stdlib",
+            "tfds_dir": str(tfds_dir),
+            "cache_dir": str(cache_dir),
+            "tokenizer": "byte",
+        }
+    )
+    for key, value in overrides.items():
+        target = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            target = target[p]
+        target[leaf] = value
+    return c
+
+
+@pytest.fixture
+def config(tfds_dir, cache_dir):
+    return make_config(tfds_dir, cache_dir)
+
+
+@pytest.fixture(scope="session")
+def sp_model(tmp_path_factory) -> Path:
+    import sentencepiece as spm
+
+    d = tmp_path_factory.mktemp("sp")
+    text = "\n".join(f"def fn_{i}(x, y):\n    return x * {i} + y  # café" for i in range(300))
+    (d / "corpus.txt").write_text(text, encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(d / "corpus.txt"), model_prefix=str(d / "tok"), vocab_size=300,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0,
+        pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        hard_vocab_limit=False, num_threads=1, minloglevel=2,
+    )  # fmt: skip
+    return d / "tok.model"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+
+TEXT = "def f(x):\n    return x  # héllo wörld — 你好 🐍\n\n  two  spaces\t"
+
+
+def test_byte_tokenizer_round_trip():
+    tok = load_tokenizer("byte")
+    assert isinstance(tok, ByteTokenizer)
+    assert (tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id) == (259, 0, 1, 2)
+    ids = tok.encode(TEXT)
+    assert ids.dtype == np.int32
+    assert len(ids) == len(TEXT.encode("utf-8"))
+    assert ids.min() >= 3 and ids.max() < 259
+    assert tok.decode(ids) == TEXT
+    assert tok.decode(np.concatenate([[tok.bos_id], ids, [tok.eos_id, tok.pad_id]])) == TEXT
+    assert tok.encode("").shape == (0,)
+    # ids a padded model vocab could sample that are no byte decode to U+FFFD, not an error
+    assert tok.decode([3 + ord("a"), 300, 3 + ord("b")]) == "a\ufffdb"
+
+
+def test_sentencepiece_round_trip(sp_model):
+    tok = load_tokenizer(str(sp_model))
+    assert isinstance(tok, SentencePieceTokenizer)
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 2, 3)
+    assert tok.vocab_size == 300
+    ids = tok.encode(TEXT)
+    assert ids.dtype == np.int32 and ids.max() < tok.vocab_size
+    assert tok.decode(ids) == TEXT  # unseen characters go through byte fallback
+    assert tok.decode(np.concatenate([[tok.bos_id], ids, [tok.eos_id, tok.pad_id]])) == TEXT
+    batch = tok.encode_batch([TEXT, "x = 1"])
+    np.testing.assert_array_equal(batch[0], ids)
+    np.testing.assert_array_equal(batch[1], tok.encode("x = 1"))
+
+
+def test_sentencepiece_without_pad_is_rejected(tmp_path):
+    import sentencepiece as spm
+
+    (tmp_path / "c.txt").write_text("\n".join(f"line {i} of text" for i in range(200)))
+    spm.SentencePieceTrainer.train(
+        input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "nopad"), vocab_size=60,
+        hard_vocab_limit=False, minloglevel=2,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="does not define pad"):
+        SentencePieceTokenizer(tmp_path / "nopad.model")
+
+
+def test_load_tokenizer_missing_file(tmp_path):
+    missing = tmp_path / "nope.model"
+    with pytest.raises(ValueError, match="nope.model"):
+        load_tokenizer(str(missing))
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+
+
+def test_pack_small_example():
+    docs = [np.array([10, 11]), np.array([20, 21, 22, 23, 24, 25, 26])]
+    rows = pack_documents(docs, seq_len=4, bos_id=1, eos_id=2)
+    assert rows["inputs"].tolist() == [[1, 10, 11, 1], [20, 21, 22, 23], [24, 25, 26, 0]]
+    assert rows["targets"].tolist() == [[10, 11, 2, 20], [21, 22, 23, 24], [25, 26, 2, 0]]
+    assert rows["segment_ids"].tolist() == [[1, 1, 1, 2], [1, 1, 1, 1], [1, 1, 1, 0]]
+    assert rows["positions"].tolist() == [[0, 1, 2, 0], [0, 1, 2, 3], [0, 1, 2, 0]]
+    assert packing_efficiency(rows["segment_ids"]) == pytest.approx(11 / 12)
+
+
+def test_pack_empty_document_and_exact_fit():
+    rows = pack_documents([np.array([5, 6]), np.array([], np.int32)], seq_len=5, bos_id=1, eos_id=2)
+    assert rows["inputs"].tolist() == [[1, 5, 6, 1, 0]]
+    assert rows["targets"].tolist() == [[5, 6, 2, 2, 0]]
+    assert rows["segment_ids"].tolist() == [[1, 1, 1, 2, 0]]
+    rows = pack_documents([np.array([5, 6, 7])], seq_len=4, bos_id=1, eos_id=2)
+    assert packing_efficiency(rows["segment_ids"]) == 1.0
+    assert pack_documents([], seq_len=4, bos_id=1, eos_id=2)["inputs"].shape == (0, 4)
+
+
+def test_pack_random_documents_invariants():
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(3, 259, size=rng.integers(0, 50)).astype(np.int32) for _ in range(200)]
+    seq_len, bos, eos = 16, 1, 2
+    rows = pack_documents(docs, seq_len, bos, eos)
+    inputs, targets, seg, pos = (rows[k] for k in ("inputs", "targets", "segment_ids", "positions"))
+    num_pairs = sum(len(d) + 1 for d in docs)
+    assert inputs.shape == (-(-num_pairs // seq_len), seq_len)
+    assert all(a.dtype == np.int32 for a in rows.values())
+
+    # Non-padding slots, read in order, are exactly the documents' next-token pairs.
+    real = seg > 0
+    np.testing.assert_array_equal(inputs[real], np.concatenate([np.r_[bos, d] for d in docs]))
+    np.testing.assert_array_equal(targets[real], np.concatenate([np.r_[d, eos] for d in docs]))
+    # Padding only at the tail of the last row; every other row is full.
+    assert real[:-1].all()
+    tail = real[-1]
+    assert not (~tail[:-1] & tail[1:]).any()  # no real token after padding
+    assert real.sum() == num_pairs
+    assert packing_efficiency(seg) == pytest.approx(num_pairs / seg.size)
+    assert (inputs[~real] == 0).all() and (targets[~real] == 0).all() and (pos[~real] == 0).all()
+
+    for r in range(seg.shape[0]):
+        s, p = seg[r][real[r]], pos[r][real[r]]
+        assert s[0] == 1 and set(np.diff(s)) <= {0, 1}  # ids 1, 2, ... within the row
+        new_segment = np.r_[True, np.diff(s) == 1]
+        # Positions restart at 0 at each segment and count up by one inside it.
+        assert (p[new_segment] == 0).all()
+        assert (np.diff(p)[~new_segment[1:]] == 1).all()
+        # Inside a segment, targets are the inputs shifted left by one.
+        same = ~new_segment[1:]
+        np.testing.assert_array_equal(targets[r][: len(s) - 1][same], inputs[r][1 : len(s)][same])
+        # A new segment starts with bos unless it continues a document from the previous row.
+        starts = np.flatnonzero(new_segment)
+        assert (inputs[r][starts[1:]] == bos).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The python_stdlib TFDS corpus
+
+
+def _read_all(data_dir, split) -> dict[str, str]:
+    ds = load_split(data_dir, split)
+    return {ds[i]["path"].decode(): ds[i]["text"].decode() for i in range(len(ds))}
+
+
+def test_corpus_build_and_read(tfds_dir, fake_stdlib):
+    _, files = fake_stdlib
+    train, val = _read_all(tfds_dir, "train"), _read_all(tfds_dir, "validation")
+    assert not set(train) & set(val)
+    assert {**train, **val} == files  # no site-packages, no non-.py, no latin-1 file
+    assert set(val) == {p for p in files if corpus.is_validation(p)}
+    assert len(val) == 3
+    meta = corpus.corpus_metadata(tfds_dir)
+    assert meta["num_files"] == len(files) and meta["num_skipped_not_utf8"] == 1
+    # A second call finds the finished build and does nothing.
+    before = sorted(p.name for p in Path(tfds_dir).iterdir())
+    start = time.perf_counter()
+    ensure_corpus(tfds_dir, source_root=fake_stdlib[0])
+    assert time.perf_counter() - start < 0.5
+    assert sorted(p.name for p in Path(tfds_dir).iterdir()) == before
+
+
+def test_corpus_build_is_deterministic(tmp_path, tfds_dir, fake_stdlib):
+    ensure_corpus(tmp_path, source_root=fake_stdlib[0])
+    fp = corpus.corpus_metadata(tmp_path)["fingerprint"]
+    assert fp == corpus.corpus_metadata(tfds_dir)["fingerprint"]
+    for split in corpus.SPLITS:
+        assert list(_read_all(tmp_path, split)) == list(_read_all(tfds_dir, split))
+
+
+def test_interrupted_build_leaves_nothing_readable(tmp_path, fake_stdlib, monkeypatch):
+    original = corpus.PythonStdlib._generate_examples
+
+    def failing(self, docs):
+        for n, example in enumerate(original(self, docs)):
+            if n == 5:
+                raise RuntimeError("simulated crash mid-build")
+            yield example
+
+    monkeypatch.setattr(corpus.PythonStdlib, "_generate_examples", failing)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        ensure_corpus(tmp_path, source_root=fake_stdlib[0])
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != ".python_stdlib.lock"]
+    assert leftovers == []
+    with pytest.raises(FileNotFoundError, match="not built"):
+        load_split(tmp_path, "train")
+
+    monkeypatch.undo()
+    ensure_corpus(tmp_path, source_root=fake_stdlib[0])
+    assert _read_all(tmp_path, "validation").keys() == {
+        p for p in fake_stdlib[1] if corpus.is_validation(p)
+    }
+
+
+def test_stale_temporary_build_is_cleaned_up(tmp_path, fake_stdlib):
+    stale = tmp_path / ".python_stdlib.tmp-deadbeef" / "python_stdlib"
+    stale.mkdir(parents=True)
+    ensure_corpus(tmp_path, source_root=fake_stdlib[0])
+    assert not stale.parent.exists()
+    assert len(load_split(tmp_path, "train")) == 36
+
+
+@pytest.mark.slow  # subprocesses
+def test_concurrent_builds_build_once(tmp_path, fake_stdlib):
+    script = textwrap.dedent(
+        f"""
+        import logging, sys
+        logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+        from maxlm.data import ensure_corpus, load_split
+        ensure_corpus({str(tmp_path)!r}, source_root={str(fake_stdlib[0])!r})
+        assert len(load_split({str(tmp_path)!r}, "validation")) == 3
+        """
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], cwd=REPO, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    logs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert sum("built python_stdlib" in log for log in logs) == 1, logs
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline
+
+
+def test_batch_shapes_and_contents(config):
+    ds = make_dataset(config, "train")
+    assert ds.tokenizer.vocab_size == 259
+    assert ds.packing_efficiency > 0.99
+    b = ds.batch(0)
+    assert set(b) == {"inputs", "targets", "segment_ids", "positions"}
+    for v in b.values():
+        assert v.shape == (BATCH, SEQ_LEN) and v.dtype == np.int32
+    same = (b["segment_ids"][:, 1:] == b["segment_ids"][:, :-1]) & (b["segment_ids"][:, 1:] > 0)
+    np.testing.assert_array_equal(b["targets"][:, :-1][same], b["inputs"][:, 1:][same])
+    assert "def f_" in "".join(ds.tokenizer.decode(row) for row in b["inputs"])
+
+
+def test_batch_is_pure_function_of_config_and_step(tfds_dir, tmp_path):
+    # Two fresh datasets, each packing into its own new cache, agree batch for batch.
+    a = make_dataset(make_config(tfds_dir, tmp_path / "a"), "train")
+    b = make_dataset(make_config(tfds_dir, tmp_path / "b"), "train")
+    assert isinstance(a._rows["inputs"], np.memmap)
+    for step in (0, 1, 7, a.steps_per_epoch, 10**9):
+        for k, v in a.batch(step).items():
+            np.testing.assert_array_equal(v, b.batch(step)[k])
+    # The cache holds one packed entry per (split, seq_len, ...) and is reused.
+    entries = [p.name for p in (tmp_path / "a").iterdir() if not p.name.startswith(".")]
+    assert [e.split("-")[:3] for e in entries] == [["python_stdlib", "train", f"L{SEQ_LEN}"]]
+
+
+def test_interrupted_packing_leaves_no_cache_entry(tfds_dir, tmp_path, monkeypatch):
+    config = make_config(tfds_dir, tmp_path)
+    real_save = np.save
+
+    def failing_save(path, array, *args, **kwargs):
+        if str(path).endswith("segment_ids.npy"):
+            raise OSError("simulated disk full")
+        real_save(path, array, *args, **kwargs)
+
+    monkeypatch.setattr(np, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        make_dataset(config, "validation")
+    assert [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+    monkeypatch.undo()
+    ds = make_dataset(config, "validation")
+    assert ds.batch(0)["inputs"].shape == (BATCH, SEQ_LEN)
+
+
+def test_different_seeds_give_different_batches(tfds_dir, cache_dir):
+    a = make_dataset(make_config(tfds_dir, cache_dir, seed=0), "train")
+    b = make_dataset(make_config(tfds_dir, cache_dir, seed=1), "train")
+    assert not np.array_equal(a.batch(0)["inputs"], b.batch(0)["inputs"])
+    # grain reshuffles epoch e with seed + e; hashing the seed keeps seed 1's first epoch from
+    # being seed 0's second.
+    assert not np.array_equal(a.row_ids(a.steps_per_epoch), b.row_ids(0))
+
+
+def test_epochs_reshuffle(config):
+    ds = make_dataset(config, "train")
+    spe = ds.steps_per_epoch
+    assert spe == ds.num_rows // BATCH and spe > 4
+    assert [ds.epoch_of(s) for s in (0, spe - 1, spe, 5 * spe)] == [0, 0, 1, 5]
+    epoch0 = np.concatenate([ds.row_ids(s) for s in range(spe)])
+    epoch1 = np.concatenate([ds.row_ids(s) for s in range(spe, 2 * spe)])
+    # Each epoch is a permutation of the rows (minus the dropped remainder), in a new order.
+    assert len(set(epoch0)) == len(epoch0) == spe * BATCH
+    assert len(set(epoch1)) == len(epoch1)
+    assert not np.array_equal(epoch0, epoch1)
+    assert not np.array_equal(epoch0, np.sort(epoch0))  # actually shuffled
+    # Random access is O(1): a far-away step costs no more than step 0.
+    start = time.perf_counter()
+    ds.batch(123_456_789)
+    assert time.perf_counter() - start < 0.5
+
+
+@pytest.mark.parametrize("process_count", [1, 2, 4])
+def test_process_slices_make_up_the_global_batch(config, process_count):
+    ds = make_dataset(config, "train")
+    for step in (0, 3, ds.steps_per_epoch + 1):
+        expected = ds.batch(step)
+        parts = [ds.batch(step, p, process_count) for p in range(process_count)]
+        for k in expected:
+            assert parts[0][k].shape == (BATCH // process_count, SEQ_LEN)
+            np.testing.assert_array_equal(np.concatenate([part[k] for part in parts]), expected[k])
+    with pytest.raises(ValueError, match="divisible"):
+        ds.batch(0, 0, 3)
+
+
+def test_validation_is_in_order_and_wraps(config):
+    ds = make_dataset(config, "validation")
+    spe = ds.steps_per_epoch
+    assert spe >= 2
+    np.testing.assert_array_equal(ds.row_ids(0), np.arange(BATCH))
+    np.testing.assert_array_equal(ds.row_ids(1), np.arange(BATCH, 2 * BATCH))
+    for k, v in ds.batch(spe).items():  # past the end: wraps around to the start
+        np.testing.assert_array_equal(v, ds.batch(0)[k])
+    # Validation ignores the seed.
+    other_config = make_config(config.data.tfds_dir, config.data.cache_dir, seed=5)
+    other = make_dataset(other_config, "validation")
+    np.testing.assert_array_equal(other.batch(1)["inputs"], ds.batch(1)["inputs"])
+
+
+def test_sentencepiece_pipeline(tfds_dir, cache_dir, sp_model):
+    config = make_config(tfds_dir, cache_dir, **{"data.tokenizer": str(sp_model)})
+    ds = make_dataset(config, "train")
+    b = ds.batch(2)
+    assert b["inputs"].max() < 300
+    assert isinstance(ds.tokenizer, SentencePieceTokenizer)
+
+
+def test_config_errors(tfds_dir, cache_dir):
+    with pytest.raises(ValueError, match=r"vocab_size=259.*model\.vocab_size=100"):
+        make_dataset(make_config(tfds_dir, cache_dir, **{"model.vocab_size": 100}), "train")
+    with pytest.raises(ValueError, match=r"'validation' split has \d+ packed rows.*=4096"):
+        make_dataset(make_config(tfds_dir, cache_dir, batch_size=4096), "validation")
+    with pytest.raises(ValueError, match="tfds:python_stdlib"):
+        make_dataset(make_config(tfds_dir, cache_dir, **{"data.source": "tfds:c4"}), "train")
+    with pytest.raises(ValueError, match="split"):
+        make_dataset(make_config(tfds_dir, cache_dir), "test")
+    with pytest.raises(ValueError, match="missing.model"):
+        bad = make_config(tfds_dir, cache_dir, **{"data.tokenizer": "/no/missing.model"})
+        make_dataset(bad, "train")
+
+
+def test_pipeline_does_not_import_tensorflow(config):
+    make_dataset(config, "validation").batch(0)
+    assert "tensorflow" not in sys.modules
+
+
+# ---------------------------------------------------------------------------------------------
+# The real standard library
+
+
+@pytest.mark.slow
+def test_real_stdlib_corpus(tmp_path):
+    config = make_config(tmp_path / "tfds", tmp_path / "packed", seq_len=256, batch_size=64)
+    train = make_dataset(config, "train")
+    val = make_dataset(config, "validation")
+    meta = corpus.corpus_metadata(tmp_path / "tfds")
+    assert meta["num_files"] > 500
+    assert meta["source_root"] == corpus.default_source_root()
+    assert train.num_rows > 10 * val.num_rows > 0
+    assert train.packing_efficiency > 0.999
+    text = train.tokenizer.decode(train.batch(0)["inputs"][0])
+    assert len(text) > 0
+    assert "tensorflow" not in sys.modules

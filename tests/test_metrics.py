@@ -1,0 +1,266 @@
+"""Tests for maxlm.metrics: FLOPs accounting, peak FLOP/s, MFU, writers."""
+
+import glob
+import json
+import math
+import os
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from maxlm import metrics
+
+
+def model_cfg(**overrides):
+    cfg = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
+               mlp_dim=128, vocab_size=100, tie_embeddings=False)
+    cfg.update(overrides)
+    return ml_collections.ConfigDict(cfg)
+
+
+# Llama-2-7B shapes; HF reports 6,738,415,616 parameters for it.
+LLAMA2_7B = dict(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=32, head_dim=0,
+                 mlp_dim=11008, vocab_size=32000, tie_embeddings=False)
+LLAMA2_7B_PARAMS = 6_738_415_616
+
+
+# --- FLOPs ------------------------------------------------------------------
+
+
+def test_tiny_config_matches_hand_formula():
+    L, d, H, K, Dh, F, V, T = 2, 64, 4, 2, 16, 128, 100, 32
+    per_layer = (2 * d * H * Dh          # q
+                 + 2 * 2 * d * K * Dh    # k, v
+                 + 2 * H * Dh * d        # out
+                 + 3 * 2 * d * F         # gate, up, down
+                 + 2 * 2 * T * H * Dh / 2)  # QK^T + AV, causal half
+    forward = L * per_layer + 2 * d * V
+    parts = metrics.forward_flops_breakdown(model_cfg(), T)
+    print(parts)
+    assert parts["total"] == forward
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    assert metrics.flops_per_token(model_cfg(), T) == 3 * forward
+
+
+def test_head_dim_zero_means_d_model_over_heads():
+    explicit = metrics.forward_flops_breakdown(model_cfg(head_dim=16), 32)
+    derived = metrics.forward_flops_breakdown(model_cfg(head_dim=0), 32)
+    assert explicit == derived
+
+
+def test_llama2_7b_non_attention_is_six_times_matmul_params():
+    cfg = ml_collections.ConfigDict(LLAMA2_7B)
+    d, L, V = cfg.d_model, cfg.num_layers, cfg.vocab_size
+    # Everything except the input embedding table and the 2L+1 RMSNorm scales;
+    # the (untied) LM head stays in.
+    matmul_params = LLAMA2_7B_PARAMS - V * d - (2 * L + 1) * d
+    assert matmul_params == 6_607_077_376
+    T = 4096
+    parts = metrics.forward_flops_breakdown(cfg, T)
+    print(parts)
+    assert 3 * (parts["total"] - parts["attention"]) == 6 * matmul_params
+    # PaLM appendix B: 6N + 12*L*H*Dh*T (attention unhalved); we count half of it.
+    palm = 6 * matmul_params + 12 * L * cfg.num_heads * 128 * T
+    assert metrics.flops_per_token(cfg, T) == palm - 6 * L * cfg.num_heads * 128 * T
+    assert metrics.flops_per_token(cfg, T) == pytest.approx(42.9e9, rel=1e-3)
+
+
+def test_tied_embeddings_do_not_change_flops():
+    assert (metrics.flops_per_token(model_cfg(tie_embeddings=True), 32)
+            == metrics.flops_per_token(model_cfg(tie_embeddings=False), 32))
+
+
+def test_gqa_reduces_only_kv_flops():
+    mha = metrics.forward_flops_breakdown(model_cfg(num_kv_heads=4), 32)
+    gqa = metrics.forward_flops_breakdown(model_cfg(num_kv_heads=1), 32)
+    assert gqa["kv_proj"] == mha["kv_proj"] / 4
+    for name in ("q_proj", "out_proj", "mlp", "attention", "lm_head"):
+        assert gqa[name] == mha[name]
+    with pytest.raises(ValueError):
+        metrics.forward_flops_breakdown(model_cfg(num_kv_heads=3), 32)
+
+
+def test_attention_is_halved_for_causality_and_linear_in_seq_len():
+    cfg = model_cfg()
+    full = 2 * 2 * 32 * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    assert metrics.forward_flops_breakdown(cfg, 32)["attention"] == full / 2
+    assert (metrics.forward_flops_breakdown(cfg, 64)["attention"]
+            == 2 * metrics.forward_flops_breakdown(cfg, 32)["attention"])
+
+
+# --- Peak FLOP/s and MFU ----------------------------------------------------
+
+
+def fake_devices(kind, n, platform="tpu"):
+    return [types.SimpleNamespace(device_kind=kind, platform=platform, id=i) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind, dtype, per_device", [
+    ("TPU v5 lite", "bfloat16", 197e12),
+    ("TPU v5 lite", "float32", 197e12),  # TPU f32 matmuls are bf16 passes
+    ("TPU v5", "bfloat16", 459e12),       # v5p
+    ("TPU v4", "bf16", 275e12),
+    ("TPU v6 lite", "bfloat16", 918e12),
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12),
+    ("nvidia h100 80gb hbm3", "float16", 989e12),
+    ("NVIDIA H200", "bfloat16", 989e12),
+    ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
+])
+def test_table_lookup(kind, dtype, per_device):
+    peak = metrics.peak_flops(fake_devices(kind, 4), dtype)
+    assert peak == {
+        "total_flops_per_sec": 4 * per_device,
+        "per_device_flops_per_sec": per_device,
+        "source": "table",
+        "device_kind": kind,
+        "num_devices": 4,
+        "platform": "tpu",
+    }
+
+
+def test_nvidia_float32_peak_follows_matmul_precision():
+    devices = fake_devices("NVIDIA H100 80GB HBM3", 1, platform="gpu")
+    # JAX's default GPU precision runs f32 matmuls on TF32 tensor cores.
+    assert metrics.peak_flops(devices, "float32")["total_flops_per_sec"] == 495e12
+    with jax.default_matmul_precision("highest"):
+        assert metrics.peak_flops(devices, "float32")["total_flops_per_sec"] == 67e12
+
+
+def test_mixed_kinds_and_bad_dtype_rejected():
+    with pytest.raises(ValueError):
+        metrics.peak_flops(fake_devices("TPU v4", 1) + fake_devices("TPU v5 lite", 1), "bf16")
+    with pytest.raises(ValueError):
+        metrics.peak_flops(fake_devices("TPU v4", 1), "int8")
+
+
+def test_cpu_probe_is_measured_cached_and_not_multiplied_by_fake_devices():
+    devices = jax.devices()
+    assert len(devices) == 8 and devices[0].platform == "cpu"
+    first = metrics.peak_flops(devices, "float32")
+    print(first)
+    assert first["source"] == "measured"
+    assert first["platform"] == "cpu" and first["num_devices"] == 8
+    total = first["total_flops_per_sec"]
+    assert math.isfinite(total) and total > 0
+    # The 8 fake devices share one host: total is the host rate, not 8x it.
+    assert total == metrics.measure_matmul_flops_per_sec(devices[0], "float32")
+    assert first["per_device_flops_per_sec"] == total / 8
+
+    hits = metrics.measure_matmul_flops_per_sec.cache_info().hits
+    assert metrics.peak_flops(devices, "fp32") == first
+    assert metrics.measure_matmul_flops_per_sec.cache_info().hits == hits + 1
+
+
+def test_mfu_arithmetic():
+    assert metrics.mfu(1000.0, 6e9, 12e12) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        metrics.mfu(1000.0, 6e9, 0.0)
+
+
+# --- Writers ----------------------------------------------------------------
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_jsonl_appends_across_instances_and_every_line_parses(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    first = metrics.JsonlWriter(path)
+    first.write(1, {"loss": np.float32(2.5), "lr": jnp.asarray(1e-3),
+                    "tokens": np.int64(4096), "nan": float("nan")})
+    first.close()
+    second = metrics.JsonlWriter(path)  # a resumed run
+    second.write(2, {"loss": jnp.asarray(2.0, jnp.bfloat16), "inf": np.float64("inf"),
+                     "neg_inf": -math.inf})
+    second.close()
+
+    rows = read_jsonl(path)
+    assert rows[0] == {"step": 1, "loss": 2.5, "lr": pytest.approx(1e-3),
+                       "tokens": 4096, "nan": "nan"}
+    assert rows[1] == {"step": 2, "loss": 2.0, "inf": "inf", "neg_inf": "-inf"}
+    assert type(rows[0]["tokens"]) is int and type(rows[0]["loss"]) is float
+    assert math.isnan(float(rows[0]["nan"]))
+
+
+def test_jsonl_recovers_from_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')  # killed mid-write
+    writer = metrics.JsonlWriter(path)
+    writer.write(3, {"loss": 1.0})
+    writer.close()
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[-1]) == {"step": 3, "loss": 1.0}
+
+
+def test_jsonl_rejects_non_scalars_and_step_key(tmp_path):
+    writer = metrics.JsonlWriter(tmp_path / "m.jsonl")
+    with pytest.raises(ValueError):
+        writer.write(1, {"v": np.zeros(3)})
+    with pytest.raises(ValueError):
+        writer.write(1, {"step": 5})
+    writer.close()
+
+
+def test_tensorboard_writer_creates_events_file(tmp_path):
+    logdir = tmp_path / "tb"
+    writer = metrics.TensorBoardWriter(logdir)
+    writer.write(1, {"loss": jnp.asarray(2.5), "nan": float("nan")})
+    writer.flush()
+    writer.close()
+    files = glob.glob(str(logdir / "events.out.tfevents*"))
+    assert len(files) == 1 and os.path.getsize(files[0]) > 0
+    assert "tensorflow" not in sys.modules  # tensorboardX must not pull TF in
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def write(self, step, metrics):
+        self.calls.append(("write", step, dict(metrics)))
+
+    def flush(self):
+        self.calls.append(("flush",))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_multiwriter_fans_out():
+    a, b = Recorder(), Recorder()
+    writer = metrics.MultiWriter([a, b])
+    assert isinstance(writer, metrics.MetricWriter)
+    writer.write(7, {"loss": 1.0})
+    writer.flush()
+    writer.close()
+    expected = [("write", 7, {"loss": 1.0}), ("flush",), ("close",)]
+    assert a.calls == expected and b.calls == expected
+
+
+def test_non_primary_writes_nothing(tmp_path):
+    writer = metrics.make_writers(tmp_path / "run", is_primary=False, tensorboard=True)
+    assert isinstance(writer, metrics.MetricWriter)
+    writer.write(1, {"loss": 1.0})
+    writer.flush()
+    writer.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_primary_writes_jsonl_and_tensorboard(tmp_path):
+    workdir = tmp_path / "run"
+    writer = metrics.make_writers(workdir, is_primary=True, tensorboard=True)
+    writer.write(1, {"loss": 3.0})
+    writer.close()
+    assert read_jsonl(workdir / "metrics.jsonl") == [{"step": 1, "loss": 3.0}]
+    assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents*"))
+
+    jsonl_only = tmp_path / "run2"
+    metrics.make_writers(jsonl_only, is_primary=True, tensorboard=False).close()
+    assert os.listdir(jsonl_only) == ["metrics.jsonl"]

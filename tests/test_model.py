@@ -1,0 +1,143 @@
+"""The Transformer: parameter counts, causality, packing, dtypes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxlm import config as config_lib, model
+from tests.helpers import load_config, packed_batch
+
+PUBLISHED = {  # parameter counts of the architectures the configs claim
+    "llama_1b": 1_235_814_400,  # Llama 3.2 1B
+    "llama_8b": 8_030_261_248,  # Llama 3 8B
+}
+
+
+def tiny_model_cfg(**overrides):
+    cfg = load_config("tiny")
+    cfg.model.update(overrides)
+    return config_lib.resolve(cfg, 1).model
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_param_count_matches_formula(tie, kv_heads):
+    cfg = tiny_model_cfg(tie_embeddings=tie, num_kv_heads=kv_heads)
+    params = model.init_params(cfg, jax.random.key(0))
+    assert sum(p.size for p in jax.tree.leaves(params)) == model.count_params(cfg)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+    assert ("head" in params) != tie
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_sizes(name):
+    cfg = config_lib.resolve(load_config(name), 1)
+    assert model.count_params(cfg.model) == PUBLISHED[name]
+    shapes = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
+    assert sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes)) == PUBLISHED[name]
+
+
+def test_125m_matches_gpt3_small_non_embedding_count():
+    cfg = config_lib.resolve(load_config("llama_125m"), 1).model
+    non_embedding = model.count_params(cfg) - cfg.vocab_size * cfg.d_model
+    norms = (2 * cfg.num_layers + 1) * cfg.d_model
+    assert non_embedding - norms == 12 * cfg.num_layers * cfg.d_model**2  # GPT-3's 12·L·d²
+
+
+def single_doc_batch(tokens):
+    B, L = tokens.shape
+    return {
+        "inputs": tokens,
+        "targets": tokens,
+        "segment_ids": jnp.ones((B, L), jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)),
+    }
+
+
+def test_causality_through_gradients():
+    """d logits[t] / d input[s] is exactly zero for every s > t and nonzero for s <= t."""
+    cfg = tiny_model_cfg(tie_embeddings=False)
+    params = model.init_params(cfg, jax.random.key(0))
+    L, t = 16, 6
+    tokens = jnp.arange(3, 3 + L, dtype=jnp.int32)[None]  # distinct: one embedding row per position
+
+    def logits_at_t(embed_VD):
+        return model.apply(cfg, {**params, "embed": embed_VD}, single_doc_batch(tokens))[0, t].sum()
+
+    grad_VD = jax.grad(logits_at_t)(params["embed"])
+    per_position = np.abs(np.asarray(grad_VD[tokens[0]])).sum(axis=-1)
+    assert np.all(per_position[t + 1 :] == 0.0), per_position
+    assert np.all(per_position[: t + 1] > 0.0), per_position
+
+
+def test_packed_equals_separate_documents():
+    """A row packing two documents gives each the logits it gets alone."""
+    cfg = tiny_model_cfg()
+    params = model.init_params(cfg, jax.random.key(0))
+    doc_a = jax.random.randint(jax.random.key(1), (1, 10), 3, cfg.vocab_size)
+    doc_b = jax.random.randint(jax.random.key(2), (1, 6), 3, cfg.vocab_size)
+    packed = {
+        "inputs": jnp.concatenate([doc_a, doc_b], axis=1),
+        "targets": jnp.concatenate([doc_a, doc_b], axis=1),
+        "segment_ids": jnp.array([[1] * 10 + [2] * 6], jnp.int32),
+        "positions": jnp.array([list(range(10)) + list(range(6))], jnp.int32),
+    }
+    logits = np.asarray(model.apply(cfg, params, packed))
+    alone_a = np.asarray(model.apply(cfg, params, single_doc_batch(doc_a)))
+    alone_b = np.asarray(model.apply(cfg, params, single_doc_batch(doc_b)))
+    np.testing.assert_allclose(logits[:, :10], alone_a, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits[:, 10:], alone_b, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_ignores_padding():
+    cfg = tiny_model_cfg()
+    params = model.init_params(cfg, jax.random.key(0))
+    batch = packed_batch(2, 16, cfg.vocab_size)
+    padded = {k: np.concatenate([v, np.zeros_like(v[:, :4])], axis=1) for k, v in batch.items()}
+    loss, aux = model.loss_fn(cfg, params, batch)
+    padded_loss, padded_aux = model.loss_fn(cfg, params, padded)
+    assert float(aux["num_tokens"]) == float(padded_aux["num_tokens"]) == 32
+    np.testing.assert_allclose(float(loss), float(padded_loss), rtol=1e-6)
+
+
+def test_initial_loss_is_near_uniform():
+    cfg = tiny_model_cfg()
+    params = model.init_params(cfg, jax.random.key(0))
+    loss, _ = model.loss_fn(cfg, params, packed_batch(4, 32, cfg.vocab_size))
+    assert abs(float(loss) - np.log(cfg.vocab_size)) < 0.1
+
+
+def test_bfloat16_compute_is_close_to_float32():
+    batch = packed_batch(2, 32, 264)
+    cfg32 = tiny_model_cfg()
+    cfg16 = tiny_model_cfg(dtype="bfloat16")
+    params = model.init_params(cfg32, jax.random.key(0))
+    loss32, _ = model.loss_fn(cfg32, params, batch)
+    loss16, _ = model.loss_fn(cfg16, params, batch)
+    assert model.apply(cfg16, params, batch).dtype == jnp.float32  # logits always float32
+    np.testing.assert_allclose(float(loss16), float(loss32), rtol=2e-2)
+
+
+def test_rope_is_relative():
+    """q·k after RoPE depends only on the distance between positions."""
+    q = jax.random.normal(jax.random.key(0), (1, 1, 1, 16))
+    k = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
+
+    def score(pq, pk):
+        rq = model.rope(q, jnp.array([[pq]]), 10000.0)
+        rk = model.rope(k, jnp.array([[pk]]), 10000.0)
+        return float((rq * rk).sum())
+
+    np.testing.assert_allclose(score(5, 2), score(103, 100), rtol=1e-4)
+    assert abs(score(5, 2) - score(5, 4)) > 1e-4
+
+
+def test_logical_specs_cover_every_param():
+    cfg = tiny_model_cfg()
+    specs = model.param_logical_specs(cfg)
+    params = model.init_params(cfg, jax.random.key(0))
+    spec_leaves = jax.tree.leaves(specs, is_leaf=model.is_spec)
+    assert len(spec_leaves) == len(jax.tree.leaves(params))
+    for spec, param in zip(spec_leaves, jax.tree.leaves(params)):
+        assert len(spec) == param.ndim and all(name is not None for name in spec)

@@ -1,0 +1,103 @@
+"""End-to-end: the training loop on the built-in corpus, its outputs, resume and the CLI."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from maxlm import config as config_lib, train
+from tests.helpers import ROOT, load_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return {"data.tfds_dir": str(root / "tfds"), "data.cache_dir": str(root / "packed")}
+
+
+def tiny(data_dirs, **overrides):
+    cfg = load_config("tiny")
+    for key, value in {**data_dirs, **overrides}.items():
+        node = cfg
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return config_lib.resolve(cfg, jax.device_count())
+
+
+def rows(workdir):
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def train_rows(workdir):
+    return {r["step"]: r for r in rows(workdir) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, data_dirs):
+    workdir = tmp_path_factory.mktemp("full")
+    cfg = tiny(data_dirs)
+    train.train_and_evaluate(cfg, str(workdir))
+    return cfg, workdir
+
+
+def test_outputs_of_a_run(full_run):
+    cfg, workdir = full_run
+    train_by_step = train_rows(workdir)
+    assert sorted(train_by_step) == [5, 10, 15, 20]
+    for row in train_by_step.values():
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu"} <= set(row)
+        assert row["tokens_per_sec"] > 0 and 0 < row["mfu"] < 1
+    assert train_by_step[20]["loss"] < train_by_step[5]["loss"] - 0.5  # real text: it learns
+    assert [r["step"] for r in rows(workdir) if "eval_loss" in r] == [10, 20]
+    assert json.loads((workdir / "config.json").read_text())["mesh"]["fsdp"] == 8
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
+    assert list((workdir / "tensorboard").glob("events.out.tfevents*"))
+
+
+def test_same_config_same_losses(full_run, tmp_path, data_dirs):
+    cfg, workdir = full_run
+    train.train_and_evaluate(cfg, str(tmp_path))
+    again, first = train_rows(tmp_path), train_rows(workdir)
+    assert [again[s]["loss"] for s in again] == [first[s]["loss"] for s in first]  # bitwise
+
+
+def test_resume_equals_uninterrupted(full_run, tmp_path):
+    """Drop the last checkpoint of a finished run and rerun: steps 11-20 replay bit for bit."""
+    cfg, workdir = full_run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(workdir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "20")
+    (resumed / "metrics.jsonl").write_text("")
+    last = train.train_and_evaluate(cfg, str(resumed))
+    assert last["step"] == 20
+    replayed = train_rows(resumed)
+    assert sorted(replayed) == [15, 20]  # it continued the step count from 10
+    for step in (15, 20):
+        assert replayed[step]["loss"] == train_rows(workdir)[step]["loss"]
+
+
+def test_cli_run_and_resume(tmp_path, data_dirs):
+    workdir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={workdir}",
+        "--config.steps=10", "--config.mesh.fsdp=1", "--config.eval.every_steps=0",
+        *(f"--config.{k}={v}" for k, v in data_dirs.items()),
+    ]
+    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)}
+    first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"checkpoints: {workdir / 'checkpoints'}" in first.stdout
+    second = subprocess.run(
+        [*command, "--config.steps=15"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr and "at step 10" in second.stderr
+    assert [r["step"] for r in rows(workdir) if "loss" in r] == [5, 10, 15]
