@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 
 import jax
 import numpy as np
 
-from maxlm import config as config_lib, mesh as mesh_lib, metrics, model, optim, train
+from maxlm import cli, config as config_lib, mesh as mesh_lib, metrics, model, optim, train
 
 
 def synthetic_batch(cfg, rng: np.random.Generator) -> dict:
@@ -93,27 +92,19 @@ def main(argv) -> None:
 
     what = argv[1] if len(argv) > 1 else "train"
     if what != "train":
-        print(f"maxlm.bench: unknown benchmark {what!r}; available: train", file=sys.stderr)
-        sys.exit(2)
-    try:
-        cfg = config_lib.resolve(flags.FLAGS.config, jax.device_count())
-    except config_lib.ConfigError as e:
-        print(f"maxlm: config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        cli.config_error(f"unknown benchmark {what!r}; available: train")
+    cli.setup_logging()
+    cfg = cli.resolved_config(jax.device_count())
     result = bench_train(cfg, flags.FLAGS.warmup_steps, flags.FLAGS.steps)
     print(json.dumps(result, indent=2))
 
 
-def cli() -> None:
-    from absl import app, flags
-    from ml_collections import config_flags
+def _define_flags() -> None:
+    from absl import flags
 
-    config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
     flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (the first one compiles).")
     flags.DEFINE_integer("steps", 10, "Timed steps; the median is reported.")
-    flags.mark_flags_as_required(["config"])
-    app.run(main)
 
 
 if __name__ == "__main__":
-    cli()
+    cli.run(main, _define_flags)

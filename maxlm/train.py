@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from maxlm import checkpoint, config as config_lib, mesh as mesh_lib, metrics, model, optim
+from maxlm import checkpoint, cli, config as config_lib, mesh as mesh_lib, metrics, model, optim
 from maxlm.data import make_dataset
 
 log = logging.getLogger("maxlm")
@@ -206,11 +206,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
         steps_timed = max(step - clock["step"], 1)  # 0 only when the compile step is logged
         tokens_per_sec = tokens_per_step * steps_timed / (now - clock["time"])
         clock.update(time=now, step=step)
-        if not np.isfinite(row["loss"]):
-            raise NonFiniteLossError(
-                f"loss is {row['loss']} at step {step}; stopping without saving "
-                f"(newest checkpoint: step {last_saved})"
-            )
+        check_finite(step, row)
         row.update(
             tokens_per_sec=tokens_per_sec,
             step_time_sec=tokens_per_step / tokens_per_sec,
@@ -220,6 +216,14 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
         writer.write(step, row)
         log.info(_format(step, row))
         last_row = dict(row, step=step, first_loss=first_loss)
+
+    def check_finite(step: int, step_metrics) -> None:
+        values = {k: float(step_metrics[k]) for k in ("loss", "grad_norm")}
+        if not all(np.isfinite(v) for v in values.values()):
+            raise NonFiniteLossError(
+                f"non-finite {values} at step {step}; stopped without saving "
+                f"(newest checkpoint: {f'step {last_saved}' if last_saved else 'none'})"
+            )
 
     def restart_clock(finished_step: int):
         """Compilation, eval and checkpointing are not training time."""
@@ -244,7 +248,8 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                 log.info(_format(done, {"eval_loss": eval_loss}))
                 restart_clock(done)
             if done % cfg.checkpoint.every_steps == 0 or done == cfg.steps:
-                flush_pending()  # checks the loss is finite before anything is saved
+                flush_pending()
+                check_finite(done, step_metrics)  # never save a non-finite state
                 checkpoint.save(manager, done, state, cfg.to_dict())
                 last_saved = done
                 restart_clock(done)
@@ -258,58 +263,40 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
 # ----------------------------------------------------------------------------- command line
 
 
-def _config_error(message: str) -> None:
-    print(f"maxlm: config error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def setup_logging() -> None:
-    """Short log lines (time + message) instead of absl's long prefix."""
-    from absl import logging as absl_logging
-
-    absl_logging.set_verbosity(absl_logging.INFO)
-    absl_logging.get_absl_handler().setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" noise
-
-
 def main(argv) -> None:
-    from absl import flags  # imported here so library users never parse flags
+    from absl import flags
 
-    del argv
-    setup_logging()
+    if len(argv) > 1:
+        cli.config_error(f"unexpected arguments {argv[1:]}")
+    cli.setup_logging()
+    if not flags.FLAGS.workdir:
+        cli.config_error("--workdir=DIR is required")
     workdir = flags.FLAGS.workdir
-    try:
-        cfg = config_lib.resolve(flags.FLAGS.config, jax.device_count())
-    except config_lib.ConfigError as e:
-        _config_error(str(e))
+    cfg = cli.resolved_config(jax.device_count())
     try:
         data = load_data(cfg)
     except ValueError as e:  # bad data or a data/config mismatch: the user's to fix
-        _config_error(str(e))
+        cli.config_error(str(e))
     try:
         last = train_and_evaluate(cfg, workdir, data)
     except NonFiniteLossError as e:
         print(f"maxlm: {e}", file=sys.stderr)
         sys.exit(3)
     if jax.process_index() == 0:
-        ckpt = checkpoint.checkpoint_dir(workdir)
         if "loss" in last:
-            print(f"done at step {last['step']}: loss {last['loss']:.4f} (first step of this run: {last['first_loss']:.4f})")
+            print(f"done at step {last['step']}: loss {last['loss']:.4f} "
+                  f"(first step of this run: {last['first_loss']:.4f})")
         else:
             print(f"nothing to do: the checkpoint in {workdir} is already at step {cfg.steps}")
-        print(f"checkpoints: {ckpt}")
+        print(f"checkpoints: {checkpoint.checkpoint_dir(workdir)}")
         print(f"metrics:     {os.path.join(os.path.abspath(workdir), 'metrics.jsonl')}")
 
 
-def cli() -> None:
-    from absl import app, flags
-    from ml_collections import config_flags
+def _define_flags() -> None:
+    from absl import flags
 
-    config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
     flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and config.json.")
-    flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main)
 
 
 if __name__ == "__main__":
-    cli()
+    cli.run(main, _define_flags)

@@ -69,12 +69,15 @@ def test_to_json_round_trips():
         ("--config.mesh.data=3", "mesh data=3 x fsdp=1 x tensor=1 has 3 devices"),
         ("--config.optim.lr=-1", "optim.lr must be a positive number, got -1"),
         ("--config.model.num_kv_heads=3", "model.num_heads=4 must be divisible by model.num_kv_heads=3"),
+        ("--config.model.nope=3", "unknown config key 'nope'"),
+        ("--config.steps=abc", "flag --config.steps=abc: invalid literal for int()"),
+        ("--config=configs/missing.py", "No such file or directory: 'configs/missing.py'"),
     ],
 )
 def test_cli_config_error_exits_2_without_traceback(tmp_path, flag, expected):
+    config = [] if flag.startswith("--config=") else ["--config=configs/tiny.py", "--config.mesh.fsdp=1"]
     result = subprocess.run(
-        [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py",
-         f"--workdir={tmp_path / 'run'}", "--config.mesh.fsdp=1", flag],
+        [sys.executable, "-m", "maxlm.train", f"--workdir={tmp_path / 'run'}", *config, flag],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)},
     )

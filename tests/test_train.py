@@ -101,3 +101,11 @@ def test_cli_run_and_resume(tmp_path, data_dirs):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stderr and "at step 10" in second.stderr
     assert [r["step"] for r in rows(workdir) if "loss" in r] == [5, 10, 15]
+
+
+def test_non_finite_loss_stops_without_saving(tmp_path, data_dirs):
+    cfg = tiny(data_dirs, **{"optim.lr": 1e30, "optim.clip_norm": 0.0, "checkpoint.every_steps": 5})
+    with pytest.raises(train.NonFiniteLossError, match="stopped without saving"):
+        train.train_and_evaluate(cfg, str(tmp_path))
+    saved = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+    assert saved == []  # the step-5 state was already NaN: nothing written

@@ -1,0 +1,71 @@
+"""Shared command-line plumbing: absl flags with an ml_collections `--config` file.
+
+Every user error — a bad flag, an unknown `--config.KEY`, a config file that does not load, a
+value that fails validation — ends the same way: one line on stderr and exit status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable, NoReturn
+
+
+def config_error(message: str) -> NoReturn:
+    print(f"maxlm: config error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        config_error(str(e))
+    except (AttributeError, KeyError) as e:  # --config.KEY names no key of the config
+        config_error(f"unknown config key {str(e).strip(chr(34))} in: {' '.join(argv[1:])}")
+    except Exception as e:  # raised while loading or overriding the config file
+        cause = e.__cause__ or e
+        config_error(f"{type(cause).__name__}: {cause}")
+
+
+def setup_logging() -> None:
+    """Short log lines (time + message) instead of absl's long prefix."""
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax and grain log chattily via absl
+    logging.getLogger("maxlm").setLevel(logging.INFO)
+    absl_logging.get_absl_handler().setFormatter(
+        logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S")
+    )
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" noise
+
+
+def run(main: Callable[[list[str]], None], define_flags: Callable[[], None]) -> None:
+    """Defines `--config` plus `define_flags()`'s flags, parses them, and runs `main(argv)`."""
+    from absl import app
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
+    define_flags()
+    app.run(main, flags_parser=_parse_flags)
+
+
+def resolved_config(num_devices: int):
+    """The parsed `--config`, validated for `num_devices` (exit 2 on a problem)."""
+    from absl import flags
+
+    from maxlm import config as config_lib
+
+    try:
+        config = flags.FLAGS.config
+        if config is None:
+            config_error("--config=configs/NAME.py is required")
+        config = config.to_dict()  # a config file that failed to load raises only when read
+    except OSError as e:
+        config_error(" ".join(str(e).split()))
+    try:
+        return config_lib.resolve(config_lib.ml_collections.ConfigDict(config), num_devices)
+    except config_lib.ConfigError as e:
+        config_error(str(e))
