@@ -355,7 +355,7 @@ class NullWriter:
 
 def make_writers(workdir: str | os.PathLike, is_primary: bool,
                  tensorboard: bool = True) -> MetricWriter:
-    """WORKDIR/metrics.jsonl (+ WORKDIR/tensorboard/) on the primary process.
+    """WORKDIR/metrics.jsonl (+ TensorBoard event files in WORKDIR) on the primary process.
 
     Every process calls this; only the primary (process 0) touches the disk,
     so multi-host runs do not write N copies of the same metrics.
@@ -365,5 +365,5 @@ def make_writers(workdir: str | os.PathLike, is_primary: bool,
     workdir = os.fspath(workdir)
     writers: list[MetricWriter] = [JsonlWriter(os.path.join(workdir, "metrics.jsonl"))]
     if tensorboard:
-        writers.append(TensorBoardWriter(os.path.join(workdir, "tensorboard")))
+        writers.append(TensorBoardWriter(str(workdir)))
     return MultiWriter(writers)

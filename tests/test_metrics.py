@@ -259,7 +259,7 @@ def test_primary_writes_jsonl_and_tensorboard(tmp_path):
     writer.write(1, {"loss": 3.0})
     writer.close()
     assert read_jsonl(workdir / "metrics.jsonl") == [{"step": 1, "loss": 3.0}]
-    assert glob.glob(str(workdir / "tensorboard" / "events.out.tfevents*"))
+    assert glob.glob(str(workdir / "events.out.tfevents*"))
 
     jsonl_only = tmp_path / "run2"
     metrics.make_writers(jsonl_only, is_primary=True, tensorboard=False).close()

@@ -59,7 +59,7 @@ def test_outputs_of_a_run(full_run):
     assert [r["step"] for r in rows(workdir) if "eval_loss" in r] == [10, 20]
     assert json.loads((workdir / "config.json").read_text())["mesh"]["fsdp"] == 8
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
-    assert list((workdir / "tensorboard").glob("events.out.tfevents*"))
+    assert list(workdir.glob("events.out.tfevents*"))
 
 
 def test_same_config_same_losses(full_run, tmp_path, data_dirs):
