@@ -15,6 +15,17 @@ def load_config(name: str):
     return module.get_config()
 
 
+def with_overrides(cfg, overrides: dict):
+    """Sets dotted keys ("optim.lr") on `cfg`, as `--config.optim.lr=...` would."""
+    for key, value in overrides.items():
+        node = cfg
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return cfg
+
+
 def packed_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int = 0, docs_per_row: int = 3):
     """Random tokens packed as `docs_per_row` documents per row (positions restart per document)."""
     rng = np.random.default_rng(seed)

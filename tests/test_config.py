@@ -7,18 +7,11 @@ import sys
 import pytest
 
 from maxlm import config as config_lib
-from tests.helpers import ROOT, load_config
+from tests.helpers import ROOT, load_config, with_overrides
 
 
 def resolve(num_devices=8, **overrides):
-    cfg = load_config("tiny")
-    for key, value in overrides.items():
-        node = cfg
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return config_lib.resolve(cfg, num_devices)
+    return config_lib.resolve(with_overrides(load_config("tiny"), overrides), num_devices)
 
 
 def test_mesh_fill():

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from maxlm import config as config_lib, train
-from tests.helpers import ROOT, load_config
+from tests.helpers import ROOT, load_config, with_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -21,13 +21,7 @@ def data_dirs(tmp_path_factory):
 
 
 def tiny(data_dirs, **overrides):
-    cfg = load_config("tiny")
-    for key, value in {**data_dirs, **overrides}.items():
-        node = cfg
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
+    cfg = with_overrides(load_config("tiny"), {**data_dirs, **overrides})
     return config_lib.resolve(cfg, jax.device_count())
 
 
