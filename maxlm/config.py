@@ -34,6 +34,7 @@ DEFAULT_RULES = (
 
 MESH_AXES = ("data", "fsdp", "tensor")
 DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
 
 
 class ConfigError(ValueError):
@@ -69,6 +70,8 @@ def defaults() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.dtype = "float32"  # compute dtype; parameters are always float32
     c.model.init_std = 0.02
+    c.model.scan_layers = True  # one compiled layer body (compile time flat in depth)
+    c.model.remat = "none"  # activation rematerialisation policy, one of REMAT
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 3e-4  # peak, reached after warmup
@@ -170,6 +173,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collectio
         raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {c.optim.min_lr_ratio}")
     if m.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {DTYPES}, got {m.dtype!r}")
+    if m.remat not in REMAT:
+        raise ConfigError(f"model.remat must be one of {REMAT}, got {m.remat!r}")
 
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(

@@ -22,6 +22,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 Batch = dict[str, jax.Array]
@@ -39,6 +40,17 @@ def _param(module: nn.Module, name: str, init, shape, axes):
 
 def _constrain(x, axes):
     return nn.with_logical_constraint(x, axes)
+
+
+# What the backward pass may keep instead of recomputing (`model.remat`). The names are the
+# `checkpoint_name` tags in Attention and SwiGLU.
+REMAT_POLICIES = {
+    "none": None,  # no rematerialisation: keep every activation
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # every weight matmul
+    "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("q_proj", "k_proj", "v_proj"),
+    "save_out_proj": jax.checkpoint_policies.save_only_these_names("attn_out", "mlp_out"),
+}
 
 
 class RMSNorm(nn.Module):
@@ -86,9 +98,9 @@ class Attention(nn.Module):
         wv_DKDh = _param(self, "wv", _normal(cfg.init_std), (D, K, Dh), ("embed", "kv_heads", "head_dim"))
         wo_HDhD = _param(self, "wo", _normal(out_std), (H, Dh, D), ("heads", "head_dim", "embed"))
 
-        q_BLHDh = jnp.einsum("bld,dhk->blhk", x_BLD, wq_DHDh.astype(dtype))
-        k_BSKDh = jnp.einsum("bsd,dhk->bshk", x_BLD, wk_DKDh.astype(dtype))
-        v_BSKDh = jnp.einsum("bsd,dhk->bshk", x_BLD, wv_DKDh.astype(dtype))
+        q_BLHDh = checkpoint_name(jnp.einsum("bld,dhk->blhk", x_BLD, wq_DHDh.astype(dtype)), "q_proj")
+        k_BSKDh = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x_BLD, wk_DKDh.astype(dtype)), "k_proj")
+        v_BSKDh = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x_BLD, wv_DKDh.astype(dtype)), "v_proj")
         q_BLHDh = _constrain(rope(q_BLHDh, positions_BL, cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
         k_BSKDh = _constrain(rope(k_BSKDh, positions_BL, cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
 
@@ -101,7 +113,7 @@ class Attention(nn.Module):
         probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(dtype)
         out_BLKGDh = jnp.einsum("bkgls,bskd->blkgd", probs_BKGLS, v_BSKDh)
         out_BLHDh = out_BLKGDh.reshape(B, L, H, Dh)
-        return jnp.einsum("blhk,hkd->bld", out_BLHDh, wo_HDhD.astype(dtype))
+        return checkpoint_name(jnp.einsum("blhk,hkd->bld", out_BLHDh, wo_HDhD.astype(dtype)), "attn_out")
 
 
 class SwiGLU(nn.Module):
@@ -119,7 +131,7 @@ class SwiGLU(nn.Module):
         gate_BLF = jnp.einsum("bld,df->blf", x_BLD, w_gate_DF.astype(dtype))
         up_BLF = jnp.einsum("bld,df->blf", x_BLD, w_up_DF.astype(dtype))
         hidden_BLF = _constrain(nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
-        return jnp.einsum("blf,fd->bld", hidden_BLF, w_down_FD.astype(dtype))
+        return checkpoint_name(jnp.einsum("blf,fd->bld", hidden_BLF, w_down_FD.astype(dtype)), "mlp_out")
 
 
 class Block(nn.Module):
@@ -133,7 +145,7 @@ class Block(nn.Module):
         x_BLD = x_BLD + Attention(cfg, name="attn")(h_BLD, positions_BL, mask_B1LS)
         h_BLD = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_BLD)
         x_BLD = x_BLD + SwiGLU(cfg, name="mlp")(h_BLD)
-        return _constrain(x_BLD, ("batch", "length", "act_embed"))
+        return _constrain(x_BLD, ("batch", "length", "act_embed")), None  # (carry, out) for scan
 
 
 class Transformer(nn.Module):
@@ -146,8 +158,23 @@ class Transformer(nn.Module):
         embed_VD = _param(self, "embed", _normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         x_BLD = _constrain(jnp.take(embed_VD, tokens_BL, axis=0).astype(dtype), ("batch", "length", "act_embed"))
         mask_B1LS = attention_mask(segment_ids_BL)
-        for i in range(cfg.num_layers):
-            x_BLD = Block(cfg, name=f"layer_{i}")(x_BLD, positions_BL, mask_B1LS)
+        block = Block
+        if REMAT_POLICIES[cfg.remat] is not None:
+            # prevent_cse only matters outside scan, where XLA could merge the recomputation away.
+            block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:  # one compiled layer body whatever the depth; params get a `layers` axis
+            layers = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x_BLD, _ = layers(cfg, name="layers")(x_BLD, positions_BL, mask_B1LS)
+        else:
+            for i in range(cfg.num_layers):
+                x_BLD, _ = block(cfg, name=f"layer_{i}")(x_BLD, positions_BL, mask_B1LS)
         x_BLD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BLD)
         if cfg.tie_embeddings:
             head_DV = embed_VD.T
@@ -198,6 +225,13 @@ def count_params(model_cfg) -> int:
     per_layer = D * H * Dh + 2 * D * K * Dh + H * Dh * D + 3 * D * F + 2 * D
     head = 0 if model_cfg.tie_embeddings else D * V
     return V * D + model_cfg.num_layers * per_layer + D + head
+
+
+def stack_layers(params):
+    """Unrolled params (`layer_0`, `layer_1`, ...) → the scanned layout (`layers`, leading axis)."""
+    names = sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k[6:]))
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[k] for k in names))
+    return {**{k: v for k, v in params.items() if k not in names}, "layers": stacked}
 
 
 def is_spec(x) -> bool:

@@ -25,8 +25,16 @@ def learning_rate_schedule(optim_cfg) -> optax.Schedule:
 
 
 def weight_decay_mask(params):
-    """True for parameters that take weight decay: every leaf with 2 or more dimensions."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """True for parameters that take weight decay: matrices, not vectors (norm scales).
+
+    Scanned layers (`params["layers"]`) carry a leading layer axis that does not count.
+    """
+
+    def is_matrix(path, p):
+        scanned = getattr(path[0], "key", None) == "layers"
+        return p.ndim - scanned >= 2
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def make_optimizer(optim_cfg) -> optax.GradientTransformation:

@@ -141,3 +141,22 @@ def test_logical_specs_cover_every_param():
     assert len(spec_leaves) == len(jax.tree.leaves(params))
     for spec, param in zip(spec_leaves, jax.tree.leaves(params)):
         assert len(spec) == param.ndim and all(name is not None for name in spec)
+
+
+def test_remat_choices_match_the_policies():
+    assert tuple(model.REMAT_POLICIES) == config_lib.REMAT
+
+
+@pytest.mark.parametrize("remat", config_lib.REMAT)
+def test_scan_and_remat_equal_unrolled(remat):
+    """Scanned (any remat policy) and unrolled layers: same loss, same gradients."""
+    unrolled = tiny_model_cfg(scan_layers=False, remat="none")
+    scanned = tiny_model_cfg(scan_layers=True, remat=remat)
+    params = model.init_params(unrolled, jax.random.key(0))
+    batch = packed_batch(2, 32, unrolled.vocab_size)
+    value_and_grad = lambda cfg: jax.value_and_grad(lambda p: model.loss_fn(cfg, p, batch)[0])
+    loss_u, grads_u = value_and_grad(unrolled)(params)
+    loss_s, grads_s = value_and_grad(scanned)(model.stack_layers(params))
+    np.testing.assert_allclose(float(loss_s), float(loss_u), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(model.stack_layers(grads_u)), jax.tree.leaves(grads_s)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)

@@ -34,12 +34,15 @@ def test_schedule_at_known_steps(step, expected):
     np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-5, atol=1e-9)
 
 
-def test_weight_decay_skips_norms():
-    cfg = load_config("tiny")
-    params = model.init_params(config_lib.resolve(cfg, 1).model, jax.random.key(0))
+@pytest.mark.parametrize("scan", [False, True])
+def test_weight_decay_skips_norms(scan):
+    cfg = config_lib.resolve(load_config("tiny"), 1)
+    cfg.model.scan_layers = scan
+    params = model.init_params(cfg.model, jax.random.key(0))
     mask = optim.weight_decay_mask(params)
-    assert mask["layer_0"]["attn"]["wq"] and mask["layer_0"]["mlp"]["w_down"] and mask["embed"]
-    assert not mask["layer_0"]["attn_norm"]["scale"] and not mask["final_norm"]["scale"]
+    layer = mask["layers"] if scan else mask["layer_0"]
+    assert layer["attn"]["wq"] and layer["mlp"]["w_down"] and mask["embed"] and mask["head"]
+    assert not layer["attn_norm"]["scale"] and not mask["final_norm"]["scale"]
 
 
 def test_decay_moves_matrices_but_not_norm_scales():

@@ -50,18 +50,19 @@ def test_state_is_sharded_as_the_rules_say():
     cfg = mesh_config(2, 2, 2)
     _, state = run(cfg, steps=1)
     specs = mesh_lib.describe(state)
-    wq = "['layer_0']['attn']['wq']"
-    # params: embed dim over fsdp (ZeRO-3), heads over tensor (Megatron); data replicates.
-    assert specs[f"['params']{wq}"] == "P('fsdp', 'tensor', None)"
-    assert specs["['params']['layer_0']['mlp']['w_down']"] == "P('tensor', 'fsdp')"
+    wq = "['layers']['attn']['wq']"
+    # params: embed dim over fsdp (ZeRO-3), heads over tensor (Megatron); data replicates;
+    # the scanned `layers` axis is not sharded.
+    assert specs[f"['params']{wq}"] == "P(None, 'fsdp', 'tensor', None)"
+    assert specs["['params']['layers']['mlp']['w_down']"] == "P(None, 'tensor', 'fsdp')"
     assert specs["['params']['embed']"] == "P('tensor', 'fsdp')"
     assert specs["['params']['final_norm']['scale']"] == "P('fsdp',)"
     # Adam's moments follow their parameter, so optimizer state is sharded the same way.
     moment_specs = {k: v for k, v in specs.items() if k.endswith(f".mu{wq}") or k.endswith(f".nu{wq}")}
     assert len(moment_specs) == 2
-    assert set(moment_specs.values()) == {"P('fsdp', 'tensor', None)"}
+    assert set(moment_specs.values()) == {"P(None, 'fsdp', 'tensor', None)"}
     # And each device really holds only its shard: 1/(fsdp*tensor) of the matrix.
-    wq_array = state["params"]["layer_0"]["attn"]["wq"]
+    wq_array = state["params"]["layers"]["attn"]["wq"]
     shard = wq_array.addressable_shards[0].data
     assert shard.size * 4 == wq_array.size
 
@@ -75,7 +76,7 @@ def test_rules_are_config_data():
     )
     cfg = config_lib.resolve(cfg, jax.device_count())
     _, state = run(cfg, steps=1)
-    assert mesh_lib.describe(state)["['params']['layer_0']['mlp']['w_up']"] == "P(None, 'tensor')"
+    assert mesh_lib.describe(state)["['params']['layers']['mlp']['w_up']"] == "P(None, None, 'tensor')"
 
 
 def test_bitwise_deterministic():
