@@ -35,6 +35,7 @@ DEFAULT_RULES = (
 MESH_AXES = ("data", "fsdp", "tensor")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
+ATTENTION = ("auto", "xla", "cudnn")  # see model.attention_backend
 
 
 class ConfigError(ValueError):
@@ -72,6 +73,10 @@ def defaults() -> ml_collections.ConfigDict:
     c.model.init_std = 0.02
     c.model.scan_layers = True  # one compiled layer body (compile time flat in depth)
     c.model.remat = "none"  # activation rematerialisation policy, one of REMAT
+    c.model.attention = "auto"  # one of ATTENTION; the log says which one ran
+    c.model.logits_chunk_size = 0  # >0: the loss computes logits this many positions at a time
+    c.model.z_loss = 0.0  # weight of log²Z in the objective (PaLM uses 1e-4)
+    c.model.label_smoothing = 0.0
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 3e-4  # peak, reached after warmup
@@ -175,6 +180,15 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collectio
         raise ConfigError(f"model.dtype must be one of {DTYPES}, got {m.dtype!r}")
     if m.remat not in REMAT:
         raise ConfigError(f"model.remat must be one of {REMAT}, got {m.remat!r}")
+    if m.attention not in ATTENTION:
+        raise ConfigError(f"model.attention must be one of {ATTENTION}, got {m.attention!r}")
+    _non_negative(c, "model.logits_chunk_size", "model.z_loss", "model.label_smoothing")
+    if m.label_smoothing >= 1:
+        raise ConfigError(f"model.label_smoothing must be < 1, got {m.label_smoothing}")
+    if m.logits_chunk_size and c.seq_len % m.logits_chunk_size:
+        raise ConfigError(
+            f"seq_len={c.seq_len} must be divisible by model.logits_chunk_size={m.logits_chunk_size}"
+        )
 
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(

@@ -16,6 +16,7 @@ the same names, which only bind while a mesh and rules are active.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -84,6 +85,39 @@ def attention_mask(segment_ids_BL):
     return (causal_LS[None] & same_doc_BLS)[:, None]
 
 
+def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS):
+    """Plain einsum attention with grouped-query heads; softmax in float32."""
+    B, L, H, Dh = q_BLHDh.shape
+    K = k_BSKDh.shape[2]
+    q_BLKGDh = q_BLHDh.reshape(B, L, K, H // K, Dh)
+    scores_BKGLS = jnp.einsum("blkgd,bskd->bkgls", q_BLKGDh, k_BSKDh).astype(jnp.float32)
+    scores_BKGLS = scores_BKGLS / math.sqrt(Dh)
+    # Every row keeps at least its diagonal, so the softmax never sees an all-masked row.
+    scores_BKGLS = jnp.where(mask_B1LS[:, :, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
+    probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(q_BLHDh.dtype)
+    out_BLKGDh = jnp.einsum("bkgls,bskd->blkgd", probs_BKGLS, v_BSKDh)
+    return out_BLKGDh.reshape(B, L, H, Dh)
+
+
+def attention_backend(name: str, dtype) -> str:
+    """Resolves `model.attention`: "auto" is cuDNN's fused attention on NVIDIA GPUs with 16-bit
+    compute (it has no float32 kernel), the plain XLA path otherwise."""
+    if name == "auto":
+        gpu = jax.default_backend() == "gpu"
+        return "cudnn" if gpu and jnp.dtype(dtype).itemsize == 2 else "xla"
+    if name == "cudnn" and jax.default_backend() != "gpu":
+        raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, not {jax.default_backend()}")
+    return name
+
+
+def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS):
+    if attention_backend(backend, q_BLHDh.dtype) == "cudnn":
+        return jax.nn.dot_product_attention(
+            q_BLHDh, k_BSKDh, v_BSKDh, mask=mask_B1LS, implementation="cudnn"
+        )
+    return xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
+
+
 class Attention(nn.Module):
     cfg: Any
 
@@ -104,15 +138,7 @@ class Attention(nn.Module):
         q_BLHDh = _constrain(rope(q_BLHDh, positions_BL, cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
         k_BSKDh = _constrain(rope(k_BSKDh, positions_BL, cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
 
-        B, L = x_BLD.shape[:2]
-        q_BLKGDh = q_BLHDh.reshape(B, L, K, H // K, Dh)
-        scores_BKGLS = jnp.einsum("blkgd,bskd->bkgls", q_BLKGDh, k_BSKDh).astype(jnp.float32)
-        scores_BKGLS = scores_BKGLS / math.sqrt(Dh)
-        # Every row keeps at least its diagonal, so the softmax never sees an all-masked row.
-        scores_BKGLS = jnp.where(mask_B1LS[:, :, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
-        probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(dtype)
-        out_BLKGDh = jnp.einsum("bkgls,bskd->blkgd", probs_BKGLS, v_BSKDh)
-        out_BLHDh = out_BLKGDh.reshape(B, L, H, Dh)
+        out_BLHDh = attend(cfg.attention, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
         return checkpoint_name(jnp.einsum("blhk,hkd->bld", out_BLHDh, wo_HDhD.astype(dtype)), "attn_out")
 
 
@@ -175,13 +201,9 @@ class Transformer(nn.Module):
         else:
             for i in range(cfg.num_layers):
                 x_BLD, _ = block(cfg, name=f"layer_{i}")(x_BLD, positions_BL, mask_B1LS)
-        x_BLD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BLD)
-        if cfg.tie_embeddings:
-            head_DV = embed_VD.T
-        else:
-            head_DV = _param(self, "head", _normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
-        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, head_DV.astype(dtype))
-        return _constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
+        if not cfg.tie_embeddings:  # declared here so init creates it; used by `head_weights`
+            _param(self, "head", _normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+        return RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BLD)
 
 
 def _dummy_inputs(length: int = 8):
@@ -200,22 +222,79 @@ def param_logical_specs(model_cfg):
     return nn.get_partition_spec(boxed["params"])
 
 
-def apply(model_cfg, params, batch: Batch) -> jax.Array:
-    """Float32 logits [B, L, V] for a packed batch {inputs, segment_ids, positions}."""
+def hidden_states(model_cfg, params, batch: Batch) -> jax.Array:
+    """The final-normed hidden states [B, L, D] (compute dtype) of a packed batch."""
     return Transformer(model_cfg).apply(
         {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"]
     )
 
 
+def head_weights(model_cfg, params) -> jax.Array:
+    """The output projection [D, V]: the embedding's transpose when tied."""
+    return params["embed"].T if model_cfg.tie_embeddings else params["head"]
+
+
+def _logits(model_cfg, x_BLD, head_DV):
+    logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, head_DV.astype(x_BLD.dtype))
+    return _constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+def apply(model_cfg, params, batch: Batch) -> jax.Array:
+    """Float32 logits [B, L, V] for a packed batch {inputs, segment_ids, positions}."""
+    return _logits(model_cfg, hidden_states(model_cfg, params, batch), head_weights(model_cfg, params))
+
+
+def _token_losses(model_cfg, x_BLD, head_DV, targets_BL):
+    """(objective, cross-entropy) per token, float32 [B, L].
+
+    The objective adds label smoothing (cross-entropy against a mix of the target and the uniform
+    distribution) and z-loss (PaLM: z_loss · log²Z keeps the softmax normaliser near 1).
+    """
+    logits_BLV = _logits(model_cfg, x_BLD, head_DV)
+    log_z_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+    target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
+    cross_entropy_BL = log_z_BL - target_logit_BL
+    objective_BL = cross_entropy_BL
+    if model_cfg.label_smoothing:
+        uniform_BL = log_z_BL - logits_BLV.mean(axis=-1)
+        objective_BL = (1 - model_cfg.label_smoothing) * cross_entropy_BL + model_cfg.label_smoothing * uniform_BL
+    if model_cfg.z_loss:
+        objective_BL = objective_BL + model_cfg.z_loss * jnp.square(log_z_BL)
+    return objective_BL, cross_entropy_BL
+
+
+def _chunked_token_losses(model_cfg, x_BLD, head_DV, targets_BL):
+    """`_token_losses` one length-chunk at a time, so [B, L, V] float32 logits never exist.
+
+    Each chunk is rematerialised in the backward pass too (jax.checkpoint), so its logits are
+    recomputed there rather than stored.
+    """
+    B, L, D = x_BLD.shape
+    C = model_cfg.logits_chunk_size
+    x_NBCD = x_BLD.reshape(B, L // C, C, D).swapaxes(0, 1)
+    targets_NBC = targets_BL.reshape(B, L // C, C).swapaxes(0, 1)
+    chunk_losses = jax.checkpoint(functools.partial(_token_losses, model_cfg))
+
+    def body(carry, chunk):
+        return carry, chunk_losses(chunk[0], head_DV, chunk[1])
+
+    _, (objective_NBC, cross_entropy_NBC) = jax.lax.scan(body, None, (x_NBCD, targets_NBC))
+    unchunk = lambda a: a.swapaxes(0, 1).reshape(B, L)
+    return unchunk(objective_NBC), unchunk(cross_entropy_NBC)
+
+
 def loss_fn(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict]:
-    """Mean next-token cross-entropy over real (non-padding) tokens."""
-    logits_BLV = apply(model_cfg, params, batch)
-    log_probs_BLV = jax.nn.log_softmax(logits_BLV, axis=-1)
-    target_log_prob_BL = jnp.take_along_axis(log_probs_BLV, batch["targets"][..., None], axis=-1)[..., 0]
+    """The training objective averaged over real (non-padding) tokens, and
+    {"num_tokens", "cross_entropy"} (the plain next-token loss, what `loss` reports)."""
+    x_BLD = hidden_states(model_cfg, params, batch)
+    head_DV = head_weights(model_cfg, params)
+    chunk = model_cfg.logits_chunk_size
+    per_token = _chunked_token_losses if chunk and chunk < x_BLD.shape[1] else _token_losses
+    objective_BL, cross_entropy_BL = per_token(model_cfg, x_BLD, head_DV, batch["targets"])
     weights_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
     num_tokens = weights_BL.sum()
-    loss = -(target_log_prob_BL * weights_BL).sum() / jnp.maximum(num_tokens, 1.0)
-    return loss, {"num_tokens": num_tokens}
+    mean = lambda v_BL: (v_BL * weights_BL).sum() / jnp.maximum(num_tokens, 1.0)
+    return mean(objective_BL), {"num_tokens": num_tokens, "cross_entropy": mean(cross_entropy_BL)}
 
 
 def count_params(model_cfg) -> int:

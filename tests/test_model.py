@@ -160,3 +160,64 @@ def test_scan_and_remat_equal_unrolled(remat):
     np.testing.assert_allclose(float(loss_s), float(loss_u), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(model.stack_layers(grads_u)), jax.tree.leaves(grads_s)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("extras", [{}, {"z_loss": 1e-3, "label_smoothing": 0.1}], ids=["plain", "extras"])
+def test_chunked_logits_equal_full(extras):
+    full = tiny_model_cfg(**extras)
+    chunked = tiny_model_cfg(logits_chunk_size=8, **extras)
+    params = model.init_params(full, jax.random.key(0))
+    batch = packed_batch(2, 32, full.vocab_size)
+    (loss_f, aux_f), grads_f = jax.value_and_grad(lambda p: model.loss_fn(full, p, batch), has_aux=True)(params)
+    (loss_c, aux_c), grads_c = jax.value_and_grad(lambda p: model.loss_fn(chunked, p, batch), has_aux=True)(params)
+    np.testing.assert_allclose(float(loss_c), float(loss_f), rtol=1e-6)
+    np.testing.assert_allclose(float(aux_c["cross_entropy"]), float(aux_f["cross_entropy"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_f), jax.tree.leaves(grads_c)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+
+
+def test_z_loss_and_label_smoothing_match_their_definitions():
+    cfg = tiny_model_cfg(z_loss=1e-2, label_smoothing=0.2)
+    params = model.init_params(cfg, jax.random.key(0))
+    batch = packed_batch(2, 16, cfg.vocab_size)
+    objective, aux = model.loss_fn(cfg, params, batch)
+    logits = np.asarray(model.apply(cfg, params, batch), np.float64)
+    log_z = np.log(np.exp(logits).sum(-1))
+    log_p = logits - log_z[..., None]
+    nll = -np.take_along_axis(log_p, batch["targets"][..., None], -1)[..., 0]
+    uniform = -log_p.mean(-1)
+    expected = (0.8 * nll + 0.2 * uniform + 1e-2 * log_z**2).mean()
+    np.testing.assert_allclose(float(objective), expected, rtol=1e-5)
+    np.testing.assert_allclose(float(aux["cross_entropy"]), nll.mean(), rtol=1e-5)
+
+
+def _qkv(dtype=jnp.float32):
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 16, 4, 8), dtype)
+    k = jax.random.normal(keys[1], (2, 16, 2, 8), dtype)
+    v = jax.random.normal(keys[2], (2, 16, 2, 8), dtype)
+    segment_ids = jnp.array([[1] * 10 + [2] * 6, [1] * 16], jnp.int32)
+    return q, k, v, model.attention_mask(segment_ids)
+
+
+def test_xla_attention_matches_jax_reference():
+    """Same semantics as jax.nn.dot_product_attention (what the cuDNN backend calls)."""
+    q, k, v, mask = _qkv()
+    ours = model.xla_attention(q, k, v, mask)
+    reference = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_auto_attention_on_cpu_is_xla():
+    assert model.attention_backend("auto", jnp.bfloat16) == ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+            model.attention_backend("cudnn", jnp.bfloat16)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
+def test_cudnn_attention_matches_xla():
+    q, k, v, mask = _qkv(jnp.bfloat16)
+    ours = model.xla_attention(q, k, v, mask).astype(jnp.float32)
+    cudnn = model.attend("cudnn", q, k, v, mask).astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(cudnn), np.asarray(ours), rtol=2e-2, atol=2e-2)
