@@ -182,7 +182,10 @@ class Transformer(nn.Module):
         cfg = self.cfg
         dtype = _DTYPES[cfg.dtype]
         embed_VD = _param(self, "embed", _normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        x_BLD = _constrain(jnp.take(embed_VD, tokens_BL, axis=0).astype(dtype), ("batch", "length", "act_embed"))
+        # Gather rows from a table whose embed dim is whole (ZeRO-3 all-gathers it as it would any
+        # weight): a gather out of an fsdp-sharded dim has no efficient SPMD partitioning.
+        table_VD = _constrain(embed_VD, ("vocab", "act_embed"))
+        x_BLD = _constrain(jnp.take(table_VD, tokens_BL, axis=0).astype(dtype), ("batch", "length", "act_embed"))
         mask_B1LS = attention_mask(segment_ids_BL)
         block = Block
         if REMAT_POLICIES[cfg.remat] is not None:
