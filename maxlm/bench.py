@@ -87,14 +87,32 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int) -> dict:
     }
 
 
+def bench_data(cfg) -> dict:
+    """Data-pipeline tokens/s per core: packed reading, tokenize+pack vs raw sentencepiece."""
+    from maxlm.data import throughput
+
+    return throughput.measure(cfg)
+
+
 def main(argv) -> None:
     from absl import flags
 
     what = argv[1] if len(argv) > 1 else "train"
-    if what != "train":
-        cli.config_error(f"unknown benchmark {what!r}; available: train")
+    if what not in ("train", "data", "checkpoint"):
+        cli.config_error(f"unknown benchmark {what!r}; available: train, data, checkpoint")
     cli.setup_logging()
     cfg = cli.resolved_config(jax.device_count())
+    if what == "checkpoint":  # blocking part of an async save, full save, restore
+        from maxlm import checkpoint
+
+        print(json.dumps(checkpoint.bench_checkpoint(cfg), indent=2))
+        return
+    if what == "data":
+        try:
+            print(json.dumps(bench_data(cfg), indent=2))
+        except ValueError as e:  # bad data: one line, exit 2
+            cli.config_error(str(e))
+        return
     result = bench_train(cfg, flags.FLAGS.warmup_steps, flags.FLAGS.steps)
     print(json.dumps(result, indent=2))
 

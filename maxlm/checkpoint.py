@@ -1,55 +1,461 @@
-"""Orbax wiring: where checkpoints live, when they are written, how a run resumes.
+"""Orbax wiring: where checkpoints live, when they are written and kept, how a run resumes.
 
-A checkpoint is the whole TrainState (step, params, optimizer state) in `WORKDIR/checkpoints/STEP/`
-plus the resolved config as JSON beside it. The data position needs no saving: the batch of step
-`s` is a pure function of (config, s), so the restored step *is* the data position.
-Orbax writes each step into a temporary directory and renames it when complete, so an interrupted
-save is never mistaken for a checkpoint.
+`python -m maxlm.checkpoint {list,verify} DIR` (DIR: a workdir or its `checkpoints/`).
+
+A checkpoint is `WORKDIR/checkpoints/STEP/` with three orbax items:
+  state   the whole train state: step, params, optimizer state, skipped-step counters
+  meta    JSON: step, seed (the model has no dropout, so the seed is all the RNG there is), data
+          position (== step: the batch of step `s` is a pure function of (config, s)), lr scale,
+          kind (regular / temporary / preemption / final), wall time, mesh, process count
+  config  the resolved config as JSON
+Saves are async: `save()` blocks only while the device arrays are copied to host memory, the write
+happens in a background thread, and the next save first waits for the previous one to commit.
+Orbax writes into `STEP.orbax-checkpoint-tmp` and renames it when complete, so an interrupted save
+is never mistaken for a checkpoint. On resume every candidate is checked (metadata readable, all
+items present, arrays readable, values finite); a damaged one is renamed `STEP.damaged` (never
+deleted) with a one-line warning and the previous one is used.
+
+Retention (done here, not by orbax, so that its rules are ours): the newest `max_to_keep` regular
+checkpoints, every step that is a multiple of `keep_period` forever, a time-based (temporary)
+checkpoint only until a newer one has committed, and never the newest committed checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import json
+import logging
 import os
+import re
+import signal
+import sys
+import time
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+log = logging.getLogger("maxlm")
+
+ITEMS = ("state", "meta", "config")
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+DAMAGED_SUFFIX = ".damaged"
 
 
 def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
-def open_manager(workdir: str, checkpoint_cfg) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=checkpoint_cfg.max_to_keep,
-        enable_async_checkpointing=True,  # training continues while the write happens
-        create=True,
-    )
-    return ocp.CheckpointManager(
-        checkpoint_dir(workdir), options=options, item_names=("state", "config")
-    )
+def _warn(message: str) -> None:
+    """One line on stderr (also when logging is not set up), from process 0 only."""
+    if jax.process_index() == 0:
+        print(f"maxlm: warning: {message}", file=sys.stderr, flush=True)
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: dict, config_dict: dict) -> None:
-    """Starts an async save of `state` at `step` (returns once the device arrays are copied)."""
-    manager.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config_dict)
-        ),
-        force=True,
-    )
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
-def restore_latest(manager: ocp.CheckpointManager, abstract_state: dict):
-    """The newest complete checkpoint restored onto `abstract_state`'s shardings, or None.
+# ----------------------------------------------------------------------------- integrity
 
-    `abstract_state` holds jax.ShapeDtypeStructs with shardings, so a checkpoint written on one
-    mesh lands directly, resharded, on the current one.
-    """
-    step = manager.latest_step()
-    if step is None:
+
+def step_dirs(directory: str) -> dict[str, list]:
+    """{"complete": [(step, path)], "incomplete": [...], "damaged": [...]} sorted by step."""
+    found: dict[str, list] = {"complete": [], "incomplete": [], "damaged": []}
+    if not os.path.isdir(directory):
+        return found
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if not os.path.isdir(path):
+            continue
+        if name.isdigit():
+            found["complete"].append((int(name), path))
+        elif (m := re.fullmatch(r"(\d+)" + re.escape(TMP_SUFFIX) + r".*", name)):
+            found["incomplete"].append((int(m.group(1)), path))
+        elif (m := re.fullmatch(r"(\d+)" + re.escape(DAMAGED_SUFFIX) + r".*", name)):
+            found["damaged"].append((int(m.group(1)), path))
+    return {k: sorted(v) for k, v in found.items()}
+
+
+def file_problem(path: str) -> str | None:
+    """Why the checkpoint at `path` is damaged judging by its files alone, or None."""
+    try:
+        with open(os.path.join(path, "_CHECKPOINT_METADATA")) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        return f"unreadable _CHECKPOINT_METADATA ({type(e).__name__})"
+    for item in ITEMS:
+        if not os.path.isdir(os.path.join(path, item)):
+            return f"item {item!r} missing"
+    for item in ("meta", "config"):
+        try:
+            with open(os.path.join(path, item, "metadata")) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            return f"unreadable {item}/metadata ({type(e).__name__})"
+    for name in ("manifest.ocdbt", "_sharding"):
+        if not os.path.exists(os.path.join(path, "state", name)):
+            return f"state/{name} missing"
+    return None
+
+
+def all_finite(tree) -> bool:
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(leaves))
+
+
+def _short(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:160]}"
+
+
+def read_json(path: str, item: str) -> dict:
+    with open(os.path.join(path, item, "metadata")) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------- the manager
+
+
+class Checkpointer:
+    """An orbax CheckpointManager plus our retention rules, integrity checks and resume."""
+
+    def __init__(self, workdir: str, checkpoint_cfg):
+        self.directory = checkpoint_dir(workdir)
+        self.cfg = checkpoint_cfg
+        self.temporary: set[int] = set()  # time-based saves of this process, replaced by the next
+        os.makedirs(self.directory, exist_ok=True)
+        found = step_dirs(self.directory)
+        for step, path in found["incomplete"]:
+            _warn(f"ignoring incomplete checkpoint {path} (interrupted write; removed)")
+        for step, path in found["complete"]:  # checked before orbax reads (and logs about) them
+            if (problem := file_problem(path)) is not None:
+                self._quarantine(path, problem)
+        _sync("maxlm_checkpoint_scan")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None,  # retention is ours: see prune()
+            enable_async_checkpointing=True,  # training continues while the write happens
+            cleanup_tmp_directories=True,  # interrupted writes (named in the warning above)
+            create=True,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+
+    def _quarantine(self, path: str, problem: str) -> None:
+        target = path + DAMAGED_SUFFIX
+        n = 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{path}{DAMAGED_SUFFIX}{n}"
+        _warn(f"skipping damaged checkpoint {path}: {problem}; kept as {target}")
+        if jax.process_index() == 0:
+            os.rename(path, target)
+
+    # -- saving
+
+    def save(self, step: int, state, meta: dict, config_dict: dict, kind: str = "regular") -> None:
+        """Starts an async save; returns once the arrays are on the host (the write continues).
+
+        The previous save is waited for first (it must commit before retention may drop older
+        checkpoints), then retention runs.
+        """
+        self.manager.wait_until_finished()
+        self.prune()
+        if step in self.manager.all_steps():  # e.g. the final step, already saved
+            return
+        meta = dict(meta, step=step, data_position=step, kind=kind,
+                    saved_at=datetime.datetime.now().isoformat(timespec="seconds"))
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave(meta),
+                config=ocp.args.JsonSave(config_dict),
+            ),
+            force=True,
+        )
+        if kind == "temporary":
+            self.temporary.add(step)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def prune(self) -> None:
+        """Applies retention to the committed checkpoints (call only when no save is pending)."""
+        committed = sorted(self.manager.all_steps())
+        if not committed:
+            return
+        regular = [s for s in committed if s not in self.temporary]
+        keep = set(regular[-self.cfg.max_to_keep:]) | {committed[-1]}
+        if self.cfg.keep_period:
+            keep |= {s for s in committed if s % self.cfg.keep_period == 0}
+        for step in committed:
+            if step not in keep:
+                self.manager.delete(step)
+                self.temporary.discard(step)
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.prune()
+        self.manager.close()
+
+    # -- restoring
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def restore_latest(self, abstract_state) -> tuple[Any, dict] | None:
+        """(state, meta) of the newest checkpoint that restores and is finite, or None.
+
+        `abstract_state` holds jax.ShapeDtypeStructs with shardings, so a checkpoint written on
+        one mesh (or device or process count) lands directly, resharded, on the current one.
+        Damaged checkpoints are renamed aside with a warning, never deleted.
+        """
+        self.manager.reload()
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            path = os.path.join(self.directory, str(step))
+            problem = file_problem(path)
+            if problem is None:
+                try:
+                    restored = restore_state(path, abstract_state)
+                except Exception as e:  # noqa: BLE001 - any failure to read is damage
+                    problem = f"does not restore ({_short(e)})"
+            if problem is None:
+                if int(restored[0]["step"]) != step:
+                    problem = f"holds step {int(restored[0]['step'])}"
+                elif not all_finite(restored[0]):
+                    problem = "holds non-finite values"
+            if problem is None:
+                return restored
+            _sync(f"maxlm_checkpoint_check_{step}")
+            self._quarantine(path, problem)
+            _sync(f"maxlm_checkpoint_quarantine_{step}")
+            self.manager.reload()
         return None
-    restored = manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+
+
+def restore_state(path: str, abstract_state, params_only: bool = False):
+    """(state, meta) of the checkpoint directory `path` (`.../checkpoints/STEP`)."""
+    handler = ocp.PyTreeCheckpointer()
+    target = {"params": abstract_state["params"]} if params_only else abstract_state
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    state = handler.restore(
+        os.path.join(path, "state"),
+        args=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=params_only),
     )
-    return restored.state
+    return state, read_json(path, "meta")
+
+
+def resolve_restore_from(path: str) -> str:
+    """A checkpoint step directory from PATH: a step dir, a `checkpoints/` dir or a workdir."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(os.path.join(path, "state")):
+        return path
+    for candidate in (os.path.join(path, "checkpoints"), path):
+        steps = [(s, p) for s, p in step_dirs(candidate)["complete"] if file_problem(p) is None]
+        if steps:
+            return steps[-1][1]
+    raise ValueError(f"checkpoint.restore_from={path} holds no complete checkpoint")
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+class Preempted(Exception):
+    """SIGTERM arrived; a checkpoint of `step` has been committed."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
+class PreemptionWatcher:
+    """Has a preemption notice (SIGTERM) arrived? Every process gets the same answer per step.
+
+    Multi-process: JAX's preemption sync point (the coordination service catches SIGTERM and
+    all processes agree on the first step at which to stop). Single process: our own handler.
+    """
+
+    def __init__(self):
+        self.flag = False
+        self.multi = jax.process_count() > 1
+        self._previous = None
+
+    def __enter__(self):
+        if not self.multi:
+            with contextlib.suppress(ValueError):  # not the main thread: no handler
+                self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.flag = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def reached(self, step: int) -> bool:
+        if self.multi:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.flag
+
+
+# ----------------------------------------------------------------------------- list / verify
+
+
+def _size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _entries(directory: str):
+    found = step_dirs(directory)
+    rows = [(s, p, "complete") for s, p in found["complete"]]
+    rows += [(s, p, "incomplete") for s, p in found["incomplete"]]
+    rows += [(s, p, "damaged") for s, p in found["damaged"]]
+    return sorted(rows, key=lambda r: (r[0], r[2]))
+
+
+def _expected_abstract(config_dict: dict):
+    """The state's shapes for a config (on one device): what a checkpoint of it must hold."""
+    import ml_collections
+
+    from maxlm import optim, train
+
+    cfg = ml_collections.ConfigDict(config_dict)
+    tx = optim.make_optimizer(cfg.optim)
+    shapes = train.abstract_shapes(cfg, tx)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
+
+
+def verify_one(path: str, config_dict: dict | None = None) -> str | None:
+    """None if the checkpoint at `path` is complete, restores, is finite and has the shapes of
+    its config (or of `config_dict`); else what is wrong."""
+    if (problem := file_problem(path)) is not None:
+        return problem
+    try:
+        expected = _expected_abstract(config_dict or read_json(path, "config"))
+        saved = ocp.PyTreeCheckpointer().metadata(os.path.join(path, "state"))
+        saved_tree = saved.item_metadata.tree if hasattr(saved, "item_metadata") else saved.tree
+        # orbax's metadata has lists where optax has namedtuples: compare leaves in order
+        saved_shapes = [tuple(m.shape) for m in jax.tree.leaves(saved_tree)]
+        expected_shapes = [tuple(s.shape) for s in jax.tree.leaves(expected)]
+        if saved_shapes != expected_shapes:
+            return (f"shapes differ from the config ({len(saved_shapes)} arrays saved, "
+                    f"{len(expected_shapes)} expected)")
+        state, meta = restore_state(path, expected)
+    except Exception as e:  # noqa: BLE001
+        return f"does not restore ({_short(e)})"
+    if not all_finite(state):
+        return "holds non-finite values"
+    if int(state["step"]) != int(os.path.basename(path)) or meta.get("step") != int(state["step"]):
+        return f"step mismatch (state {int(state['step'])}, meta {meta.get('step')})"
+    return None
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def cli_main(argv: list[str]) -> int:
+    usage = "usage: python -m maxlm.checkpoint {list,verify} DIR"
+    if len(argv) != 2 or argv[0] not in ("list", "verify"):
+        print(f"maxlm: config error: {usage}", file=sys.stderr)
+        return 2
+    command, directory = argv
+    if os.path.isdir(os.path.join(directory, "checkpoints")):
+        directory = os.path.join(directory, "checkpoints")
+    if not os.path.isdir(directory):
+        print(f"maxlm: config error: no checkpoint directory at {directory}", file=sys.stderr)
+        return 2
+    entries = _entries(directory)
+    header = ["step", "status", "size", "saved", "kind"] + (["check"] if command == "verify" else [])
+    rows, bad = [header], 0
+    for step, path, status in entries:
+        meta = {}
+        with contextlib.suppress(Exception):
+            meta = read_json(path, "meta")
+        saved = meta.get("saved_at") or time.strftime(
+            "%Y-%m-%dT%H:%M:%S", time.localtime(os.path.getmtime(path)))
+        row = [str(step), status, _human(_size(path)), saved, meta.get("kind", "?")]
+        if command == "verify":
+            problem = verify_one(path) if status == "complete" else status
+            bad += problem is not None
+            row.append("ok" if problem is None else problem)
+        rows.append(row)
+    print(f"{directory}: {len(entries)} checkpoint(s)")
+    if entries:
+        print(_table(rows))
+    if command == "verify":
+        print("all ok" if not bad else f"{bad} problem(s)")
+        return 1 if bad else 0
+    return 0
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def bench_checkpoint(cfg, repeats: int = 2) -> dict:
+    """Blocking part of an async save, full save time and restore time for `cfg`'s train state."""
+    import tempfile
+
+    from maxlm import mesh as mesh_lib, model, optim, train
+
+    rules = mesh_lib.rules_of(cfg.mesh)
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    tx = optim.make_optimizer(cfg.optim)
+    state, shardings = train.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
+    jax.block_until_ready(state)
+    abstract = train.abstract_state(cfg, tx, shardings)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    blocking, full, restore = [], [], []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("MAXLM_BENCH_DIR")) as workdir:
+        ckpt = Checkpointer(workdir, cfg.checkpoint)
+        for i in range(repeats):
+            ckpt.wait()
+            start = time.perf_counter()
+            ckpt.save(i + 1, state, {"seed": cfg.seed}, cfg.to_dict())
+            blocking.append(time.perf_counter() - start)
+            ckpt.wait()
+            full.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            restored, _ = restore_state(os.path.join(ckpt.directory, str(i + 1)), abstract)
+            jax.block_until_ready(restored)
+            restore.append(time.perf_counter() - start)
+            del restored
+        ckpt.close()
+    return {
+        "benchmark": "checkpoint",
+        "config": cfg.name,
+        "params": model.count_params(cfg.model),
+        "state_bytes": nbytes,
+        "device_count": jax.device_count(),
+        "mesh": {axis: cfg.mesh[axis] for axis in ("data", "fsdp", "tensor")},
+        "save_blocking_sec": min(blocking),
+        "save_full_sec": min(full),
+        "restore_sec": min(restore),
+        "blocking_fraction": min(blocking) / min(full),
+        "save_gb_per_sec": nbytes / min(full) / 1e9,
+        "repeats": repeats,
+        "all": {"blocking": blocking, "full": full, "restore": restore},
+    }
+
+
+if __name__ == "__main__":
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    sys.exit(cli_main(sys.argv[1:]))

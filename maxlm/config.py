@@ -93,11 +93,34 @@ def defaults() -> ml_collections.ConfigDict:
     c.data.source = "tfds:python_stdlib"
     c.data.tfds_dir = "~/.cache/maxlm/tensorflow_datasets"
     c.data.cache_dir = "~/.cache/maxlm/packed"
-    c.data.tokenizer = "byte"
+    c.data.tokenizer = "byte"  # "byte" or a sentencepiece .model path
+    c.data.text_key = "text"  # the text field of .jsonl/.parquet files and TFDS examples
+    c.data.txt_documents = "file"  # .txt: "file" = one document per file, "paragraph" = per blank-line block
+    c.data.validation_percent = 2.0  # local files: share of documents (by stable hash) in validation
+    c.data.bad_records = "error"  # broken JSON line / missing text_key: "error" (exit 2) or "skip" (counted)
+    c.data.tokenizer_vocab_size = 0  # `python -m maxlm.data tokenizer`: 0 = model.vocab_size
+    c.data.tokenizer_sample_docs = 20000  # documents sampled to train the tokenizer
+    c.data.filters = ml_collections.ConfigDict()
+    c.data.filters.min_words = 0  # 0 = off
+    c.data.filters.max_symbol_ratio = 0.0  # 0 = off; else drop docs with more non-alnum, non-space chars
+    c.data.filters.max_repeated_word_share = 0.0  # 0 = off; else drop docs whose top word exceeds this share
+    c.data.filters.dedup = False  # drop exact duplicates (content hash) within a split
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 100
-    c.checkpoint.max_to_keep = 3
+    c.checkpoint.max_to_keep = 3  # newest regular checkpoints kept
+    c.checkpoint.keep_period = 0  # also keep every step that is a multiple of this forever (0 = off)
+    c.checkpoint.every_minutes = 0.0  # time-based temporary saves, replaced by the next (0 = off)
+    c.checkpoint.max_bad_steps = 3  # consecutive non-finite (skipped) steps before a restore
+    c.checkpoint.max_restores = 2  # such restores without progress before stopping (exit 3)
+    c.checkpoint.restore_lr_scale = 1.0  # lr multiplier applied at each such restore
+    c.checkpoint.restore_from = ""  # start a fresh workdir from another run's checkpoint
+    c.checkpoint.restore_params_only = False  # with restore_from: params only (step 0, new optimizer)
+
+    c.debug = ml_collections.ConfigDict()
+    c.debug.nan_at_step = -1  # fault injection: step N's gradients are NaN (-1 = off)
+    c.debug.nan_steps = 1  # ... and the next nan_steps - 1 steps' too
+    c.debug.nan_transient = True  # only the first time those steps run in this process
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every_steps = 100  # 0 disables periodic eval
@@ -168,6 +191,12 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collectio
     _positive(c, "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads")
     _positive(c, "model.mlp_dim", "model.vocab_size", "model.rope_theta", "model.norm_eps")
     _positive(c, "checkpoint.every_steps", "checkpoint.max_to_keep", "eval.steps")
+    _positive(c, "checkpoint.max_bad_steps", "debug.nan_steps")
+    _non_negative(c, "checkpoint.keep_period", "checkpoint.every_minutes", "checkpoint.max_restores")
+    if not 0 < c.checkpoint.restore_lr_scale <= 1:
+        raise ConfigError(
+            f"checkpoint.restore_lr_scale must be in (0, 1], got {c.checkpoint.restore_lr_scale}"
+        )
     _non_negative(c, "optim.warmup_steps", "optim.decay_steps", "optim.clip_norm")
     _non_negative(c, "optim.weight_decay", "optim.min_lr_ratio", "eval.every_steps")
     _non_negative(c, "model.head_dim", "model.init_std", "seed")
@@ -230,7 +259,27 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collectio
             f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']}"
         )
     _check_rules(c.mesh.rules)
+    _check_data(c)
     return c
+
+
+def _check_data(c):
+    d = c.data
+    for key, choices in (("txt_documents", ("file", "paragraph")), ("bad_records", ("error", "skip"))):
+        if d[key] not in choices:
+            raise ConfigError(f"data.{key} must be one of {choices}, got {d[key]!r}")
+    if not 0 <= d.validation_percent <= 100:
+        raise ConfigError(f"data.validation_percent must be in [0, 100], got {d.validation_percent}")
+    _non_negative(c, "data.tokenizer_vocab_size", "data.filters.min_words")
+    _positive(c, "data.tokenizer_sample_docs")
+    for key in ("max_symbol_ratio", "max_repeated_word_share"):
+        if not 0 <= d.filters[key] <= 1:
+            raise ConfigError(f"data.filters.{key} must be in [0, 1] (0 = off), got {d.filters[key]}")
+    vocab = d.tokenizer_vocab_size
+    if vocab and vocab > c.model.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer_vocab_size={vocab} is more than model.vocab_size={c.model.vocab_size}"
+        )
 
 
 def _check_rules(rules):

@@ -17,20 +17,27 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from maxlm import checkpoint, cli, config as config_lib, mesh as mesh_lib, metrics, model, optim
+from maxlm import checkpoint, cli, config as config_lib, distributed, mesh as mesh_lib, metrics, model, optim
 from maxlm.data import make_dataset
 
 log = logging.getLogger("maxlm")
 
-State = dict[str, Any]  # {"step": int32 scalar, "params": pytree, "opt_state": pytree}
+State = dict[str, Any]  # {"step", "params", "opt_state", "skipped_steps", "bad_streak"}
+
+
+# "Preempted, checkpoint committed": 128 + SIGTERM, what schedulers already read as "terminated
+# by SIGTERM" and retry (Kubernetes/GKE Job restart and podFailurePolicy rules, SLURM requeue
+# scripts); 0 would tell them the run is finished and stop the requeue.
+PREEMPTED_EXIT = 143
 
 
 class NonFiniteLossError(RuntimeError):
-    """Training produced a NaN/inf loss; nothing from that point on is saved."""
+    """Non-finite steps kept coming back after restoring the last good checkpoint (exit 3)."""
 
 
 # ----------------------------------------------------------------------------- state and shardings
@@ -38,7 +45,9 @@ class NonFiniteLossError(RuntimeError):
 
 def init_state(cfg, tx: optax.GradientTransformation, rng: jax.Array) -> State:
     params = model.init_params(cfg.model, rng)
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    zero = jnp.zeros((), jnp.int32)
+    return {"step": zero, "params": params, "opt_state": tx.init(params),
+            "skipped_steps": zero, "bad_streak": zero}  # non-finite steps: total, consecutive
 
 
 def state_logical_specs(cfg, tx: optax.GradientTransformation, abstract_state: State) -> State:
@@ -52,7 +61,8 @@ def state_logical_specs(cfg, tx: optax.GradientTransformation, abstract_state: S
         transform_non_params=lambda _: PartitionSpec(),
         is_leaf=model.is_spec,
     )
-    return {"step": PartitionSpec(), "params": param_specs, "opt_state": opt_specs}
+    return {"step": PartitionSpec(), "params": param_specs, "opt_state": opt_specs,
+            "skipped_steps": PartitionSpec(), "bad_streak": PartitionSpec()}
 
 
 def create_sharded_state(cfg, tx, mesh, rules, rng):
@@ -68,9 +78,13 @@ def create_sharded_state(cfg, tx, mesh, rules, rng):
     return state, shardings
 
 
+def abstract_shapes(cfg, tx) -> State:
+    return jax.eval_shape(functools.partial(init_state, cfg, tx), jax.random.key(0))
+
+
 def abstract_state(cfg, tx, shardings) -> State:
     """ShapeDtypeStructs with shardings: orbax's restore target."""
-    shapes = jax.eval_shape(functools.partial(init_state, cfg, tx), jax.random.key(0))
+    shapes = abstract_shapes(cfg, tx)
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
     )
@@ -79,34 +93,65 @@ def abstract_state(cfg, tx, shardings) -> State:
 # ----------------------------------------------------------------------------- steps
 
 
-def train_step(cfg, tx, schedule, state: State, batch) -> tuple[State, dict]:
+def _all_finite(tree) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple[State, dict]:
+    """One update; a step whose loss, gradient norm or new state is NaN/inf is not applied.
+
+    A skipped step still advances `step` (its batch is consumed: the data position stays a pure
+    function of the step) and counts in `skipped_steps` and `bad_streak` (reset by a good step).
+    `inject_nan` (fault injection, `debug.nan_at_step`) makes this step's gradients NaN.
+    """
     grad_fn = jax.value_and_grad(functools.partial(model.loss_fn, cfg.model), has_aux=True)
     (loss, aux), grads = grad_fn(state["params"], batch)
+    if inject_nan is not None:
+        grads = jax.tree.map(lambda g: jnp.where(inject_nan, jnp.nan, g), grads)
+    grad_norm = optax.tree.norm(grads)  # before clipping
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params) & _all_finite(opt_state)
+    keep_if_bad = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
+    params = keep_if_bad(params, state["params"])
+    opt_state = keep_if_bad(opt_state, state["opt_state"])
+    bad = (~ok).astype(jnp.int32)
+    new_state = {
+        "step": state["step"] + 1,
+        "params": params,
+        "opt_state": opt_state,
+        "skipped_steps": state["skipped_steps"] + bad,
+        "bad_streak": jnp.where(ok, 0, state["bad_streak"] + 1),
+    }
     step_metrics = {
-        "loss": loss,
-        "grad_norm": optax.tree.norm(grads),  # before clipping
+        "loss": aux["cross_entropy"],  # plain next-token loss; `loss` above adds z-loss etc.
+        "grad_norm": grad_norm,
         "param_norm": optax.tree.norm(params),
         "lr": schedule(state["step"]),  # the rate this update used
         "num_tokens": aux["num_tokens"],
+        "skipped_steps": new_state["skipped_steps"],
+        "bad_streak": new_state["bad_streak"],
     }
-    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, step_metrics
+    return new_state, step_metrics
 
 
 def eval_step(cfg, params, batch) -> dict:
-    loss, aux = model.loss_fn(cfg.model, params, batch)
-    return {"loss_sum": loss * aux["num_tokens"], "num_tokens": aux["num_tokens"]}
+    _, aux = model.loss_fn(cfg.model, params, batch)
+    return {"loss_sum": aux["cross_entropy"] * aux["num_tokens"], "num_tokens": aux["num_tokens"]}
 
 
-def compile_steps(cfg, tx, mesh, rules, state_shardings):
-    """The jitted train and eval steps with explicit in/out shardings."""
+def compile_steps(cfg, tx, mesh, rules, state_shardings, inject_nan: bool = False):
+    """The jitted train and eval steps with explicit in/out shardings.
+
+    With `inject_nan` the train step takes a third argument, a bool scalar (fault injection).
+    """
     schedule = optim.learning_rate_schedule(cfg.optim)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     scalars = mesh_lib.replicated(mesh)
     train = jax.jit(
         functools.partial(train_step, cfg, tx, schedule),
-        in_shardings=(state_shardings, batch_sharding),
+        in_shardings=(state_shardings, batch_sharding) + ((scalars,) if inject_nan else ()),
         out_shardings=(state_shardings, scalars),
         donate_argnums=(0,),  # the old state's buffers become the new state's
     )
@@ -156,10 +201,20 @@ def load_data(cfg):
     return train_data, eval_data
 
 
+def _with_lr_scale(cfg, lr_scale: float):
+    if lr_scale == 1.0:
+        return cfg
+    scaled = ml_collections.ConfigDict(cfg.to_dict())
+    scaled.optim.lr = cfg.optim.lr * lr_scale
+    return scaled
+
+
 def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
-    """Trains `cfg` (already resolved) in `workdir`, resuming from its newest checkpoint.
+    """Trains `cfg` (already resolved) in `workdir`, resuming from its newest good checkpoint.
 
     `data` is `load_data(cfg)`'s result, loaded here when None. Returns the last training row.
+    Raises checkpoint.Preempted after SIGTERM (its checkpoint committed) and NonFiniteLossError
+    when non-finite steps persist after `checkpoint.max_restores` restores.
     """
     train_data, eval_data = data if data is not None else load_data(cfg)
     os.makedirs(workdir, exist_ok=True)
@@ -168,15 +223,35 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config_lib.to_json(cfg))
+    ckpt_cfg = cfg.checkpoint
 
     tx = optim.make_optimizer(cfg.optim)
-    state, shardings = create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
-    manager = checkpoint.open_manager(workdir, cfg.checkpoint)
-    restored = checkpoint.restore_latest(manager, abstract_state(cfg, tx, shardings))
+    init_rng = jax.random.key(cfg.seed)
+    state, shardings = create_sharded_state(cfg, tx, mesh, rules, init_rng)
+    abstract = abstract_state(cfg, tx, shardings)
+    ckpt = checkpoint.Checkpointer(workdir, ckpt_cfg)
+    lr_scale = 1.0
+    restored = ckpt.restore_latest(abstract)
     if restored is not None:
-        state = restored
-        log.info("resumed from %s at step %d", checkpoint.checkpoint_dir(workdir), int(state["step"]))
-    train_fn, eval_fn = compile_steps(cfg, tx, mesh, rules, shardings)
+        state, meta = restored
+        lr_scale = float(meta.get("lr_scale", 1.0))
+        log.info("resumed from %s at step %d", ckpt.directory, int(state["step"]))
+    elif ckpt_cfg.restore_from:
+        path = checkpoint.resolve_restore_from(ckpt_cfg.restore_from)
+        loaded, _ = checkpoint.restore_state(path, abstract, params_only=ckpt_cfg.restore_params_only)
+        state = dict(state, params=loaded["params"]) if ckpt_cfg.restore_params_only else loaded
+        log.info("started from %s (%s)", path, "params only" if ckpt_cfg.restore_params_only else "full state")
+
+    injecting = cfg.debug.nan_at_step >= 0
+    injected: set[int] = set()
+
+    def build(scale):
+        run_cfg = _with_lr_scale(cfg, scale)
+        return compile_steps(run_cfg, optim.make_optimizer(run_cfg.optim), mesh, rules, shardings,
+                             inject_nan=injecting)
+
+    train_fn, eval_fn = build(lr_scale)
+    config_dict = cfg.to_dict()
 
     writer = metrics.make_writers(workdir, jax.process_index() == 0, cfg.metrics.tensorboard)
     flops_per_token = metrics.flops_per_token(cfg.model, cfg.seq_len)
@@ -185,79 +260,165 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     log.info("model: %s parameters, %.3g training FLOPs/token; peak %.3g FLOP/s (%s, %s)",
              f"{model.count_params(cfg.model):,}", flops_per_token,
              peak["total_flops_per_sec"], peak["device_kind"], peak["source"])
+    log.info("attention: %s, layers %s, remat %s, compute %s",
+             model.attention_backend(cfg.model.attention, cfg.model.dtype),
+             "scanned" if cfg.model.scan_layers else "unrolled", cfg.model.remat, cfg.model.dtype)
 
-    start_step = int(state["step"])
-    last_saved = start_step
+    step = int(state["step"])
     last_row: dict = {}
     first_loss = float("nan")
     # A log step's metrics are read back only after the next step is dispatched, so logging never
     # stalls the device. Throughput is measured between moments when a known step has finished.
     pending = None  # (step, device metrics)
-    clock = {"time": time.perf_counter(), "step": start_step}
+    clock = {"time": time.perf_counter(), "step": step}
+    restores = 0  # restores after bad streaks without getting past the failure since
+    failed_at = -1
+    save_due = None  # the kind of a save point that fell in a bad streak: saved at the next good step
+    last_save_time = time.monotonic()
 
     def flush_pending():
         nonlocal pending, last_row
         if pending is None:
             return
-        step, device_metrics = pending
+        logged_step, device_metrics = pending
         pending = None
-        row = {k: float(v) for k, v in jax.device_get(device_metrics).items()}  # waits for `step`
+        row = {k: float(v) for k, v in jax.device_get(device_metrics).items()}  # waits for it
         now = time.perf_counter()
-        steps_timed = max(step - clock["step"], 1)  # 0 only when the compile step is logged
+        steps_timed = max(logged_step - clock["step"], 1)  # 0 only when the compile step is logged
         tokens_per_sec = tokens_per_step * steps_timed / (now - clock["time"])
-        clock.update(time=now, step=step)
-        check_finite(step, row)
+        clock.update(time=now, step=logged_step)
         row.update(
             tokens_per_sec=tokens_per_sec,
             step_time_sec=tokens_per_step / tokens_per_sec,
             mfu=metrics.mfu(tokens_per_sec, flops_per_token, peak["total_flops_per_sec"]),
         )
         del row["num_tokens"]
-        writer.write(step, row)
-        log.info(_format(step, row))
-        last_row = dict(row, step=step, first_loss=first_loss)
-
-    def check_finite(step: int, step_metrics) -> None:
-        values = {k: float(step_metrics[k]) for k in ("loss", "grad_norm")}
-        if not all(np.isfinite(v) for v in values.values()):
-            raise NonFiniteLossError(
-                f"non-finite {values} at step {step}; stopped without saving "
-                f"(newest checkpoint: {f'step {last_saved}' if last_saved else 'none'})"
-            )
+        writer.write(logged_step, row)
+        log.info(_format(logged_step, row))
+        last_row = dict(row, step=logged_step, first_loss=first_loss)
 
     def restart_clock(finished_step: int):
         """Compilation, eval and checkpointing are not training time."""
         clock.update(time=time.perf_counter(), step=finished_step)
 
-    with mesh_lib.activate(mesh, rules):
-        for step in range(start_step, cfg.steps):
-            batch = global_batch(_host_batch(train_data, step), mesh, rules)
-            state, step_metrics = train_fn(state, batch)
-            done = step + 1
-            flush_pending()  # the previous log step's row; step `done` is already queued
-            if step == start_step:  # the first call compiled: keep it out of the throughput
-                first_loss = float(step_metrics["loss"])
-                if done % cfg.log_every_steps:
+    def recover(bad_step: int):
+        """`max_bad_steps` consecutive non-finite steps ending at `bad_step`: back to the last
+        good checkpoint (every checkpoint is one: see the save below), lr optionally reduced."""
+        nonlocal state, step, restores, failed_at, lr_scale, train_fn, eval_fn, pending, save_due
+        pending, save_due = None, None
+        ckpt.wait()
+        restores += 1
+        newest = ckpt.latest_step()
+        if restores > ckpt_cfg.max_restores:
+            raise NonFiniteLossError(
+                f"{ckpt_cfg.max_bad_steps} consecutive non-finite steps up to step {bad_step}, "
+                f"still after {restores - 1} restore(s) of the last good checkpoint "
+                f"(checkpoint.max_restores={ckpt_cfg.max_restores}); stopped. Newest checkpoint: "
+                f"{f'step {newest}' if newest is not None else 'none'}, all finite"
+            )
+        failed_at = max(failed_at, bad_step)
+        back = ckpt.restore_latest(abstract)
+        if back is None:
+            state, _ = create_sharded_state(cfg, tx, mesh, rules, init_rng)
+        else:
+            state = back[0]
+        if ckpt_cfg.restore_lr_scale != 1.0:
+            lr_scale *= ckpt_cfg.restore_lr_scale
+            train_fn, eval_fn = build(lr_scale)
+        step = int(state["step"])
+        _warning(f"{ckpt_cfg.max_bad_steps} consecutive non-finite steps up to step {bad_step}: "
+                 f"restored {'step %d' % step if back else 'the initial state'} "
+                 f"(restore {restores} of {ckpt_cfg.max_restores}, lr scale {lr_scale:g})")
+        restart_clock(step)
+
+    def save(done: int, kind: str):
+        nonlocal save_due, last_save_time, restores, failed_at
+        meta = {"seed": cfg.seed, "lr_scale": lr_scale, "process_count": jax.process_count(),
+                "device_count": jax.device_count(),
+                "mesh": {a: cfg.mesh[a] for a in config_lib.MESH_AXES}}
+        ckpt.save(done, state, meta, config_dict, kind=kind)
+        save_due, last_save_time = None, time.monotonic()
+        if done > failed_at >= 0:
+            restores, failed_at = 0, -1
+
+    try:
+        with mesh_lib.activate(mesh, rules), checkpoint.PreemptionWatcher() as preemption:
+            first = True
+            prev_metrics = None  # the previous step's, for its non-finite verdict
+            while step < cfg.steps:
+                args = (state, global_batch(_host_batch(train_data, step), mesh, rules))
+                if injecting:
+                    hit = cfg.debug.nan_at_step <= step < cfg.debug.nan_at_step + cfg.debug.nan_steps
+                    if hit and cfg.debug.nan_transient:  # only the first time this step runs
+                        hit = step not in injected
+                        injected.add(step)
+                    args += (np.bool_(hit),)
+                state, step_metrics = train_fn(*args)
+                done = step = step + 1
+                # read one step late, so the device already has the next step queued
+                streak = int(prev_metrics["bad_streak"]) if prev_metrics is not None else 0
+                prev_metrics = step_metrics
+                flush_pending()  # the previous log step's row; step `done` is already queued
+                if first:  # the first call compiled: keep it out of the throughput
+                    first = False
+                    first_loss = float(step_metrics["loss"])
+                    if done % cfg.log_every_steps:
+                        restart_clock(done)
+                if streak >= ckpt_cfg.max_bad_steps:
+                    recover(done - 1)
+                    prev_metrics, first = None, True
+                    continue
+                if done % cfg.log_every_steps == 0 or done == cfg.steps:
+                    pending = (done, step_metrics)
+                if cfg.eval.every_steps and (done % cfg.eval.every_steps == 0 or done == cfg.steps):
+                    flush_pending()
+                    eval_loss = evaluate(cfg, eval_fn, state["params"], eval_data, mesh, rules)
+                    writer.write(done, {"eval_loss": eval_loss})
+                    log.info(_format(done, {"eval_loss": eval_loss}))
                     restart_clock(done)
-            if done % cfg.log_every_steps == 0 or done == cfg.steps:
-                pending = (done, step_metrics)
-            if cfg.eval.every_steps and (done % cfg.eval.every_steps == 0 or done == cfg.steps):
-                flush_pending()
-                eval_loss = evaluate(cfg, eval_fn, state["params"], eval_data, mesh, rules)
-                writer.write(done, {"eval_loss": eval_loss})
-                log.info(_format(done, {"eval_loss": eval_loss}))
-                restart_clock(done)
-            if done % cfg.checkpoint.every_steps == 0 or done == cfg.steps:
-                flush_pending()
-                check_finite(done, step_metrics)  # never save a non-finite state
-                checkpoint.save(manager, done, state, cfg.to_dict())
-                last_saved = done
-                restart_clock(done)
-        flush_pending()
-    manager.wait_until_finished()
-    manager.close()
-    writer.close()
+                preempted = preemption.reached(done)
+                regular = done % ckpt_cfg.every_steps == 0 or done == cfg.steps
+                timed = bool(ckpt_cfg.every_minutes) and not regular and _agree(
+                    time.monotonic() - last_save_time >= 60 * ckpt_cfg.every_minutes)
+                if regular or timed or preempted or save_due:
+                    flush_pending()
+                    streak = int(step_metrics["bad_streak"])
+                    if streak >= ckpt_cfg.max_bad_steps and not preempted:
+                        recover(done)
+                        prev_metrics, first = None, True
+                        continue
+                    if streak and not preempted and done != cfg.steps:
+                        if not save_due:
+                            log.info("step %d was non-finite: its checkpoint waits for a good step", done)
+                        save_due = save_due or ("regular" if regular else "temporary")
+                    else:
+                        kind = ("preemption" if preempted else "final" if done == cfg.steps
+                                else "regular" if regular else save_due or "temporary")
+                        save(done, kind)
+                    restart_clock(done)
+                if preempted:
+                    flush_pending()
+                    ckpt.wait()
+                    raise checkpoint.Preempted(done)
+            flush_pending()
+    finally:
+        ckpt.close()
+        writer.close()
     return last_row
+
+
+def _agree(flag: bool) -> bool:
+    """Process 0's `flag` on every process (time-based decisions must not diverge)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
+
+
+def _warning(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"maxlm: warning: {message}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -272,9 +433,12 @@ def main(argv) -> None:
     if not flags.FLAGS.workdir:
         cli.config_error("--workdir=DIR is required")
     workdir = flags.FLAGS.workdir
+    distributed.initialize()  # multi-process runs: from JAX_COORDINATOR_ADDRESS etc.
     cfg = cli.resolved_config(jax.device_count())
     try:
         data = load_data(cfg)
+        if cfg.checkpoint.restore_from:
+            checkpoint.resolve_restore_from(cfg.checkpoint.restore_from)
     except ValueError as e:  # bad data or a data/config mismatch: the user's to fix
         cli.config_error(str(e))
     try:
@@ -282,6 +446,11 @@ def main(argv) -> None:
     except NonFiniteLossError as e:
         print(f"maxlm: {e}", file=sys.stderr)
         sys.exit(3)
+    except checkpoint.Preempted as e:
+        print(f"maxlm: preempted (SIGTERM): checkpoint of step {e.step} committed in "
+              f"{checkpoint.checkpoint_dir(workdir)}; rerun the same command to resume",
+              file=sys.stderr)
+        sys.exit(PREEMPTED_EXIT)
     if jax.process_index() == 0:
         if "loss" in last:
             print(f"done at step {last['step']}: loss {last['loss']:.4f} "

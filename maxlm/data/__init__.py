@@ -1,13 +1,16 @@
-"""Data: the built-in TFDS corpus, tokenizers, packing and the step-indexed batch pipeline."""
+"""Data: sources (TFDS, local files), cleaning, tokenizers, packing and the step-indexed pipeline."""
 
 from maxlm.data.corpus import ensure_corpus, load_split
-from maxlm.data.packing import pack_documents, packing_efficiency
-from maxlm.data.pipeline import SOURCES, TokenDataset, make_dataset
+from maxlm.data.errors import DataError
+from maxlm.data.packing import PackedStream, pack_documents, packing_efficiency
+from maxlm.data.pipeline import SOURCES, TokenDataset, make_dataset, prepare
 from maxlm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "SOURCES",
     "ByteTokenizer",
+    "DataError",
+    "PackedStream",
     "SentencePieceTokenizer",
     "TokenDataset",
     "Tokenizer",
@@ -17,4 +20,5 @@ __all__ = [
     "make_dataset",
     "pack_documents",
     "packing_efficiency",
+    "prepare",
 ]

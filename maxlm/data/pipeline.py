@@ -1,6 +1,8 @@
 """Training and eval batches as a pure function of (config, step).
 
-The corpus is tokenized and packed once into rows of `seq_len` (cached on disk as `.npy`).
+The source is read, cleaned, tokenized and packed once per (source, filters, tokenizer, seq_len,
+split) — `prepare` — into a cache entry: the token stream stored once (uint16 when the vocabulary
+fits) plus document starts, from which any row's four int32 arrays are derived on read.
 A grain `MapDataset` of row ids then fixes which rows form each batch, by index alone, with no
 iterator state: `batch(step)` is the same on every run, after any resume and for any number of
 processes, and each process reads only its own rows. Nothing here imports TensorFlow.
@@ -8,6 +10,7 @@ processes, and each process reads only its own rows. Nothing here imports Tensor
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -20,16 +23,18 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from maxlm.data import corpus
-from maxlm.data.packing import KEYS, pack_documents, packing_efficiency
+from maxlm.data import filters, sources
+from maxlm.data.corpus import file_lock
+from maxlm.data.errors import DataError
+from maxlm.data.packing import PackedStream, token_dtype
 from maxlm.data.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("tfds:python_stdlib",)
-SPLITS = corpus.SPLITS
+SOURCES = ("tfds:python_stdlib", "tfds:NAME[/CONFIG][:VERSION]", "PATH|DIR|GLOB")
+SPLITS = sources.SPLITS
 # Bump when packing or the cache layout changes, so stale caches are not reused.
-_PACKED_FORMAT = 1
+_PACKED_FORMAT = 2
 
 
 class TokenDataset:
@@ -49,7 +54,7 @@ class TokenDataset:
 
     def __init__(
         self,
-        rows: dict[str, np.ndarray],
+        rows: PackedStream,
         *,
         tokenizer: Tokenizer,
         batch_size: int,
@@ -60,8 +65,8 @@ class TokenDataset:
         self.split = split
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        self._rows = rows  # key -> [num_rows, seq_len] int32, usually memory-mapped
-        self.num_rows, self.seq_len = rows["inputs"].shape
+        self._rows = rows  # usually memory-mapped
+        self.num_rows, self.seq_len = rows.num_rows, rows.seq_len
         self.steps_per_epoch = self.num_rows // batch_size
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -78,7 +83,7 @@ class TokenDataset:
     def packing_efficiency(self) -> float:
         """Fraction of non-padding tokens over the whole split."""
         if self._efficiency is None:
-            self._efficiency = packing_efficiency(self._rows["segment_ids"])
+            self._efficiency = self._rows.packing_efficiency
         return self._efficiency
 
     def epoch_of(self, step: int) -> int:
@@ -112,8 +117,7 @@ class TokenDataset:
         Rows [p*B/P, (p+1)*B/P) of the global batch, as int32 arrays `[B/P, seq_len]` under
         `inputs, targets, segment_ids, positions`.
         """
-        ids = self.row_ids(step, process_index, process_count)
-        return {k: np.ascontiguousarray(self._rows[k][ids]) for k in KEYS}
+        return self._rows.rows(self.row_ids(step, process_index, process_count))
 
     def __repr__(self) -> str:
         return (
@@ -128,36 +132,18 @@ def _shuffle_seed(seed: int) -> int:
     return int(np.random.SeedSequence(seed).generate_state(1, np.uint32)[0])
 
 
+
+
 def make_dataset(config, split: str) -> TokenDataset:
     """The packed `split` ("train" or "validation") of `config.data.source`.
 
-    Reads `seed, batch_size, seq_len, model.vocab_size` and `data.{source, tfds_dir, cache_dir,
-    tokenizer}`. Builds the corpus and the packed cache on first use.
+    Reads `seed, batch_size, seq_len, model.vocab_size` and `data.*`. Prepares the packed cache
+    on first use (`prepare`). Raises `DataError` (a ValueError) on bad data, naming file and line.
     """
-    source = config.data.source
-    if source not in SOURCES:
-        raise ValueError(f"unknown data.source {source!r}; available sources: {SOURCES}")
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    tokenizer = load_tokenizer(config.data.tokenizer)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(
-            f"tokenizer {tokenizer.spec!r} has vocab_size={tokenizer.vocab_size}, more than "
-            f"model.vocab_size={config.model.vocab_size}; set model.vocab_size >= "
-            f"{tokenizer.vocab_size}"
-        )
-    tfds_dir = os.path.expanduser(config.data.tfds_dir)
-    corpus.ensure_corpus(tfds_dir)
-    rows, info = _load_or_pack(
-        source=source,
-        split=split,
-        tokenizer=tokenizer,
-        seq_len=config.seq_len,
-        tfds_dir=tfds_dir,
-        cache_dir=os.path.expanduser(config.data.cache_dir),
-    )
+    tokenizer = _checked_tokenizer(config)
+    stream, info = prepare(config, split, tokenizer)
     return TokenDataset(
-        rows,
+        stream,
         tokenizer=tokenizer,
         batch_size=config.batch_size,
         seed=config.seed if split == "train" else None,
@@ -166,54 +152,118 @@ def make_dataset(config, split: str) -> TokenDataset:
     )
 
 
-def _load_or_pack(*, source, split, tokenizer, seq_len, tfds_dir, cache_dir):
-    """Returns (memory-mapped packed rows by key, the cache's meta.json)."""
-    meta = {
+def _checked_tokenizer(config) -> Tokenizer:
+    sources.parse_source(config.data.source)  # a malformed source fails before anything loads
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer.spec!r} has vocab_size={tokenizer.vocab_size}, more than "
+            f"model.vocab_size={config.model.vocab_size}; set model.vocab_size >= "
+            f"{tokenizer.vocab_size}"
+        )
+    return tokenizer
+
+
+def cache_meta(config, split: str, tokenizer: Tokenizer) -> dict:
+    """Everything the packed cache entry depends on (its key is a hash of this)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    d = config.data
+    return {
         "format": _PACKED_FORMAT,
-        "source": source,
+        "source": d.source,
+        "source_fingerprint": sources.source_fingerprint(d),
         "split": split,
+        "text_key": sources.opt(d, "text_key", "text"),
+        "txt_documents": sources.opt(d, "txt_documents", "file"),
+        "validation_percent": sources.opt(d, "validation_percent", 2.0),
+        "bad_records": sources.opt(d, "bad_records", "error"),
+        "filters": filters.settings(d),
         "tokenizer": tokenizer.spec,
         "tokenizer_fingerprint": tokenizer.fingerprint,
         "vocab_size": tokenizer.vocab_size,
-        "seq_len": seq_len,
-        "corpus_fingerprint": corpus.corpus_metadata(tfds_dir)["fingerprint"],
+        "seq_len": config.seq_len,
     }
+
+
+def cache_path(config, split: str, tokenizer: Tokenizer | None = None) -> tuple[Path, dict]:
+    tokenizer = tokenizer or _checked_tokenizer(config)
+    meta = cache_meta(config, split, tokenizer)
     key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
-    final = Path(cache_dir) / f"{corpus.NAME}-{split}-L{seq_len}-{key}"
+    slug = sources.parse_source(config.data.source).slug
+    cache_dir = os.path.expanduser(config.data.cache_dir)
+    return Path(cache_dir) / f"{slug}-{split}-L{config.seq_len}-{key}", meta
+
+
+def prepare(config, split: str, tokenizer: Tokenizer | None = None) -> tuple[PackedStream, dict]:
+    """(memory-mapped packed stream, the cache entry's meta.json), building the entry if missing.
+
+    The entry is written atomically (temporary directory, then rename) under a file lock, so
+    concurrent processes build it once. meta.json carries the statistics `stats` prints.
+    """
+    tokenizer = tokenizer or _checked_tokenizer(config)
+    final, meta = cache_path(config, split, tokenizer)
     if not (final / "meta.json").is_file():
         final.parent.mkdir(parents=True, exist_ok=True)
-        with corpus.file_lock(final.parent / f".{final.name}.lock"):
+        with file_lock(final.parent / f".{final.name}.lock"):
             if not (final / "meta.json").is_file():  # not built while we waited
                 # Packing runs only under this lock: a temporary dir left is a dead run's.
                 for stale in final.parent.glob(f".{final.name}.tmp-*"):
                     shutil.rmtree(stale, ignore_errors=True)
-                _pack_into(final, meta, tfds_dir, tokenizer)
-    rows = {k: np.load(final / f"{k}.npy", mmap_mode="r") for k in KEYS}
+                _pack_into(final, meta, config.data, tokenizer)
     info = json.loads((final / "meta.json").read_text())
-    log.info("%s: %d packed rows of %d tokens from %s", split, info["num_rows"], seq_len, final)
-    return rows, info
+    stream = PackedStream(
+        np.load(final / "targets.npy", mmap_mode="r"),
+        np.load(final / "doc_starts.npy"),
+        info["seq_len"],
+        tokenizer.bos_id,
+        tokenizer.eos_id,
+        tokenizer.pad_id,
+    )
+    log.info("%s: %d packed rows of %d tokens from %s", split, stream.num_rows, info["seq_len"], final)
+    return stream, info
 
 
-def _pack_into(final: Path, meta: dict, tfds_dir: str, tokenizer: Tokenizer) -> None:
-    """Tokenizes and packs a split into `final`, atomically (temporary dir, then rename)."""
+def read_clean_documents(data_cfg, split: str, counts) -> list[str]:
+    """The documents of `split` after `data.filters`; skip and filter counts go to `counts`."""
+    texts = sources.read_documents(data_cfg, split, counts)
+    kept = filters.apply_filters(texts, filters.settings(data_cfg), counts)
+    if not kept:
+        raise DataError(f"data.source={data_cfg.source!r}: data.filters dropped all "
+                        f"{len(texts)} {split!r} documents ({dict(counts)})")
+    return kept
+
+
+def _pack_into(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer) -> None:
+    """Reads, cleans, tokenizes and packs a split into `final`, atomically."""
     start = time.perf_counter()
-    docs = corpus.load_split(tfds_dir, meta["split"])
-    texts = [docs[i]["text"].decode("utf-8") for i in range(len(docs))]
+    counts = collections.Counter()
+    texts = read_clean_documents(data_cfg, meta["split"], counts)
+    read = time.perf_counter()
     ids = tokenizer.encode_batch(texts)
     tokenized = time.perf_counter()
-    rows = pack_documents(
-        ids, meta["seq_len"], tokenizer.bos_id, tokenizer.eos_id, pad_id=tokenizer.pad_id
-    )
+    stream = PackedStream.from_documents(
+        ids, meta["seq_len"], tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id,
+        dtype=token_dtype(tokenizer.vocab_size),
+    )  # fmt: skip
     stats = {
-        "num_docs": len(texts),
-        "num_rows": int(rows["inputs"].shape[0]),
-        "num_tokens": int(np.count_nonzero(rows["segment_ids"])),
-        "packing_efficiency": packing_efficiency(rows["segment_ids"]),
+        "documents": len(texts),
+        "tokens": stream.num_tokens,
+        "sequences": stream.num_rows,
+        "packing_efficiency": stream.packing_efficiency,
+        # Longer than a row: split across rows as continuing segments, never truncated.
+        "long_documents": int(sum(len(x) + 1 > meta["seq_len"] for x in ids)),
+        "skipped": {k: v for k, v in sorted(counts.items()) if not k.startswith("filtered_") and k != "files"},
+        "filtered": {k[len("filtered_"):]: counts.get(k, 0) for k in
+                     (f"filtered_{n}" for n in filters.FILTER_KEYS)},
+        **({"files": counts["files"]} if counts.get("files") else {}),
+        "read_sec": round(read - start, 3),
+        "tokenize_sec": round(tokenized - read, 3),
     }
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        for k in KEYS:
-            np.save(tmp / f"{k}.npy", rows[k])
+        np.save(tmp / "targets.npy", stream.targets_T)
+        np.save(tmp / "doc_starts.npy", stream.doc_starts_D)
         (tmp / "meta.json").write_text(json.dumps({**meta, **stats}, indent=2, sort_keys=True))
         try:
             os.rename(tmp, final)
@@ -223,15 +273,9 @@ def _pack_into(final: Path, meta: dict, tfds_dir: str, tokenizer: Tokenizer) -> 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info(
-        "tokenized %d %s docs in %.1fs and packed them into %d rows x %d (%d tokens, "
-        "efficiency %.4f) in %.1fs -> %s",
-        stats["num_docs"],
-        meta["split"],
-        tokenized - start,
-        stats["num_rows"],
-        meta["seq_len"],
-        stats["num_tokens"],
-        stats["packing_efficiency"],
-        time.perf_counter() - tokenized,
-        final,
-    )
+        "prepared %s[%s]: %d docs (skipped %s, filtered %s), %d tokens in %d rows x %d "
+        "(efficiency %.4f), tokenized in %.1fs -> %s",
+        meta["source"], meta["split"], stats["documents"], stats["skipped"], stats["filtered"],
+        stats["tokens"], stats["sequences"], meta["seq_len"], stats["packing_efficiency"],
+        tokenized - read, final,
+    )  # fmt: skip

@@ -41,7 +41,7 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Inverse of `encode`; special ids are dropped."""
 
-    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
+    def encode_batch(self, texts: Iterable[str], num_threads: int | None = None) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
 
 
@@ -113,9 +113,9 @@ class SentencePieceTokenizer(Tokenizer):
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._sp.encode(text, out_type=int), dtype=np.int32)
 
-    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
-        # One call so SentencePiece can use its own thread pool.
-        ids = self._sp.encode(list(texts), out_type=int, num_threads=os.cpu_count())
+    def encode_batch(self, texts: Iterable[str], num_threads: int | None = None) -> list[np.ndarray]:
+        # One call so SentencePiece can use its own thread pool (default: every core).
+        ids = self._sp.encode(list(texts), out_type=int, num_threads=num_threads or os.cpu_count())
         return [np.asarray(x, dtype=np.int32) for x in ids]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:

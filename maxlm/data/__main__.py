@@ -1,0 +1,155 @@
+"""`python -m maxlm.data {tokenizer,prepare,stats,peek} --config=configs/NAME.py [--config.KEY=V]`.
+
+  tokenizer --out=PATH.model  trains a byte-fallback BPE sentencepiece model on a sample of the
+                              train split (vocab: data.tokenizer_vocab_size, 0 = model.vocab_size;
+                              pieces pad=0, unk=1, bos=2, eos=3)
+  prepare                     builds the packed caches (train, and validation unless eval is off)
+  stats [--split=train]       prints one JSON object: documents, tokens, sequences,
+                              packing_efficiency, skipped and filtered counts
+  peek --step=N [--split=train] [--rows=K]
+                              prints the decoded rows of global batch N; each segment starts
+                              with a `⟦seg I pos P⟧` marker (pos > 0: continues from the previous row)
+
+Bad data or config: one line on stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+
+from maxlm import cli
+
+log = logging.getLogger("maxlm.data")
+
+COMMANDS = ("tokenizer", "prepare", "stats", "peek")
+
+
+def data_error(message: str):
+    print(f"maxlm: data error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def train_tokenizer(cfg, out: str) -> dict:
+    """Trains the sentencepiece model to `out` (atomically) and returns a summary."""
+    import numpy as np
+    import sentencepiece as spm
+
+    from maxlm.data import pipeline
+
+    counts = __import__("collections").Counter()
+    texts = pipeline.read_clean_documents(cfg.data, "train", counts)
+    n = min(len(texts), cfg.data.tokenizer_sample_docs)
+    pick = np.sort(np.random.default_rng(cfg.seed).choice(len(texts), n, replace=False))
+    vocab = cfg.data.tokenizer_vocab_size or cfg.model.vocab_size
+    out = os.path.abspath(os.path.expanduser(out))
+    if not out.endswith(".model"):
+        raise ValueError(f"--out must end in .model, got {out!r}")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
+        sample = os.path.join(tmp, "sample.txt")
+        with open(sample, "w", encoding="utf-8") as f:
+            for i in pick:  # sentencepiece reads lines; empty lines carry nothing
+                f.write(texts[i] if texts[i].endswith("\n") else texts[i] + "\n")
+        try:
+            spm.SentencePieceTrainer.train(
+                input=sample, model_prefix=os.path.join(tmp, "tok"), vocab_size=vocab,
+                model_type="bpe", byte_fallback=True, character_coverage=0.9995,
+                pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+                pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
+                normalization_rule_name="identity", remove_extra_whitespaces=False,
+                allow_whitespace_only_pieces=True, split_digits=True,
+                max_sentence_length=1 << 16, input_sentence_size=2_000_000,
+                shuffle_input_sentence=True, seed_sentencepiece_size=1_000_000,
+                hard_vocab_limit=False, num_threads=os.cpu_count() or 1, minloglevel=2,
+            )  # fmt: skip
+        except RuntimeError as e:
+            raise ValueError(f"sentencepiece training failed: {str(e).splitlines()[0]}") from None
+        os.replace(os.path.join(tmp, "tok.model"), out)
+    from maxlm.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(out)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"trained vocab_size={tok.vocab_size} > model.vocab_size={cfg.model.vocab_size}")
+    return {"model": out, "vocab_size": tok.vocab_size, "requested_vocab_size": vocab,
+            "sample_documents": int(n), "pad_id": tok.pad_id, "unk_id": 1,
+            "bos_id": tok.bos_id, "eos_id": tok.eos_id, "byte_fallback": True, "model_type": "bpe"}
+
+
+def stats(cfg, split: str) -> dict:
+    from maxlm.data import pipeline
+
+    _, info = pipeline.prepare(cfg, split)
+    keys = ("source", "split", "tokenizer", "vocab_size", "seq_len", "files", "documents", "tokens",
+            "sequences", "packing_efficiency", "long_documents", "skipped", "filtered")
+    return {k: info.get(k) for k in keys}
+
+
+def peek(cfg, step: int, split: str, max_rows: int) -> str:
+    import numpy as np
+
+    from maxlm.data import make_dataset
+
+    ds = make_dataset(cfg, split)
+    b = ds.batch(step)
+    out = [f"# step {step} of {split} (epoch {ds.epoch_of(step)}), rows {ds.row_ids(step).tolist()[:max_rows]}"]
+    for r in range(min(max_rows, b["inputs"].shape[0])):
+        seg, pos, inputs = b["segment_ids"][r], b["positions"][r], b["inputs"][r]
+        out.append(f"=== row {r}: {int(seg.max())} segments, {int(np.count_nonzero(seg))} tokens ===")
+        parts = []
+        for s in range(1, int(seg.max()) + 1):
+            cols = np.flatnonzero(seg == s)
+            parts.append(f"⟦seg {s} pos {int(pos[cols[0]])}⟧" + ds.tokenizer.decode(inputs[cols]))
+        if (seg == 0).any():
+            parts.append(f"⟦pad ×{int((seg == 0).sum())}⟧")
+        out.append("".join(parts))
+    return "\n".join(out)
+
+
+def main(argv) -> None:
+    import jax
+    from absl import flags
+
+    if len(argv) != 2 or argv[1] not in COMMANDS:
+        cli.config_error(f"usage: python -m maxlm.data {{{','.join(COMMANDS)}}} --config=...; got {argv[1:]}")
+    cli.setup_logging()
+    cfg = cli.resolved_config(jax.device_count())
+    F = flags.FLAGS
+    try:
+        if argv[1] == "tokenizer":
+            if not F.out:
+                cli.config_error("tokenizer needs --out=PATH.model")
+            print(json.dumps(train_tokenizer(cfg, F.out), indent=2))
+        elif argv[1] == "prepare":
+            from maxlm.data import pipeline
+
+            splits = ["train"] + (["validation"] if cfg.eval.every_steps else [])
+            result = {}
+            for split in splits:
+                pipeline.prepare(cfg, split)
+                result[split] = str(pipeline.cache_path(cfg, split)[0])
+            print(json.dumps(result, indent=2))
+        elif argv[1] == "stats":
+            print(json.dumps(stats(cfg, F.split), indent=2))
+        else:
+            if F.step is None or F.step < 0:
+                cli.config_error("peek needs --step=N (N >= 0)")
+            print(peek(cfg, F.step, F.split, F.rows))
+    except ValueError as e:  # DataError included: bad data, named by file and line
+        data_error(str(e))
+
+
+def _define_flags() -> None:
+    from absl import flags
+
+    flags.DEFINE_string("out", None, "tokenizer: where to write the .model file.")
+    flags.DEFINE_enum("split", "train", ["train", "validation"], "stats/peek: which split.")
+    flags.DEFINE_integer("step", None, "peek: the global batch to show.")
+    flags.DEFINE_integer("rows", 1 << 30, "peek: at most this many rows.")
+
+
+if __name__ == "__main__":
+    cli.run(main, _define_flags)

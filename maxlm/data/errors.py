@@ -1,0 +1,15 @@
+"""The one exception for bad user data: it names the file (and line) so the user can fix it."""
+
+from __future__ import annotations
+
+
+class DataError(ValueError):
+    """Bad input data or a data/config mismatch. `str(e)` is `FILE:LINE: what is wrong`.
+
+    A `ValueError`, so `maxlm.train` turns it into exit status 2 with one line, no traceback.
+    """
+
+    def __init__(self, message: str, file: str | None = None, line: int | None = None):
+        self.file, self.line = file, line
+        where = file if line is None else f"{file}:{line}"
+        super().__init__(f"{where}: {message}" if file else message)

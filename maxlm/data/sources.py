@@ -1,0 +1,344 @@
+"""Where documents come from: `data.source` → a deterministic list of texts per split.
+
+Two kinds of source:
+
+* `tfds:NAME[/CONFIG][:VERSION]` — a TFDS dataset already prepared (ArrayRecord) under
+  `data.tfds_dir`, read with `tfds.data_source` (random access, no TensorFlow). The text is the
+  `data.text_key` feature. Nothing is downloaded: a dataset that is not there is a `DataError`.
+  `tfds:python_stdlib`, the built-in corpus, is built on first use (see `corpus.py`).
+* a file, a directory (searched recursively) or a glob of local files, by extension:
+  `.txt` — one document per file (`data.txt_documents="file"`) or per blank-line-separated block
+  (`"paragraph"`); `.jsonl` — one JSON object per line, text under `data.text_key`;
+  `.parquet` — the `data.text_key` column; `.array_record` — each record is one UTF-8 document.
+  Local sources have no splits: a document goes to `validation` when a stable hash of
+  `relative/path:line` falls under `data.validation_percent`, else to `train`.
+
+Bad data (see `counts` keys): empty files, empty documents and text that is not UTF-8 are skipped
+and counted; a broken JSON line, a line that is not an object, a missing `text_key` or a non-string
+value are a `DataError` naming the file and line, or, with `data.bad_records="skip"`, skipped and
+counted as `bad_records`. A source that matches no file or yields no document is a `DataError`.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import hashlib
+import json
+import logging
+import os
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from maxlm.data import corpus
+from maxlm.data.errors import DataError
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS = (".txt", ".jsonl", ".parquet", ".array_record")
+SPLITS = ("train", "validation")
+_PARAGRAPH = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")
+
+
+def opt(data_cfg, key: str, default):
+    """`data_cfg.key`, or `default` for configs written before the key existed."""
+    try:
+        return data_cfg[key]
+    except (KeyError, AttributeError):
+        return default
+
+
+@dataclass(frozen=True)
+class Source:
+    spec: str
+    kind: str  # "tfds" or "files"
+    tfds_name: str = ""  # NAME[/CONFIG] for tfds
+    tfds_version: str = ""  # "" = newest prepared
+
+    @property
+    def slug(self) -> str:
+        """A short readable name for cache entries."""
+        if self.kind == "tfds":
+            return self.tfds_name.replace("/", "_")
+        stem = Path(self.spec.rstrip("/*")).name or "files"
+        return re.sub(r"[^A-Za-z0-9_.]+", "_", stem)[:40] or "files"
+
+
+def parse_source(spec: str) -> Source:
+    if not isinstance(spec, str) or not spec:
+        raise DataError(f"data.source must be 'tfds:NAME[/CONFIG][:VERSION]' or a path/glob, got {spec!r}")
+    if spec.startswith("tfds:"):
+        name, _, version = spec[len("tfds:"):].partition(":")
+        if not re.fullmatch(r"[a-z0-9_]+(/[A-Za-z0-9_.\-]+)?", name) or (
+            version and not re.fullmatch(r"\d+\.\d+\.\d+", version)
+        ):
+            raise DataError(
+                f"data.source={spec!r} is not 'tfds:NAME[/CONFIG][:X.Y.Z]' "
+                "(e.g. the built-in 'tfds:python_stdlib')"
+            )
+        return Source(spec, "tfds", name, version)
+    return Source(spec, "files")
+
+
+# ----------------------------------------------------------------------------------------- TFDS
+
+
+def _tfds_version_dir(source: Source, tfds_dir: str) -> Path:
+    base = Path(tfds_dir) / source.tfds_name
+    if source.tfds_version:
+        candidates = [base / source.tfds_version]
+    else:
+        candidates = sorted(
+            (p for p in base.glob("*.*.*") if p.is_dir()),
+            key=lambda p: tuple(int(x) for x in p.name.split(".") if x.isdigit()),
+            reverse=True,
+        )
+    for c in candidates:
+        if (c / "dataset_info.json").is_file():
+            return c
+    raise DataError(
+        f"TFDS dataset {source.tfds_name!r}{' version ' + source.tfds_version if source.tfds_version else ''} "
+        f"is not prepared under data.tfds_dir={tfds_dir!r} (nothing is downloaded at run time: "
+        "prepare it there in ArrayRecord format first, or use the built-in 'tfds:python_stdlib')"
+    )
+
+
+def _open_tfds(source: Source, tfds_dir: str, split: str):
+    import tensorflow_datasets as tfds
+
+    if source.tfds_name == corpus.NAME:
+        corpus.ensure_corpus(tfds_dir)
+        return corpus.load_split(tfds_dir, split)
+    version_dir = _tfds_version_dir(source, tfds_dir)
+    info = json.loads((version_dir / "dataset_info.json").read_text())
+    splits = [s["name"] for s in info.get("splits", [])]
+    if split not in splits:
+        raise DataError(
+            f"TFDS dataset {source.tfds_name!r} has splits {splits}, no {split!r}",
+            str(version_dir),
+        )
+    fmt = info.get("fileFormat", "")
+    if fmt and fmt != "array_record":
+        raise DataError(
+            f"TFDS dataset {source.tfds_name!r} is stored as {fmt!r}; random access without "
+            "TensorFlow needs it rebuilt with file_format='array_record'",
+            str(version_dir),
+        )
+    name = f"{source.tfds_name}:{version_dir.name}"
+    return tfds.data_source(name, data_dir=tfds_dir, split=split, download=False)
+
+
+def _tfds_documents(source, data_cfg, split, counts):
+    tfds_dir = os.path.expanduser(data_cfg.tfds_dir)
+    ds = _open_tfds(source, tfds_dir, split)
+    text_key = opt(data_cfg, "text_key", "text")
+    skip = opt(data_cfg, "bad_records", "error") == "skip"
+    where = f"tfds:{source.tfds_name}[{split}]"
+    docs = []
+    for i in range(len(ds)):
+        example = ds[i]
+        if text_key not in example:
+            if i == 0 and not skip:
+                raise DataError(
+                    f"no feature data.text_key={text_key!r}; features are {sorted(example)}",
+                    where,
+                )
+            counts["bad_records"] += 1
+            continue
+        _add_text(example[text_key], docs, counts, f"{where}#{i}")
+    return docs
+
+
+# ---------------------------------------------------------------------------------- local files
+
+
+def list_files(spec: str) -> tuple[Path, list[Path]]:
+    """(root, sorted files) for a file, a directory or a glob; root keys the split hash."""
+    path = os.path.expanduser(spec)
+    if any(ch in path for ch in "*?["):
+        files = [Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p)]
+        root = Path(re.split(r"[*?\[]", path, maxsplit=1)[0] or ".")
+        root = root if root.is_dir() else root.parent
+    elif os.path.isdir(path):
+        root = Path(path)
+        files = [p for p in root.rglob("*") if p.is_file() and p.suffix in EXTENSIONS]
+    elif os.path.isfile(path):
+        root, files = Path(path).parent, [Path(path)]
+    else:
+        raise DataError(f"data.source={spec!r}: no such file, directory or matching glob")
+    files = sorted(files)
+    if not files:
+        raise DataError(
+            f"data.source={spec!r} matches no {'/'.join(EXTENSIONS)} files (empty source)"
+        )
+    for f in files:
+        if f.suffix not in EXTENSIONS:
+            raise DataError(f"unsupported file type {f.suffix!r}; supported: {EXTENSIONS}", str(f))
+    return root, files
+
+
+def _add_text(value, docs, counts, where: str) -> None:
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            counts["not_utf8"] += 1
+            log.warning("%s: skipped: not valid UTF-8", where)
+            return
+    if value is None or not value.strip():
+        counts["empty_documents"] += 1
+        return
+    docs.append((where, value))
+
+
+def _bad_record(message, file, line, counts, skip):
+    if not skip:
+        raise DataError(message + " (set data.bad_records='skip' to skip and count such records)", file, line)
+    counts["bad_records"] += 1
+    log.warning("%s:%d: skipped: %s", file, line, message)
+
+
+def _read_file(path: Path, rel: str, data_cfg, docs, counts) -> None:
+    text_key = opt(data_cfg, "text_key", "text")
+    skip = opt(data_cfg, "bad_records", "error") == "skip"
+    if path.stat().st_size == 0:
+        counts["empty_files"] += 1
+        log.warning("%s: skipped: empty file", path)
+        return
+    if path.suffix == ".txt":
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            counts["not_utf8"] += 1
+            line = raw[: e.start].count(b"\n") + 1
+            log.warning("%s:%d: skipped file: not valid UTF-8", path, line)
+            return
+        if opt(data_cfg, "txt_documents", "file") == "paragraph":
+            pos, line = 0, 1
+            for m in [*_PARAGRAPH.finditer(text), None]:
+                end = m.start() if m else len(text)
+                _add_text(text[pos:end], docs, counts, f"{rel}:{line}")
+                if m:
+                    line += text.count("\n", pos, m.end())
+                    pos = m.end()
+        else:
+            _add_text(text, docs, counts, f"{rel}:1")
+    elif path.suffix == ".jsonl":
+        for n, raw_line in enumerate(path.read_bytes().split(b"\n"), start=1):
+            if not raw_line.strip():
+                continue
+            try:
+                obj = json.loads(raw_line)
+            except UnicodeDecodeError:
+                counts["not_utf8"] += 1
+                log.warning("%s:%d: skipped: not valid UTF-8", path, n)
+                continue
+            except json.JSONDecodeError as e:
+                _bad_record(f"broken JSON line ({e.msg}, column {e.colno})", str(path), n, counts, skip)
+                continue
+            if not isinstance(obj, dict):
+                _bad_record(f"expected a JSON object, got {type(obj).__name__}", str(path), n, counts, skip)
+            elif text_key not in obj:
+                _bad_record(
+                    f"no data.text_key={text_key!r} field (fields: {sorted(obj)[:8]})",
+                    str(path), n, counts, skip,
+                )
+            elif not isinstance(obj[text_key], str):
+                _bad_record(
+                    f"field {text_key!r} is {type(obj[text_key]).__name__}, not a string",
+                    str(path), n, counts, skip,
+                )
+            else:
+                _add_text(obj[text_key], docs, counts, f"{rel}:{n}")
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        schema = pq.read_schema(path)
+        if text_key not in schema.names:
+            raise DataError(f"no data.text_key={text_key!r} column (columns: {schema.names})", str(path))
+        column = pq.read_table(path, columns=[text_key]).column(0).to_pylist()
+        for n, value in enumerate(column, start=1):
+            if value is not None and not isinstance(value, (str, bytes)):
+                _bad_record(f"column {text_key!r} holds {type(value).__name__}", str(path), n, counts, skip)
+                continue
+            _add_text(value, docs, counts, f"{rel}:{n}")
+    else:  # .array_record
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        reader = ArrayRecordReader(str(path))
+        try:
+            records = reader.read_all()
+        finally:
+            reader.close()
+        for n, record in enumerate(records, start=1):
+            _add_text(record, docs, counts, f"{rel}:{n}")
+
+
+def _file_documents(source, data_cfg, counts):
+    root, files = list_files(source.spec)
+    docs: list[tuple[str, str]] = []
+    for path in files:
+        try:
+            rel = path.relative_to(root).as_posix()
+        except ValueError:
+            rel = path.as_posix()
+        _read_file(path, rel, data_cfg, docs, counts)
+    counts["files"] += len(files)
+    return docs
+
+
+def is_validation(key: str, percent: float) -> bool:
+    return zlib.crc32(key.encode("utf-8")) % 10_000 < percent * 100
+
+
+def read_documents(data_cfg, split: str, counts: collections.Counter | None = None) -> list[str]:
+    """The texts of `split` in a fixed order; skips are added to `counts`. Raises DataError."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    counts = collections.Counter() if counts is None else counts
+    source = parse_source(data_cfg.source)
+    if source.kind == "tfds":
+        docs = _tfds_documents(source, data_cfg, split, counts)
+        empty_where = f"tfds:{source.tfds_name}[{split}]"
+    else:
+        percent = float(opt(data_cfg, "validation_percent", 2.0))
+        docs = _file_documents(source, data_cfg, counts)
+        if not docs:
+            raise DataError(f"data.source={source.spec!r} has no non-empty documents (empty source)")
+        want_val = split == "validation"
+        docs = [d for d in docs if is_validation(d[0], percent) == want_val]
+        empty_where = f"data.source={source.spec!r}"
+        if not docs:
+            raise DataError(
+                f"{empty_where}: no documents in the {split!r} split (data.validation_percent="
+                f"{percent:g} of {counts['files']} files' documents by hash; raise it, or set "
+                "eval.every_steps=0)"
+            )
+    if not docs:
+        raise DataError(f"{empty_where}: no non-empty documents (empty source)")
+    skipped = {k: v for k, v in counts.items() if k != "files" and v}
+    if skipped:
+        log.warning("%s[%s]: skipped %s", source.spec, split, skipped)
+    return [text for _, text in docs]
+
+
+def source_fingerprint(data_cfg) -> str:
+    """Changes whenever the source's content could have changed (keys the packed cache)."""
+    source = parse_source(data_cfg.source)
+    h = hashlib.sha256(source.spec.encode())
+    if source.kind == "tfds":
+        tfds_dir = os.path.expanduser(data_cfg.tfds_dir)
+        if source.tfds_name == corpus.NAME:
+            corpus.ensure_corpus(tfds_dir)
+            h.update(corpus.corpus_metadata(tfds_dir)["fingerprint"].encode())
+        else:
+            h.update((_tfds_version_dir(source, tfds_dir) / "dataset_info.json").read_bytes())
+    else:
+        _, files = list_files(source.spec)
+        for f in files:
+            st = f.stat()
+            h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]

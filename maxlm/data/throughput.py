@@ -1,0 +1,109 @@
+"""Data-pipeline throughput, for `python -m maxlm.bench data` (one process = one core).
+
+(a) `packed_read`: `TokenDataset.batch(step)` on the prepared cache, random far-apart steps —
+    what the training loop pays per step.
+(b) `tokenize_pack`: sentencepiece encode (one thread) + pack + derive the rows from raw text,
+    against (c) `sp_encode`: the raw sentencepiece encode of the same texts in the same run.
+    With `data.tokenizer=byte` a sentencepiece model (vocab = model.vocab_size) is trained on
+    the sample first, so (b)/(c) always measure sentencepiece.
+Each figure is the median of `repeats` timings; tokens/s/core = tokens / (seconds x threads used = 1).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+
+def _median_rate(fn, tokens: int, repeats: int) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return tokens / statistics.median(times), times
+
+
+def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4 << 20) -> dict:
+    import collections
+
+    import sentencepiece as spm
+
+    from maxlm.data import make_dataset, pipeline
+    from maxlm.data.packing import PackedStream, token_dtype
+    from maxlm.data.tokenizer import SentencePieceTokenizer, load_tokenizer
+
+    # (a) packed reading
+    ds = make_dataset(cfg, "train")
+    rng = np.random.default_rng(0)
+    steps = rng.integers(0, 10**9, size=read_batches)
+    ds.batch(int(steps[0]))  # touch the memory map once
+    read_tokens = read_batches * cfg.batch_size * cfg.seq_len
+    read_rate, read_times = _median_rate(lambda: [ds.batch(int(s)) for s in steps], read_tokens, repeats)
+
+    # (b), (c) from raw text: a fixed sample of train documents
+    texts = pipeline.read_clean_documents(cfg.data, "train", collections.Counter())
+    order = np.random.default_rng(cfg.seed).permutation(len(texts))
+    sample, size = [], 0
+    for i in order:
+        if size >= sample_bytes:
+            break
+        sample.append(texts[i])
+        size += len(texts[i].encode("utf-8"))
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = load_tokenizer(cfg.data.tokenizer)
+        trained = not isinstance(tok, SentencePieceTokenizer)
+        if trained:
+            path = os.path.join(tmp, "sample.txt")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write("\n".join(sample[: max(1, len(sample) // 4)]))
+            spm.SentencePieceTrainer.train(
+                input=path, model_prefix=os.path.join(tmp, "tok"), vocab_size=cfg.model.vocab_size,
+                model_type="bpe", byte_fallback=True, pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+                normalization_rule_name="identity", remove_extra_whitespaces=False,
+                hard_vocab_limit=False, max_sentence_length=1 << 16, num_threads=1, minloglevel=2,
+            )  # fmt: skip
+            tok = SentencePieceTokenizer(os.path.join(tmp, "tok.model"))
+        sp = tok._sp
+        num_tokens = sum(len(x) for x in tok.encode_batch(sample, num_threads=1))
+
+        def raw_encode():
+            sp.encode(sample, out_type=int, num_threads=1)
+
+        def tokenize_pack():
+            ids = tok.encode_batch(sample, num_threads=1)
+            stream = PackedStream.from_documents(
+                ids, cfg.seq_len, tok.bos_id, tok.eos_id, tok.pad_id, token_dtype(tok.vocab_size)
+            )
+            stream.rows(np.arange(stream.num_rows))
+
+        raw_rate, raw_times = _median_rate(raw_encode, num_tokens, repeats)
+        tp_rate, tp_times = _median_rate(tokenize_pack, num_tokens, repeats)
+    return {
+        "benchmark": "data",
+        "config": cfg.name,
+        "source": cfg.data.source,
+        "seq_len": cfg.seq_len,
+        "batch_size": cfg.batch_size,
+        "repeats": repeats,
+        "cpu_count": os.cpu_count(),
+        "threads_per_measurement": 1,
+        "packed_read_tokens_per_sec_per_core": read_rate,
+        "packed_read_batches_per_repeat": read_batches,
+        "packed_read_cache_dtype": str(ds._rows.targets_T.dtype),
+        "packed_read_tokenizer": cfg.data.tokenizer,
+        "tokenize_pack_tokens_per_sec_per_core": tp_rate,
+        "sp_encode_tokens_per_sec_per_core": raw_rate,
+        "tokenize_pack_over_sp_encode": tp_rate / raw_rate,
+        "sp_model": "trained on the sample for this run" if trained else cfg.data.tokenizer,
+        "sp_vocab_size": tok.vocab_size,
+        "raw_text_sample_bytes": size,
+        "raw_text_sample_docs": len(sample),
+        "raw_text_sample_tokens": num_tokens,
+        "times_sec": {"packed_read": read_times, "sp_encode": raw_times, "tokenize_pack": tp_times},
+        "targets": {"packed_read_tokens_per_sec_per_core": 5e6, "tokenize_pack_over_sp_encode": 0.5},
+    }

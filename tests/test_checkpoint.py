@@ -1,0 +1,173 @@
+"""Checkpoints: non-finite steps, damaged and incomplete checkpoints, keep policies, verify/list,
+restore onto another mesh, restore_from. In-process runs of configs/tiny.py (eval off)."""
+
+import json
+import math
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+from maxlm import checkpoint, config as config_lib, train
+from tests.helpers import load_config, with_overrides
+
+BASE = {"eval.every_steps": 0, "log_every_steps": 1, "metrics.tensorboard": False,
+        "checkpoint.every_steps": 5}
+
+
+def tiny(data_dirs, **overrides):
+    cfg = with_overrides(load_config("tiny"), {**data_dirs, **BASE, **overrides})
+    return config_lib.resolve(cfg, jax.device_count())
+
+
+def losses(workdir):
+    """step -> loss, the last row written for each step (a resumed run rewrites replayed steps)."""
+    out = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            out[row["step"]] = row
+    return out
+
+
+def steps_in(workdir):
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def params_of(workdir, step):
+    meta = checkpoint.read_json(str(workdir / "checkpoints" / str(step)), "config")
+    expected = checkpoint._expected_abstract(meta)
+    state, _ = checkpoint.restore_state(str(workdir / "checkpoints" / str(step)), expected)
+    return state
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory, data_dirs):
+    workdir = tmp_path_factory.mktemp("clean")
+    train.train_and_evaluate(tiny(data_dirs), str(workdir))
+    return workdir
+
+
+pytestmark = pytest.mark.slow
+
+
+def test_clean_run_checkpoints(clean_run):
+    assert steps_in(clean_run) == [10, 15, 20]  # every 5, max_to_keep 3
+    meta = checkpoint.read_json(str(clean_run / "checkpoints" / "20"), "meta")
+    assert meta["step"] == meta["data_position"] == 20 and meta["seed"] == 0
+    assert meta["kind"] == "final" and meta["lr_scale"] == 1.0
+    assert checkpoint.cli_main(["verify", str(clean_run)]) == 0
+
+
+def test_nan_step_skipped_counted_never_saved(tmp_path, data_dirs, clean_run):
+    """Step 13's gradients are NaN: the update is skipped inside the step, counted, and the
+    time-based save that falls on it waits for the next good step."""
+    cfg = tiny(data_dirs, **{"debug.nan_at_step": 12, "checkpoint.every_minutes": 1e-5})
+    last = train.train_and_evaluate(cfg, str(tmp_path))
+    rows = losses(tmp_path)
+    assert not math.isfinite(float(rows[13]["grad_norm"])) and rows[13]["skipped_steps"] == 1
+    assert rows[13]["param_norm"] == rows[12]["param_norm"]  # not applied
+    assert last["skipped_steps"] == 1 and last["bad_streak"] == 0
+    clean = losses(clean_run)
+    assert [rows[s]["loss"] for s in range(1, 14)] == [clean[s]["loss"] for s in range(1, 14)]
+    assert rows[20]["loss"] != clean[20]["loss"]
+    # temporary (every_minutes) saves were replaced by the next one; regular ones kept
+    assert steps_in(tmp_path) == [10, 15, 20]
+    assert checkpoint.cli_main(["verify", str(tmp_path)]) == 0
+
+
+def test_bad_streak_restores_last_good_checkpoint(tmp_path, data_dirs, clean_run, capsys):
+    """3 consecutive NaN steps (a transient fault) → back to step 10, replay: the clean losses."""
+    cfg = tiny(data_dirs, **{"debug.nan_at_step": 11, "debug.nan_steps": 3,
+                             "checkpoint.restore_lr_scale": 0.5})
+    last = train.train_and_evaluate(cfg, str(tmp_path))
+    err = capsys.readouterr().err
+    assert "3 consecutive non-finite steps up to step 14: restored step 10" in err
+    assert "lr scale 0.5" in err
+    assert last["step"] == 20 and last["skipped_steps"] == 0
+    meta = checkpoint.read_json(str(tmp_path / "checkpoints" / "20"), "meta")
+    assert meta["lr_scale"] == 0.5  # recorded, so a resume continues with it
+    rows, clean = losses(tmp_path), losses(clean_run)
+    assert rows[11]["loss"] == clean[11]["loss"]  # same weights, same batch: the replay
+    assert rows[12]["lr"] == pytest.approx(clean[12]["lr"] / 2)
+
+
+def test_persistent_nan_stops_and_keeps_last_good(tmp_path, data_dirs):
+    cfg = tiny(data_dirs, **{"debug.nan_at_step": 11, "debug.nan_steps": 3,
+                             "debug.nan_transient": False, "checkpoint.max_to_keep": 1})
+    with pytest.raises(train.NonFiniteLossError, match=r"still after 2 restore\(s\).*step 10"):
+        train.train_and_evaluate(cfg, str(tmp_path))
+    assert steps_in(tmp_path) == [10]  # the only good one, kept whatever max_to_keep says
+    assert checkpoint.cli_main(["verify", str(tmp_path)]) == 0
+
+
+def test_damaged_and_incomplete_checkpoints_are_skipped(tmp_path, clean_run, data_dirs, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(clean_run, run)
+    ckpts = run / "checkpoints"
+    data_file = max((ckpts / "20" / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+    with open(data_file, "r+b") as f:  # truncated array data
+        f.truncate(50)
+    (ckpts / "15" / "_CHECKPOINT_METADATA").write_text("{not json")  # unreadable metadata
+    shutil.copytree(ckpts / "10", ckpts / "25.orbax-checkpoint-tmp")  # an interrupted write
+    assert checkpoint.cli_main(["verify", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert "unreadable _CHECKPOINT_METADATA" in out and "does not restore" in out
+    (run / "metrics.jsonl").write_text("")
+
+    last = train.train_and_evaluate(tiny(data_dirs, steps=20), str(run))
+    err = capsys.readouterr().err
+    assert f"ignoring incomplete checkpoint {ckpts / '25.orbax-checkpoint-tmp'}" in err
+    assert f"skipping damaged checkpoint {ckpts / '15'}: unreadable _CHECKPOINT_METADATA" in err
+    assert f"skipping damaged checkpoint {ckpts / '20'}: does not restore" in err
+    assert len([line for line in err.splitlines() if "damaged checkpoint" in line]) == 2
+    assert last["step"] == 20
+    replayed, clean = losses(run), losses(clean_run)
+    assert sorted(replayed) == list(range(11, 21))  # resumed from 10
+    assert all(replayed[s]["loss"] == clean[s]["loss"] for s in replayed)  # bit for bit
+    assert (ckpts / "20.damaged").is_dir() and (ckpts / "15.damaged").is_dir()  # never deleted
+    assert steps_in(run) == [10, 15, 20]
+    capsys.readouterr()  # drop what the run printed
+    assert checkpoint.cli_main(["list", str(run)]) == 0
+    listing = capsys.readouterr().out
+    assert "damaged" in listing and "final" in listing and ("MB" in listing or "KB" in listing)
+
+
+def test_keep_policies(tmp_path):
+    cfg = ConfigDict({"max_to_keep": 2, "keep_period": 4})
+    ckpt = checkpoint.Checkpointer(str(tmp_path), cfg)
+    state = {"step": jnp.zeros((), jnp.int32), "w": jnp.ones((4,))}
+    for step in range(1, 11):
+        kind = "regular" if step % 2 == 0 else "temporary"
+        ckpt.save(step, dict(state, step=jnp.int32(step)), {}, {}, kind=kind)
+    ckpt.close()
+    # regular: the newest 2 (8, 10) + multiples of 4 (4, 8); temporaries gone once replaced
+    assert steps_in(tmp_path) == [4, 8, 10]
+
+
+def test_restore_from_another_run(tmp_path, clean_run, data_dirs):
+    full = tmp_path / "full"
+    cfg = tiny(data_dirs, **{"checkpoint.restore_from": str(clean_run / "checkpoints" / "10")})
+    train.train_and_evaluate(cfg, str(full))
+    rows, clean = losses(full), losses(clean_run)
+    assert sorted(rows) == list(range(11, 21))  # the full state: step, optimizer, data position
+    assert all(rows[s]["loss"] == clean[s]["loss"] for s in rows)
+
+    params_only = tmp_path / "params"
+    cfg = tiny(data_dirs, steps=3, **{"checkpoint.restore_from": str(clean_run), "optim.warmup_steps": 1,
+                                      "checkpoint.restore_params_only": True})
+    train.train_and_evaluate(cfg, str(params_only))
+    rows = losses(params_only)
+    assert sorted(rows) == [1, 2, 3]  # from step 0, a fresh optimizer
+    assert rows[1]["loss"] < clean[1]["loss"] - 1.0  # but trained weights
+    np.testing.assert_array_equal(
+        jax.tree.leaves(params_of(params_only, 3)["params"])[0].shape,
+        jax.tree.leaves(params_of(clean_run, 20)["params"])[0].shape)
+
+
+def test_restore_from_nothing_is_a_config_error(tmp_path):
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        checkpoint.resolve_restore_from(str(tmp_path))

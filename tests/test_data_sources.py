@@ -1,0 +1,354 @@
+"""maxlm.data: local-file and generic TFDS sources, bad data, filters, compact packing, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_collections
+import numpy as np
+import pytest
+
+from maxlm import config as config_lib
+from maxlm.data import DataError, PackedStream, make_dataset, pack_documents, pipeline, sources
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ_LEN, BATCH = 32, 4
+
+
+def make_config(source, tmp_path, **overrides) -> ml_collections.ConfigDict:
+    c = config_lib.defaults()
+    c.seq_len, c.batch_size = SEQ_LEN, BATCH
+    c.data.source = str(source)
+    c.data.tfds_dir = str(tmp_path / "tfds")
+    c.data.cache_dir = str(tmp_path / "packed")
+    c.data.validation_percent = 30.0
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+def _doc(i: int, words: int = 30) -> str:
+    return " ".join(f"word{i}_{j}" for j in range(words)) + f" — ünïcode {i}"
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    """12 .txt files (one paragraph-split), a .jsonl file of 20 records, in nested folders."""
+    root = tmp_path / "src"
+    (root / "a" / "b").mkdir(parents=True)
+    for i in range(12):
+        (root / ("a" if i % 2 else "a/b") / f"doc{i:02d}.txt").write_text(_doc(i), encoding="utf-8")
+    (root / "a" / "paras.txt").write_text(f"{_doc(100)}\n\n{_doc(101)}\n  \n\n{_doc(102)}\n")
+    lines = [json.dumps({"text": _doc(200 + i), "id": i}) for i in range(20)]
+    (root / "records.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "notes.md").write_text("ignored: not a supported extension in a directory\n")
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# Local sources
+
+
+def test_folder_of_text_and_jsonl(folder, tmp_path):
+    cfg = make_config(folder, tmp_path)
+    train = sources.read_documents(cfg.data, "train")
+    val = sources.read_documents(cfg.data, "validation")
+    everything = {_doc(i) for i in [*range(12), 200, *range(201, 220)]}
+    everything.add(f"{_doc(100)}\n\n{_doc(101)}\n  \n\n{_doc(102)}\n")  # "file": one document
+    assert set(train) | set(val) == everything and not set(train) & set(val)
+    assert len(val) > 0 and len(train) > len(val)
+    assert sources.read_documents(cfg.data, "train") == train  # a fixed order
+
+    cfg.data.txt_documents = "paragraph"
+    docs = sources.read_documents(cfg.data, "train") + sources.read_documents(cfg.data, "validation")
+    assert {_doc(100), _doc(101), _doc(102) + "\n"} <= set(docs)
+
+    ds = make_dataset(cfg, "train")
+    b = ds.batch(0)
+    assert b["inputs"].shape == (BATCH, SEQ_LEN)
+    assert "word" in ds.tokenizer.decode(b["inputs"][0])
+
+
+def test_glob_parquet_and_array_record(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    (tmp_path / "d").mkdir()
+    pq.write_table(pa.table({"body": [_doc(i) for i in range(10)] + [None]}), tmp_path / "d/x.parquet")
+    w = ArrayRecordWriter(str(tmp_path / "d/y.array_record"), "group_size:1")
+    for i in range(10, 20):
+        w.write(_doc(i).encode())
+    w.write(b"\xff\xfe not utf-8")
+    w.close()
+    cfg = make_config(tmp_path / "d" / "*", tmp_path, **{"data.text_key": "body"})
+    counts = __import__("collections").Counter()
+    docs = sources.read_documents(cfg.data, "train", counts) + sources.read_documents(
+        cfg.data, "validation", counts
+    )
+    assert sorted(set(docs)) == sorted(_doc(i) for i in range(20))
+    assert counts["not_utf8"] == 2 and counts["empty_documents"] == 2  # counted once per split read
+    cfg.data.text_key = "text"
+    with pytest.raises(DataError, match=r"x\.parquet: no data.text_key='text' column"):
+        sources.read_documents(cfg.data, "train")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad data: skipped and counted, or a DataError naming file and line
+
+
+def test_empty_sources(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="matches no .* files \\(empty source\\)"):
+        sources.read_documents(make_config(tmp_path / "empty", tmp_path).data, "train")
+    with pytest.raises(DataError, match="no such file"):
+        sources.read_documents(make_config(tmp_path / "nope", tmp_path).data, "train")
+    (tmp_path / "empty" / "a.txt").write_text("")
+    (tmp_path / "empty" / "b.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="no non-empty documents"):
+        sources.read_documents(make_config(tmp_path / "empty", tmp_path).data, "train")
+    with pytest.raises(DataError, match="unsupported file type '.csv'"):
+        (tmp_path / "x.csv").write_text("a,b\n")
+        sources.read_documents(make_config(tmp_path / "x.csv", tmp_path).data, "train")
+
+
+def test_skipped_files_are_counted_and_reported(folder, tmp_path):
+    (folder / "empty.txt").write_text("")
+    (folder / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (folder / "mixed.jsonl").write_bytes(b'{"text": "ok line one two"}\n{"text": "bad \xff"}\n')
+    cfg = make_config(folder, tmp_path, **{"eval.every_steps": 0})
+    _, info = pipeline.prepare(cfg, "train")
+    _, val = pipeline.prepare(cfg, "validation")
+    for key in ("empty_files", "not_utf8"):  # every split reads every file
+        assert info["skipped"][key] == val["skipped"][key]
+    assert info["skipped"] == {"empty_files": 1, "not_utf8": 2}
+    assert info["files"] == 17 and info["documents"] + val["documents"] == 12 + 1 + 20 + 1
+
+
+def test_broken_json_line_names_file_and_line(folder, tmp_path):
+    with open(folder / "records.jsonl", "a") as f:
+        f.write('{"text": "fine"}\n{"text": "unterminated\n')
+    cfg = make_config(folder, tmp_path)
+    with pytest.raises(DataError, match=r"records\.jsonl:22: broken JSON line") as e:
+        make_dataset(cfg, "train")
+    assert e.value.file.endswith("records.jsonl") and e.value.line == 22
+    assert [p.name for p in (tmp_path / "packed").iterdir() if not p.name.startswith(".")] == []
+    cfg.data.bad_records = "skip"
+    counts = __import__("collections").Counter()
+    sources.read_documents(cfg.data, "train", counts)
+    assert counts["bad_records"] == 1
+
+
+def test_missing_text_key_names_file_and_line(folder, tmp_path):
+    with open(folder / "records.jsonl", "a") as f:
+        f.write('{"content": "no text here"}\n[1, 2]\n')
+    with pytest.raises(DataError, match=r"records\.jsonl:21: no data.text_key='text' field"):
+        make_dataset(make_config(folder, tmp_path), "train")
+    counts = __import__("collections").Counter()
+    sources.read_documents(make_config(folder, tmp_path, **{"data.bad_records": "skip"}).data, "train", counts)
+    assert counts["bad_records"] == 2
+
+
+def test_long_documents_lose_nothing(tmp_path):
+    (tmp_path / "d").mkdir()
+    texts = ["x" * 10, "long " * 40, "y" * 5]  # the middle one spans several rows
+    for i, t in enumerate(texts):
+        (tmp_path / "d" / f"{i}.txt").write_text(t)
+    cfg = make_config(tmp_path / "d", tmp_path, **{"data.validation_percent": 0.0})
+    stream, info = pipeline.prepare(cfg, "train")
+    assert info["long_documents"] == 1
+    assert info["tokens"] == sum(len(t) + 1 for t in texts)
+    rows = stream.rows(np.arange(stream.num_rows))
+    real = rows["segment_ids"] > 0
+    assert real.sum() == info["tokens"]
+    order = sources.read_documents(cfg.data, "train")
+    expected = np.concatenate([np.r_[1, np.frombuffer(t.encode(), np.uint8) + 3] for t in order])
+    np.testing.assert_array_equal(rows["inputs"][real], expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic TFDS
+
+
+def test_tiny_tfds_dataset_in_tmp_dir(tmp_path):
+    import tensorflow_datasets as tfds
+
+    class TinyText(tfds.core.GeneratorBasedBuilder):
+        VERSION = tfds.core.Version("1.0.1")
+
+        @tfds.core.utils.classproperty
+        @classmethod
+        def code_path(cls):
+            from etils import epath
+
+            return epath.Path(__file__)
+
+        def _info(self):
+            return tfds.core.DatasetInfo(
+                builder=self,
+                features=tfds.features.FeaturesDict({"body": tfds.features.Text()}),
+                metadata=tfds.core.MetadataDict(),
+            )
+
+        def _split_generators(self, dl_manager):
+            return {"train": self._generate_examples(0, 30), "validation": self._generate_examples(30, 40)}
+
+        def _generate_examples(self, lo, hi):
+            for i in range(lo, hi):
+                yield i, {"body": _doc(i)}
+
+    tfds.display_progress_bar(False)
+    TinyText(data_dir=str(tmp_path / "tfds"), file_format="array_record").download_and_prepare()
+    cfg = make_config("tfds:tiny_text:1.0.1", tmp_path, **{"data.text_key": "body"})
+    assert sorted(sources.read_documents(cfg.data, "validation")) == sorted(_doc(i) for i in range(30, 40))
+    ds = make_dataset(cfg, "train")
+    assert ds.batch(1)["inputs"].shape == (BATCH, SEQ_LEN)
+    cfg.data.source = "tfds:tiny_text"  # newest version
+    assert len(sources.read_documents(cfg.data, "train")) == 30
+    cfg.data.text_key = "text"
+    with pytest.raises(DataError, match="no feature data.text_key='text'; features are \\['body'\\]"):
+        sources.read_documents(cfg.data, "train")
+    cfg.data.source = "tfds:tiny_text:9.9.9"
+    with pytest.raises(DataError, match="not prepared under"):
+        make_dataset(cfg, "train")
+    assert "tensorflow" not in sys.modules
+
+
+# ---------------------------------------------------------------------------------------------
+# Filters, compact packing, exactness
+
+
+def test_filters_count_what_they_drop(tmp_path):
+    (tmp_path / "d").mkdir()
+    docs = {
+        "short.txt": "too short",
+        "symbols.txt": "a b c d e f " + "!@#$%^&*()" * 10,
+        "repeat.txt": "spam " * 50 + "eggs",
+        "good1.txt": _doc(1),
+        "dup.txt": _doc(1),
+        "good2.txt": _doc(2),
+    }
+    for name, text in docs.items():
+        (tmp_path / "d" / name).write_text(text)
+    cfg = make_config(tmp_path / "d", tmp_path, **{
+        "data.validation_percent": 0.0, "data.filters.min_words": 5,
+        "data.filters.max_symbol_ratio": 0.3, "data.filters.max_repeated_word_share": 0.5,
+        "data.filters.dedup": True,
+    })  # fmt: skip
+    _, info = pipeline.prepare(cfg, "train")
+    assert info["filtered"] == {"min_words": 1, "max_symbol_ratio": 1, "max_repeated_word_share": 1, "dedup": 1}
+    assert info["documents"] == 2
+    cfg.data.filters.min_words = 10_000
+    with pytest.raises(DataError, match="filters dropped all"):
+        pipeline.prepare(cfg, "train")
+    # Different filters, different cache entry.
+    assert len([p for p in (tmp_path / "packed").iterdir() if not p.name.startswith(".")]) == 1
+
+
+def test_packed_stream_equals_pack_documents():
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        docs = [rng.integers(3, 60000, size=rng.integers(0, 70)) for _ in range(rng.integers(1, 40))]
+        seq_len = int(rng.integers(1, 50))
+        ref = pack_documents(docs, seq_len, bos_id=1, eos_id=2, pad_id=0)
+        stream = PackedStream.from_documents(docs, seq_len, 1, 2, 0, dtype=np.uint16)
+        ids = rng.permutation(stream.num_rows)
+        got = stream.rows(ids)
+        for k, v in ref.items():
+            assert got[k].dtype == np.int32
+            np.testing.assert_array_equal(got[k], v[ids])
+        assert stream.packing_efficiency == pytest.approx((ref["segment_ids"] > 0).mean())
+
+
+@pytest.mark.parametrize("process_count", [1, 2, 4])
+def test_resume_and_process_count_give_the_same_stream(folder, tmp_path, process_count):
+    cfg = make_config(folder, tmp_path, **{"data.txt_documents": "paragraph"})
+    uninterrupted = make_dataset(cfg, "train")
+    stream = [uninterrupted.batch(s) for s in range(3 * uninterrupted.steps_per_epoch)]
+    # A "resumed" run: a new dataset object (same cache) started at step s, read by N processes.
+    resumed = make_dataset(cfg, "train")
+    s0 = uninterrupted.steps_per_epoch - 1
+    for s in range(s0, len(stream)):
+        parts = [resumed.batch(s, p, process_count) for p in range(process_count)]
+        for k, v in stream[s].items():
+            np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), v)
+    # Every row of an epoch appears once; the next epoch is a different order.
+    e = uninterrupted.steps_per_epoch
+    ids0 = np.concatenate([uninterrupted.row_ids(s) for s in range(e)])
+    assert len(set(ids0.tolist())) == len(ids0)
+    assert not np.array_equal(ids0, np.concatenate([uninterrupted.row_ids(s) for s in range(e, 2 * e)]))
+
+
+def test_config_validation_of_data_keys():
+    c = config_lib.defaults()
+    c.data.bad_records = "ignore"
+    with pytest.raises(config_lib.ConfigError, match="data.bad_records"):
+        config_lib.resolve(c, 8)
+    c = config_lib.defaults()
+    c.data.filters.max_symbol_ratio = 1.5
+    with pytest.raises(config_lib.ConfigError, match="max_symbol_ratio"):
+        config_lib.resolve(c, 8)
+    c = config_lib.defaults()
+    c.data.tokenizer_vocab_size = 1000
+    with pytest.raises(config_lib.ConfigError, match="tokenizer_vocab_size=1000.*model.vocab_size=384"):
+        config_lib.resolve(c, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI (subprocesses)
+
+
+def _cli(tmp_path, *args, overrides=()):
+    cfg_file = tmp_path / "cfg.py"
+    cfg_file.write_text(
+        "from maxlm import config\n"
+        "def get_config():\n"
+        "    c = config.defaults()\n"
+        f"    c.seq_len, c.batch_size = {SEQ_LEN}, {BATCH}\n"
+        f"    c.data.tfds_dir = {str(tmp_path / 'tfds')!r}\n"
+        f"    c.data.cache_dir = {str(tmp_path / 'packed')!r}\n"
+        "    c.data.validation_percent = 30.0\n"
+        "    return c\n"
+    )
+    cmd = [sys.executable, "-m", "maxlm.data", *args, f"--config={cfg_file}", *overrides]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+
+
+@pytest.mark.slow
+def test_cli_tokenizer_stats_peek_and_bad_data(folder, tmp_path):
+    src = f"--config.data.source={folder}"
+    model = tmp_path / "tok" / "sp.model"
+    r = _cli(tmp_path, "tokenizer", f"--out={model}", overrides=[src, "--config.model.vocab_size=320"])
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["vocab_size"] <= 320 and (summary["pad_id"], summary["bos_id"], summary["eos_id"]) == (0, 2, 3)
+    from maxlm.data import load_tokenizer
+
+    tok = load_tokenizer(str(model))
+    text = _doc(7) + " 你好 🐍"
+    assert tok.decode(tok.encode(text)) == text  # byte fallback round trip
+
+    r = _cli(tmp_path, "stats", overrides=[src, f"--config.data.tokenizer={model}", "--config.model.vocab_size=320"])
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)
+    assert {"documents", "tokens", "sequences", "packing_efficiency", "filtered", "skipped"} <= set(stats)
+    assert stats["packing_efficiency"] > 0.9
+
+    r = _cli(tmp_path, "peek", "--step=3", overrides=[src])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("=== row") == BATCH and "⟦seg 1 pos" in r.stdout and "word" in r.stdout
+
+    with open(folder / "records.jsonl", "a") as f:
+        f.write("{broken\n")
+    r = _cli(tmp_path, "stats", overrides=[src])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "records.jsonl:21: broken JSON line" in r.stderr.strip().splitlines()[-1]
