@@ -366,15 +366,20 @@ def test_batch_is_pure_function_of_config_and_step(tfds_dir, tmp_path):
 
 
 def test_interrupted_packing_leaves_no_cache_entry(tfds_dir, tmp_path, monkeypatch):
+    from maxlm.data import pipeline
+
     config = make_config(tfds_dir, tmp_path)
-    real_save = np.save
+    real_append = pipeline._NpyWriter.append
+    appended = []
 
-    def failing_save(path, array, *args, **kwargs):
-        if str(path).endswith("doc_starts.npy"):
+    def failing_append(self, arr):
+        appended.append(len(arr))
+        if len(appended) == 4:  # the second chunk's document starts: mid-stream
             raise OSError("simulated disk full")
-        real_save(path, array, *args, **kwargs)
+        real_append(self, arr)
 
-    monkeypatch.setattr(np, "save", failing_save)
+    monkeypatch.setattr(pipeline, "CHUNK_DOCUMENTS", 1)
+    monkeypatch.setattr(pipeline._NpyWriter, "append", failing_append)
     with pytest.raises(OSError, match="disk full"):
         make_dataset(config, "validation")
     assert [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
@@ -484,3 +489,27 @@ def test_real_stdlib_corpus(tmp_path):
     long_rows = make_dataset(make_config(tmp_path / "tfds", tmp_path / "packed", seq_len=1024), "train")
     assert long_rows.packing_efficiency >= 0.95
     assert "tensorflow" not in sys.modules
+
+
+def test_prefetch_gives_the_same_batches_and_restarts_anywhere(config):
+    import gc
+    import threading
+
+    ds = make_dataset(config, "train")
+    pf = ds.prefetch(depth=3)
+    assert pf is ds.prefetch(depth=3) and pf.steps_per_epoch == ds.steps_per_epoch
+    # In order, then a rollback, a jump ahead (resume) and another process slice.
+    for step, p, n in [(0, 0, 1), (1, 0, 1), (2, 0, 1), (1, 0, 1), (40, 0, 1), (41, 0, 1), (41, 1, 2)]:
+        got, want = pf.batch(step, p, n), ds.batch(step, p, n)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        pf.batch(-1)
+    before = threading.active_count()
+    pf.batch(5)
+    del ds, pf
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while threading.active_count() >= before + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= before  # the thread ends with the dataset

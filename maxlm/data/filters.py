@@ -31,7 +31,16 @@ def apply_filters(texts: list[str], cfg: dict, counts: collections.Counter) -> l
     """The kept texts, in order; `counts["filtered_<name>"]` += dropped per filter."""
     if not any(cfg.values()):
         return texts
-    kept, seen = [], set()
+    return list(iter_filtered(texts, cfg, counts))
+
+
+def iter_filtered(texts, cfg: dict, counts: collections.Counter):
+    """Yields the kept texts of the iterable `texts`, in order, one at a time (dedup keeps one
+    32-byte hash per kept document); `counts["filtered_<name>"]` += dropped per filter."""
+    if not any(cfg.values()):
+        yield from texts
+        return
+    seen = set()
     for text in texts:
         words = text.split() if (cfg["min_words"] or cfg["max_repeated_word_share"]) else ()
         if cfg["min_words"] and len(words) < cfg["min_words"]:
@@ -51,5 +60,4 @@ def apply_filters(texts: list[str], cfg: dict, counts: collections.Counter) -> l
                 counts["filtered_dedup"] += 1
                 continue
             seen.add(digest)
-        kept.append(text)
-    return kept
+        yield text

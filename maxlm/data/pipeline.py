@@ -15,9 +15,12 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
 import tempfile
+import threading
 import time
+import weakref
 from pathlib import Path
 
 import grain
@@ -119,11 +122,99 @@ class TokenDataset:
         """
         return self._rows.rows(self.row_ids(step, process_index, process_count))
 
+    def prefetch(self, depth: int = 2) -> Prefetcher:
+        """This dataset, its `batch` served from a background thread reading `depth` steps ahead.
+
+        Same calls, same arrays (each is `batch(step, ...)` itself, keyed by step): asking for a
+        step other than the next one (a resume, a rollback) restarts reading there. Cached, so
+        `ds.prefetch()` in a loop returns the same object; its thread ends with the dataset.
+        """
+        cache = self.__dict__.setdefault("_prefetchers", {})
+        if depth not in cache:
+            cache[depth] = Prefetcher(self, depth)
+        return cache[depth]
+
     def __repr__(self) -> str:
         return (
             f"TokenDataset(split={self.split!r}, num_rows={self.num_rows}, "
             f"seq_len={self.seq_len}, batch_size={self.batch_size}, tokenizer={self.tokenizer!r})"
         )
+
+
+class Prefetcher:
+    """`TokenDataset.batch` served from a bounded queue filled by one background thread.
+
+    The thread computes `batch(s), batch(s+1), ...` from the last step asked for, at most
+    `depth` ahead; `batch(step)` returns the queued batch when `step` is the next one and
+    otherwise restarts the thread at `step`. numpy releases the GIL while gathering rows, so the
+    reading overlaps the training loop's own host work as well as the device's step.
+    """
+
+    def __init__(self, dataset: TokenDataset, depth: int = 2):
+        if depth < 1:
+            raise ValueError(f"prefetch depth must be >= 1, got {depth}")
+        self.dataset, self.depth = weakref.proxy(dataset), depth
+        self._ref = weakref.ref(dataset)
+        self._next = None  # (step, process_index, process_count) the queue's head is for
+        self._queue = self._stop = self._thread = None
+
+    def __getattr__(self, name):  # steps_per_epoch, row_ids, ... of the dataset
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
+        key = (int(step), int(process_index), int(process_count))
+        if key != self._next or self._thread is None:
+            self._start(key)
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self._next = (key[0] + 1, *key[1:])
+        return item
+
+    def _start(self, key) -> None:
+        self.close()
+        self._queue, self._stop = queue.Queue(self.depth), threading.Event()
+        self._thread = threading.Thread(
+            target=_fill_queue, args=(self._ref, key, self._queue, self._stop),
+            name=f"maxlm-prefetch-{key[0]}", daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+        self._next = key
+
+    def close(self) -> None:
+        """Stops the thread (it restarts on the next `batch`)."""
+        thread, self._thread = getattr(self, "_thread", None), None
+        if thread is not None:
+            self._stop.set()
+            if thread is not threading.current_thread():  # the thread may drop the last reference
+                thread.join()
+
+    __del__ = close
+
+
+def _fill_queue(ref, key, out: queue.Queue, stop: threading.Event) -> None:
+    step, process_index, process_count = key
+    while not stop.is_set():
+        dataset = ref()  # no strong reference while waiting: the thread ends with the dataset
+        if dataset is None:
+            return
+        try:
+            item = dataset.batch(step, process_index, process_count)
+        except BaseException as e:  # raised in the caller's thread by `batch`
+            item = e
+        del dataset
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.05)
+                break
+            except queue.Full:
+                continue
+        if isinstance(item, BaseException):
+            return
+        step += 1
 
 
 def _shuffle_seed(seed: int) -> int:
@@ -224,46 +315,151 @@ def prepare(config, split: str, tokenizer: Tokenizer | None = None) -> tuple[Pac
     return stream, info
 
 
-def read_clean_documents(data_cfg, split: str, counts) -> list[str]:
-    """The documents of `split` after `data.filters`; skip and filter counts go to `counts`."""
-    texts = sources.read_documents(data_cfg, split, counts)
-    kept = filters.apply_filters(texts, filters.settings(data_cfg), counts)
+def iter_clean_documents(data_cfg, split: str, counts):
+    """Yields the documents of `split` after `data.filters`, streaming (`sources.iter_documents`);
+    skip and filter counts go to `counts`, complete once the iterator is exhausted."""
+    read = 0
+
+    def counted(texts):
+        nonlocal read
+        for text in texts:
+            read += 1
+            yield text
+
+    kept = 0
+    texts = counted(sources.iter_documents(data_cfg, split, counts))
+    for text in filters.iter_filtered(texts, filters.settings(data_cfg), counts):
+        kept += 1
+        yield text
     if not kept:
         raise DataError(f"data.source={data_cfg.source!r}: data.filters dropped all "
-                        f"{len(texts)} {split!r} documents ({dict(counts)})")
-    return kept
+                        f"{read} {split!r} documents ({dict(counts)})")
+
+
+def read_clean_documents(data_cfg, split: str, counts) -> list[str]:
+    """The documents of `split` after `data.filters`, as a list (see `iter_clean_documents`)."""
+    return list(iter_clean_documents(data_cfg, split, counts))
+
+
+# `prepare` reads, filters and tokenizes a split this many documents, or characters of text,
+# at a time (whichever limit is hit first), so its memory is bounded by one chunk, not the corpus.
+CHUNK_DOCUMENTS = 10_000
+CHUNK_CHARS = 16 << 20
+
+
+def _chunks(texts, max_docs: int, max_chars: int):
+    chunk, chars = [], 0
+    for text in texts:
+        chunk.append(text)
+        chars += len(text)
+        if len(chunk) >= max_docs or chars >= max_chars:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _npy_header(dtype: np.dtype, length: int) -> bytes:
+    """The header `np.save` writes for a 1-D array of `length` items of `dtype`."""
+    import io
+
+    buf = io.BytesIO()
+    d = np.lib.format.header_data_from_array_1_0(np.empty(0, dtype))
+    np.lib.format.write_array_header_1_0(buf, {**d, "shape": (int(length),)})
+    return buf.getvalue()
+
+
+class _NpyWriter:
+    """A 1-D `.npy` file grown by `append`; its bytes equal `np.save` of the concatenation.
+
+    The header's size does not depend on the length for 1-D arrays (it is padded to 64 bytes),
+    so room for it is left first and the real header written over it on `close`.
+    """
+
+    def __init__(self, path: Path, dtype):
+        self.dtype, self.length = np.dtype(dtype), 0
+        self._header_size = len(_npy_header(self.dtype, 0))
+        if len(_npy_header(self.dtype, 2**62)) != self._header_size:  # never for 1-D
+            raise AssertionError("npy header size depends on the length")
+        self._f = open(path, "wb")
+        self._f.write(b"\0" * self._header_size)
+
+    def append(self, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, self.dtype)
+        self._f.write(memoryview(arr).cast("B"))
+        self.length += len(arr)
+
+    def close(self) -> None:
+        header = _npy_header(self.dtype, self.length)
+        assert len(header) == self._header_size
+        self._f.seek(0)
+        self._f.write(header)
+        self._f.close()
 
 
 def _pack_into(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer) -> None:
-    """Reads, cleans, tokenizes and packs a split into `final`, atomically."""
+    """Reads, cleans, tokenizes and packs a split into `final`, atomically, in chunks.
+
+    Each chunk of `CHUNK_DOCUMENTS` documents or `CHUNK_CHARS` characters is tokenized and
+    appended to the token stream and document starts on disk, so peak memory is bounded by a
+    chunk; the files are bitwise those `PackedStream.from_documents` of the whole split gives.
+    """
     start = time.perf_counter()
+    seq_len, dtype = meta["seq_len"], token_dtype(tokenizer.vocab_size)
     counts = collections.Counter()
-    texts = read_clean_documents(data_cfg, meta["split"], counts)
-    read = time.perf_counter()
-    ids = tokenizer.encode_batch(texts)
-    tokenized = time.perf_counter()
-    stream = PackedStream.from_documents(
-        ids, meta["seq_len"], tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id,
-        dtype=token_dtype(tokenizer.vocab_size),
-    )  # fmt: skip
-    stats = {
-        "documents": len(texts),
-        "tokens": stream.num_tokens,
-        "sequences": stream.num_rows,
-        "packing_efficiency": stream.packing_efficiency,
-        # Longer than a row: split across rows as continuing segments, never truncated.
-        "long_documents": int(sum(len(x) + 1 > meta["seq_len"] for x in ids)),
-        "skipped": {k: v for k, v in sorted(counts.items()) if not k.startswith("filtered_") and k != "files"},
-        "filtered": {k[len("filtered_"):]: counts.get(k, 0) for k in
-                     (f"filtered_{n}" for n in filters.FILTER_KEYS)},
-        **({"files": counts["files"]} if counts.get("files") else {}),
-        "read_sec": round(read - start, 3),
-        "tokenize_sec": round(tokenized - read, 3),
-    }
+    read_sec = tokenize_sec = 0.0
+    num_docs = long_docs = offset = 0
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    writers = []
     try:
-        np.save(tmp / "targets.npy", stream.targets_T)
-        np.save(tmp / "doc_starts.npy", stream.doc_starts_D)
+        targets_w = _NpyWriter(tmp / "targets.npy", dtype)
+        writers.append(targets_w)
+        starts_w = _NpyWriter(tmp / "doc_starts.npy", np.int64)
+        writers.append(starts_w)
+        chunks = _chunks(iter_clean_documents(data_cfg, meta["split"], counts),
+                         CHUNK_DOCUMENTS, CHUNK_CHARS)  # fmt: skip
+        while True:
+            t0 = time.perf_counter()
+            texts = next(chunks, None)
+            t1 = time.perf_counter()
+            read_sec += t1 - t0
+            if texts is None:
+                break
+            ids = tokenizer.encode_batch(texts)
+            del texts
+            tokenize_sec += time.perf_counter() - t1
+            # As `PackedStream.from_documents`: each document's ids then eos, end to end.
+            lengths = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))
+            ends = np.cumsum(lengths)
+            eos = np.array([tokenizer.eos_id], dtype)
+            targets = np.concatenate([a for x in ids for a in (x, eos)], dtype=dtype, casting="unsafe")
+            targets_w.append(targets)
+            starts_w.append(offset + ends - lengths)
+            offset += int(ends[-1])
+            num_docs += len(ids)
+            # Longer than a row: split across rows as continuing segments, never truncated.
+            long_docs += int(np.count_nonzero(lengths > seq_len))
+            del ids, targets
+        targets_w.close()
+        starts_w.close()
+        stream = PackedStream(
+            np.load(tmp / "targets.npy", mmap_mode="r"), np.load(tmp / "doc_starts.npy", mmap_mode="r"),
+            seq_len, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id,
+        )  # fmt: skip
+        stats = {
+            "documents": num_docs,
+            "tokens": stream.num_tokens,
+            "sequences": stream.num_rows,
+            "packing_efficiency": stream.packing_efficiency,
+            "long_documents": long_docs,
+            "skipped": {k: v for k, v in sorted(counts.items()) if not k.startswith("filtered_") and k != "files"},
+            "filtered": {k[len("filtered_"):]: counts.get(k, 0) for k in
+                         (f"filtered_{n}" for n in filters.FILTER_KEYS)},
+            **({"files": counts["files"]} if counts.get("files") else {}),
+            "read_sec": round(read_sec, 3),
+            "tokenize_sec": round(tokenize_sec, 3),
+        }
+        del stream
         (tmp / "meta.json").write_text(json.dumps({**meta, **stats}, indent=2, sort_keys=True))
         try:
             os.rename(tmp, final)
@@ -271,11 +467,13 @@ def _pack_into(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer) -> None:
             if not (final / "meta.json").is_file():  # not a lost race: a real failure
                 raise
     finally:
+        for w in writers:
+            w._f.close()  # no-op once closed
         shutil.rmtree(tmp, ignore_errors=True)
     log.info(
         "prepared %s[%s]: %d docs (skipped %s, filtered %s), %d tokens in %d rows x %d "
-        "(efficiency %.4f), tokenized in %.1fs -> %s",
+        "(efficiency %.4f), read in %.1fs, tokenized in %.1fs, total %.1fs -> %s",
         meta["source"], meta["split"], stats["documents"], stats["skipped"], stats["filtered"],
-        stats["tokens"], stats["sequences"], meta["seq_len"], stats["packing_efficiency"],
-        tokenized - read, final,
+        stats["tokens"], stats["sequences"], seq_len, stats["packing_efficiency"],
+        read_sec, tokenize_sec, time.perf_counter() - start, final,
     )  # fmt: skip

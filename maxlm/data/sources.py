@@ -1,4 +1,4 @@
-"""Where documents come from: `data.source` → a deterministic list of texts per split.
+"""Where documents come from: `data.source` → a deterministic stream of texts per split.
 
 Two kinds of source:
 
@@ -131,12 +131,12 @@ def _open_tfds(source: Source, tfds_dir: str, split: str):
 
 
 def _tfds_documents(source, data_cfg, split, counts):
+    """Yields `(where, text)` one example at a time (random access, so memory stays flat)."""
     tfds_dir = os.path.expanduser(data_cfg.tfds_dir)
     ds = _open_tfds(source, tfds_dir, split)
     text_key = opt(data_cfg, "text_key", "text")
     skip = opt(data_cfg, "bad_records", "error") == "skip"
     where = f"tfds:{source.tfds_name}[{split}]"
-    docs = []
     for i in range(len(ds)):
         example = ds[i]
         if text_key not in example:
@@ -147,8 +147,9 @@ def _tfds_documents(source, data_cfg, split, counts):
                 )
             counts["bad_records"] += 1
             continue
-        _add_text(example[text_key], docs, counts, f"{where}#{i}")
-    return docs
+        text = _checked_text(example[text_key], counts, f"{where}#{i}")
+        if text is not None:
+            yield f"{where}#{i}", text
 
 
 # ---------------------------------------------------------------------------------- local files
@@ -179,18 +180,19 @@ def list_files(spec: str) -> tuple[Path, list[Path]]:
     return root, files
 
 
-def _add_text(value, docs, counts, where: str) -> None:
+def _checked_text(value, counts, where: str) -> str | None:
+    """`value` as text, or None (counted) when it is empty or not UTF-8."""
     if isinstance(value, bytes):
         try:
             value = value.decode("utf-8")
         except UnicodeDecodeError:
             counts["not_utf8"] += 1
             log.warning("%s: skipped: not valid UTF-8", where)
-            return
+            return None
     if value is None or not value.strip():
         counts["empty_documents"] += 1
-        return
-    docs.append((where, value))
+        return None
+    return value
 
 
 def _bad_record(message, file, line, counts, skip):
@@ -200,7 +202,19 @@ def _bad_record(message, file, line, counts, skip):
     log.warning("%s:%d: skipped: %s", file, line, message)
 
 
-def _read_file(path: Path, rel: str, data_cfg, docs, counts) -> None:
+def _doc(value, counts, where: str):
+    text = _checked_text(value, counts, where)
+    if text is not None:
+        yield where, text
+
+
+# Records per read from parquet and array_record files, so a big file is never held whole.
+_RECORDS_PER_READ = 1024
+
+
+def _read_file(path: Path, rel: str, data_cfg, counts):
+    """Yields `(where, text)` from one file, streaming: a .jsonl line, a parquet batch or an
+    array_record range at a time (a .txt file is one document, or its paragraphs, read whole)."""
     text_key = opt(data_cfg, "text_key", "text")
     skip = opt(data_cfg, "bad_records", "error") == "skip"
     if path.stat().st_size == 0:
@@ -216,113 +230,131 @@ def _read_file(path: Path, rel: str, data_cfg, docs, counts) -> None:
             line = raw[: e.start].count(b"\n") + 1
             log.warning("%s:%d: skipped file: not valid UTF-8", path, line)
             return
+        del raw
         if opt(data_cfg, "txt_documents", "file") == "paragraph":
             pos, line = 0, 1
             for m in [*_PARAGRAPH.finditer(text), None]:
                 end = m.start() if m else len(text)
-                _add_text(text[pos:end], docs, counts, f"{rel}:{line}")
+                yield from _doc(text[pos:end], counts, f"{rel}:{line}")
                 if m:
                     line += text.count("\n", pos, m.end())
                     pos = m.end()
         else:
-            _add_text(text, docs, counts, f"{rel}:1")
+            yield from _doc(text, counts, f"{rel}:1")
     elif path.suffix == ".jsonl":
-        for n, raw_line in enumerate(path.read_bytes().split(b"\n"), start=1):
-            if not raw_line.strip():
-                continue
-            try:
-                obj = json.loads(raw_line)
-            except UnicodeDecodeError:
-                counts["not_utf8"] += 1
-                log.warning("%s:%d: skipped: not valid UTF-8", path, n)
-                continue
-            except json.JSONDecodeError as e:
-                _bad_record(f"broken JSON line ({e.msg}, column {e.colno})", str(path), n, counts, skip)
-                continue
-            if not isinstance(obj, dict):
-                _bad_record(f"expected a JSON object, got {type(obj).__name__}", str(path), n, counts, skip)
-            elif text_key not in obj:
-                _bad_record(
-                    f"no data.text_key={text_key!r} field (fields: {sorted(obj)[:8]})",
-                    str(path), n, counts, skip,
-                )
-            elif not isinstance(obj[text_key], str):
-                _bad_record(
-                    f"field {text_key!r} is {type(obj[text_key]).__name__}, not a string",
-                    str(path), n, counts, skip,
-                )
-            else:
-                _add_text(obj[text_key], docs, counts, f"{rel}:{n}")
+        with open(path, "rb") as f:  # binary lines split on b"\n" only, as bytes.split did
+            for n, raw_line in enumerate(f, start=1):
+                if not raw_line.strip():
+                    continue
+                try:
+                    obj = json.loads(raw_line)
+                except UnicodeDecodeError:
+                    counts["not_utf8"] += 1
+                    log.warning("%s:%d: skipped: not valid UTF-8", path, n)
+                    continue
+                except json.JSONDecodeError as e:
+                    _bad_record(f"broken JSON line ({e.msg}, column {e.colno})", str(path), n, counts, skip)
+                    continue
+                if not isinstance(obj, dict):
+                    _bad_record(f"expected a JSON object, got {type(obj).__name__}", str(path), n, counts, skip)
+                elif text_key not in obj:
+                    _bad_record(
+                        f"no data.text_key={text_key!r} field (fields: {sorted(obj)[:8]})",
+                        str(path), n, counts, skip,
+                    )
+                elif not isinstance(obj[text_key], str):
+                    _bad_record(
+                        f"field {text_key!r} is {type(obj[text_key]).__name__}, not a string",
+                        str(path), n, counts, skip,
+                    )
+                else:
+                    yield from _doc(obj[text_key], counts, f"{rel}:{n}")
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         schema = pq.read_schema(path)
         if text_key not in schema.names:
             raise DataError(f"no data.text_key={text_key!r} column (columns: {schema.names})", str(path))
-        column = pq.read_table(path, columns=[text_key]).column(0).to_pylist()
-        for n, value in enumerate(column, start=1):
-            if value is not None and not isinstance(value, (str, bytes)):
-                _bad_record(f"column {text_key!r} holds {type(value).__name__}", str(path), n, counts, skip)
-                continue
-            _add_text(value, docs, counts, f"{rel}:{n}")
+        n = 0
+        with pq.ParquetFile(path) as pf:
+            for batch in pf.iter_batches(batch_size=_RECORDS_PER_READ, columns=[text_key]):
+                for value in batch.column(0).to_pylist():
+                    n += 1
+                    if value is not None and not isinstance(value, (str, bytes)):
+                        _bad_record(f"column {text_key!r} holds {type(value).__name__}", str(path), n, counts, skip)
+                        continue
+                    yield from _doc(value, counts, f"{rel}:{n}")
     else:  # .array_record
         from array_record.python.array_record_module import ArrayRecordReader
 
         reader = ArrayRecordReader(str(path))
         try:
-            records = reader.read_all()
+            total = reader.num_records()
+            for begin in range(0, total, _RECORDS_PER_READ):
+                records = reader.read(begin, min(begin + _RECORDS_PER_READ, total))
+                for n, record in enumerate(records, start=begin + 1):
+                    yield from _doc(record, counts, f"{rel}:{n}")
         finally:
             reader.close()
-        for n, record in enumerate(records, start=1):
-            _add_text(record, docs, counts, f"{rel}:{n}")
 
 
 def _file_documents(source, data_cfg, counts):
     root, files = list_files(source.spec)
-    docs: list[tuple[str, str]] = []
+    counts["files"] += len(files)
     for path in files:
         try:
             rel = path.relative_to(root).as_posix()
         except ValueError:
             rel = path.as_posix()
-        _read_file(path, rel, data_cfg, docs, counts)
-    counts["files"] += len(files)
-    return docs
+        yield from _read_file(path, rel, data_cfg, counts)
 
 
 def is_validation(key: str, percent: float) -> bool:
     return zlib.crc32(key.encode("utf-8")) % 10_000 < percent * 100
 
 
-def read_documents(data_cfg, split: str, counts: collections.Counter | None = None) -> list[str]:
-    """The texts of `split` in a fixed order; skips are added to `counts`. Raises DataError."""
+def iter_documents(data_cfg, split: str, counts: collections.Counter | None = None):
+    """Yields the texts of `split` in a fixed order, one at a time: memory stays bounded by
+    one document (or one read of `_RECORDS_PER_READ` records), whatever the source's size.
+    Skips are added to `counts`. Raises DataError (an empty source or split: at the end)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     counts = collections.Counter() if counts is None else counts
     source = parse_source(data_cfg.source)
+    seen = kept = 0
     if source.kind == "tfds":
-        docs = _tfds_documents(source, data_cfg, split, counts)
         empty_where = f"tfds:{source.tfds_name}[{split}]"
+        for _, text in _tfds_documents(source, data_cfg, split, counts):
+            seen += 1
+            yield text
+        kept = seen
     else:
         percent = float(opt(data_cfg, "validation_percent", 2.0))
-        docs = _file_documents(source, data_cfg, counts)
-        if not docs:
-            raise DataError(f"data.source={source.spec!r} has no non-empty documents (empty source)")
         want_val = split == "validation"
-        docs = [d for d in docs if is_validation(d[0], percent) == want_val]
         empty_where = f"data.source={source.spec!r}"
-        if not docs:
+        for where, text in _file_documents(source, data_cfg, counts):
+            seen += 1
+            if is_validation(where, percent) == want_val:
+                kept += 1
+                yield text
+        if not seen:
+            raise DataError(f"data.source={source.spec!r} has no non-empty documents (empty source)")
+        if not kept:
             raise DataError(
                 f"{empty_where}: no documents in the {split!r} split (data.validation_percent="
                 f"{percent:g} of {counts['files']} files' documents by hash; raise it, or set "
                 "eval.every_steps=0)"
             )
-    if not docs:
+    if not kept:
         raise DataError(f"{empty_where}: no non-empty documents (empty source)")
     skipped = {k: v for k, v in counts.items() if k != "files" and v}
     if skipped:
         log.warning("%s[%s]: skipped %s", source.spec, split, skipped)
-    return [text for _, text in docs]
+
+
+def read_documents(data_cfg, split: str, counts: collections.Counter | None = None) -> list[str]:
+    """The texts of `split` in a fixed order, as a list (see `iter_documents`)."""
+    return list(iter_documents(data_cfg, split, counts))
 
 
 def source_fingerprint(data_cfg) -> str:

@@ -44,6 +44,18 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
     ds.batch(int(steps[0]))  # touch the memory map once
     read_tokens = read_batches * cfg.batch_size * cfg.seq_len
     read_rate, read_times = _median_rate(lambda: [ds.batch(int(s)) for s in steps], read_tokens, repeats)
+    batch_ms = 1e3 * cfg.batch_size * cfg.seq_len / read_rate  # one global batch, one process
+    # What the training loop waits for with `ds.prefetch()` while the device runs a step of
+    # `hide_ms` (a sleep: the GIL is free, as while JAX computes): ~0 once reading hides.
+    hide_ms = max(2 * batch_ms, 20.0)
+    pf, waits = ds.prefetch(), []
+    pf.batch(0)
+    for s in range(1, 12):
+        time.sleep(hide_ms / 1e3)
+        start = time.perf_counter()
+        pf.batch(s)
+        waits.append(time.perf_counter() - start)
+    pf.close()
 
     # (b), (c) from raw text: a fixed sample of train documents
     texts = pipeline.read_clean_documents(cfg.data, "train", collections.Counter())
@@ -94,6 +106,12 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
         "threads_per_measurement": 1,
         "packed_read_tokens_per_sec_per_core": read_rate,
         "packed_read_batches_per_repeat": read_batches,
+        # One `batch(step)` of batch_size x seq_len on one host, against the step it must hide
+        # under: > 5% of a step is why train.py reads through `prefetch()`.
+        "batch_read_ms": batch_ms,
+        "batch_read_share_of_1s_step": batch_ms / 1e3,
+        "prefetch_wait_ms_median": 1e3 * statistics.median(waits),
+        "prefetch_simulated_step_ms": hide_ms,
         "packed_read_cache_dtype": str(ds._rows.targets_T.dtype),
         "packed_read_tokenizer": cfg.data.tokenizer,
         "tokenize_pack_tokens_per_sec_per_core": tp_rate,
