@@ -1,0 +1,18 @@
+"""Mesh sweep for this machine: `tiny.py` on 8 fake CPU devices.
+
+    python launch/sweep.py configs/sweeps/cpu8.py --workdir=runs/sweep_cpu8
+"""
+
+
+def get_config():
+    return {
+        "base": "configs/tiny.py",
+        "devices": 8,  # fake CPU devices per point (--xla_force_host_platform_device_count)
+        "steps": 5,  # timed steps per point (after 2 warm-up steps)
+        "overrides": {"model.num_heads": 8, "model.num_kv_heads": 4},  # heads divisible by tensor
+        # Every combination of these values is one point; "mesh" is (data, fsdp, tensor).
+        "grid": {
+            "mesh": [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 1, 8)],
+            "batch_size": [8, 16],
+        },
+    }

@@ -1,0 +1,139 @@
+"""Sweep mesh shapes (and any other config keys) and rank the points by throughput.
+
+    python launch/sweep.py configs/sweeps/cpu8.py --workdir=runs/sweep
+
+A sweep file's `get_config()` returns a dict naming a base config, fixed overrides and a grid; every combination
+of the grid is a point. Points the config validator rejects are listed with its reason and skipped;
+each remaining point runs `python -m maxlm.bench` in its own process (so a crash or OOM costs one
+point, not the sweep) and leaves its JSON and log in `DIR/NNN/`. The table is written to
+`DIR/sweep.csv` and printed, fastest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from maxlm import config as config_lib  # noqa: E402  (after the path fix-up above)
+
+COLUMNS = ("point", "mesh", "batch_size", "overrides", "status", "tokens_per_sec", "mfu",
+           "step_sec_median", "model_tflops_per_sec", "reason")
+
+
+def load_sweep(path: str):
+    spec = importlib.util.spec_from_file_location("sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def load_base(path: str):
+    spec = importlib.util.spec_from_file_location("base", os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def expand(grid) -> list[dict]:
+    """Every combination of the grid's values, with "mesh" split into its three axes."""
+    keys = list(grid)
+    points = []
+    for values in itertools.product(*(grid[k] for k in keys)):
+        point = {}
+        for key, value in zip(keys, values):
+            if key == "mesh":
+                point.update(zip(("mesh.data", "mesh.fsdp", "mesh.tensor"), value))
+            else:
+                point[key] = value
+        points.append(point)
+    return points
+
+
+def validate(base_path: str, overrides: dict, devices: int) -> str | None:
+    """The validator's reason to reject this point, or None."""
+    cfg = load_base(base_path)
+    for key, value in overrides.items():
+        node = cfg
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    try:
+        config_lib.resolve(cfg, devices)
+    except config_lib.ConfigError as e:
+        return str(e)
+    return None
+
+
+def run_point(sweep, overrides: dict, point_dir: str) -> dict:
+    os.makedirs(point_dir, exist_ok=True)
+    command = [sys.executable, "-m", "maxlm.bench", f"--config={sweep['base']}",
+               f"--steps={sweep['steps']}", "--warmup_steps=2",
+               *(f"--config.{k}={v}" for k, v in overrides.items())]
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={sweep['devices']}")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    with open(os.path.join(point_dir, "log.txt"), "w") as f:
+        f.write(" ".join(command) + "\n\n" + result.stderr)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"status": f"failed ({result.returncode})", "reason": last}
+    figures = json.loads(result.stdout)
+    with open(os.path.join(point_dir, "bench.json"), "w") as f:
+        json.dump(figures, f, indent=2)
+    return {"status": "ok", **{k: figures[k] for k in
+            ("tokens_per_sec", "mfu", "step_sec_median", "model_tflops_per_sec")}}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep", help="configs/sweeps/NAME.py")
+    parser.add_argument("--workdir", required=True)
+    args = parser.parse_args(argv)
+    sweep = load_sweep(args.sweep)
+    os.makedirs(args.workdir, exist_ok=True)
+
+    rows = []
+    for index, point in enumerate(expand(sweep['grid'])):
+        overrides = {**sweep['overrides'], **point}
+        row = {"point": f"{index:03d}",
+               "mesh": "x".join(str(overrides.get(f"mesh.{a}", "?")) for a in config_lib.MESH_AXES),
+               "batch_size": overrides.get("batch_size", ""),
+               "overrides": " ".join(f"{k}={v}" for k, v in point.items()
+                                     if not k.startswith("mesh.") and k != "batch_size")}
+        reason = validate(sweep['base'], overrides, sweep['devices'])
+        if reason:
+            row.update(status="skipped", reason=reason)
+            print(f"[sweep] {row['point']} {row['mesh']} skipped: {reason}", flush=True)
+        else:
+            print(f"[sweep] {row['point']} {row['mesh']} batch {row['batch_size']} ...", flush=True)
+            row.update(run_point(sweep, overrides, os.path.join(args.workdir, row["point"])))
+        rows.append(row)
+
+    rows.sort(key=lambda r: -(r.get("tokens_per_sec") or -1))
+    with open(os.path.join(args.workdir, "sweep.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: r.get(k, "") for k in COLUMNS} for r in rows)
+    print(f"\n{'mesh':>8} {'batch':>5} {'tokens/s':>10} {'MFU':>6} {'step s':>8}  status")
+    for r in rows:
+        if r["status"] == "ok":
+            print(f"{r['mesh']:>8} {r['batch_size']:>5} {r['tokens_per_sec']:>10,.0f} "
+                  f"{r['mfu']:>6.1%} {r['step_sec_median']:>8.4f}  ok {r['overrides']}")
+        else:
+            print(f"{r['mesh']:>8} {r['batch_size']:>5} {'':>10} {'':>6} {'':>8}  {r['status']}: {r['reason']}")
+    print(f"\nwrote {os.path.join(args.workdir, 'sweep.csv')}")
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
