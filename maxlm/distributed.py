@@ -1,9 +1,13 @@
-"""Multi-process bootstrap from standard environment variables (a no-op for one process).
+"""Multi-process bootstrap (a no-op for one process). Two ways in:
 
-    JAX_COORDINATOR_ADDRESS=host:port  JAX_NUM_PROCESSES=N  JAX_PROCESS_ID=i
+    JAX_COORDINATOR_ADDRESS=host:port  JAX_NUM_PROCESSES=N  JAX_PROCESS_ID=i   (explicit)
+    MAXLM_DISTRIBUTED=auto                                                      (cluster detection)
 
-Launchers set these; each process then sees all processes' devices in `jax.devices()`. On CPU the
-cross-process collectives use gloo. Must run before anything touches a JAX backend.
+launch/local.py sets the explicit ones. launch/tpu.py and launch/slurm.sbatch set `auto`, and
+`jax.distributed.initialize()` then reads the cluster itself: the TPU pod's metadata, SLURM's
+SLURM_* variables, or Open MPI's OMPI_* ones. Each process then sees every process's devices in
+`jax.devices()`. On CPU the cross-process collectives use gloo. Must run before anything touches a
+JAX backend.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ import jax
 
 
 def initialize() -> bool:
-    """Calls jax.distributed.initialize when JAX_COORDINATOR_ADDRESS is set; True if it did."""
+    """Calls jax.distributed.initialize when a launcher asked for it; True if it did."""
     address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if os.environ.get("MAXLM_DISTRIBUTED") == "auto" and not address:
+        jax.distributed.initialize()  # TPU pod, SLURM or Open MPI: JAX finds its peers
+        return True
     if not address:
         return False
     if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):

@@ -85,3 +85,55 @@ def test_config_errors_are_not_retried(tmp_path, data_dirs):
     assert result.returncode == 2
     assert "batch_size=3 must be divisible" in result.stdout
     assert "restarting" not in result.stdout
+
+
+def test_tpu_dry_run_prints_every_command(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "tpu.py"), "--name=pod", "--zone=us-east5-a",
+         "--accelerator=v5p-64", "--spot", "--queued", "--dry_run", "--",
+         "--config=configs/llama_1b.py", "--workdir=/mnt/shared/run", "--config.name=a b"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("[tpu] gcloud compute tpus queued-resources create pod")
+    assert "--accelerator-type=v5p-64" in lines[0] and "--spot" in lines[0]
+    run = next(line for line in lines if "maxlm.train" in line)
+    assert "--worker=all" in run and "MAXLM_DISTRIBUTED=auto" in run
+    assert "--config=configs/llama_1b.py" in run and "a b" in run  # quoted through ssh
+    assert any("jax[tpu]==" in line for line in lines)
+    assert lines[-1].startswith("[tpu] gcloud compute tpus queued-resources delete pod")
+
+
+@pytest.mark.parametrize("status, requeued", [(0, False), (143, True), (1, False)])
+def test_slurm_script_runs_srun_and_requeues_on_preemption(tmp_path, status, requeued):
+    """The sbatch script, run with stand-ins for srun and scontrol."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        '#!/bin/bash\necho "srun $* MAXLM_DISTRIBUTED=$MAXLM_DISTRIBUTED XLA_FLAGS=$XLA_FLAGS"\n'
+        "exit $FAKE_STATUS\n")
+    (bin_dir / "scontrol").write_text('#!/bin/bash\necho "scontrol $*"\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(ROOT),
+           "PYTHON": "python3", "FAKE_STATUS": str(status)}
+    result = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--config=configs/llama_1b.py",
+                             "--workdir=/shared/run"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == status
+    assert "srun --kill-on-bad-exit=1 python3 -m maxlm.train --config=configs/llama_1b.py" in result.stdout
+    assert "MAXLM_DISTRIBUTED=auto" in result.stdout
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in result.stdout
+    assert ("scontrol requeue 42" in result.stdout) == requeued
+
+
+def test_distributed_auto_lets_jax_detect_the_cluster(monkeypatch):
+    from maxlm import distributed
+
+    calls = []
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    monkeypatch.setenv("MAXLM_DISTRIBUTED", "auto")
+    assert distributed.initialize() and calls == [{}]
+    monkeypatch.delenv("MAXLM_DISTRIBUTED")
+    assert not distributed.initialize() and calls == [{}]

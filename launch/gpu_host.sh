@@ -1,0 +1,13 @@
+#!/bin/bash
+# Train on one multi-GPU host: a single process drives every visible GPU (JAX's usual model on one
+# host), so no coordinator is needed. Set the mesh to the GPU count, e.g. 8 GPUs as fsdp × tensor:
+#
+#   launch/gpu_host.sh --config=configs/llama_1b.py --workdir=runs/llama_1b \
+#       --config.mesh.fsdp=-1 --config.model.dtype=bfloat16
+#
+# Same XLA settings as launch/slurm.sbatch (see there for why).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}
+exec "${PYTHON:-.venv/bin/python}" -m maxlm.train "$@"

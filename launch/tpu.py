@@ -1,0 +1,149 @@
+"""Train on a Cloud TPU VM or pod slice with `gcloud`: create, install, run everywhere, collect, delete.
+
+    python launch/tpu.py --name=maxlm-v5p --zone=us-east5-a --accelerator=v5p-64 --spot -- \
+        --config=configs/llama_1b.py --workdir=/mnt/shared/runs/llama_1b
+
+Every step is one `gcloud compute tpus ...` command, printed before it runs; `--dry_run` prints
+them and runs nothing. The same training command runs on every worker (`--worker=all`) with
+`MAXLM_DISTRIBUTED=auto`, so each host calls `jax.distributed.initialize()` and JAX reads the pod's
+topology itself. The code shipped is `git archive HEAD` of this checkout (commit first), installed
+into a virtualenv on each worker with `jax[tpu]`. The workdir must be a filesystem every worker
+shares (Filestore/NFS, or a GCS bucket mounted with gcsfuse): checkpoints are written by all hosts,
+metrics by host 0, and `gs://` URLs are not handled by the metric writers yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+
+DEFAULT_RUNTIME = {"v4": "tpu-ubuntu2204-base", "v5litepod": "v2-alpha-tpuv5-lite",
+                   "v5p": "v2-alpha-tpuv5", "v6e": "v2-alpha-tpuv6e"}
+TARBALL = "maxlm.tar.gz"
+LOG = "maxlm-train.log"
+
+
+def runtime_for(accelerator: str) -> str:
+    family = accelerator.rsplit("-", 1)[0]
+    if family not in DEFAULT_RUNTIME:
+        raise SystemExit(f"tpu.py: no default --runtime for {accelerator!r}; pass --runtime")
+    return DEFAULT_RUNTIME[family]
+
+
+def gcloud(args, *words: str) -> list[str]:
+    command = ["gcloud", "compute", "tpus", *words, f"--zone={args.zone}"]
+    return command + ([f"--project={args.project}"] if args.project else [])
+
+
+def create_commands(args) -> list[list[str]]:
+    runtime = args.runtime or runtime_for(args.accelerator)
+    if args.queued:  # queued resources: wait in line for capacity instead of failing at once
+        command = gcloud(args, "queued-resources", "create", args.name, f"--node-id={args.name}",
+                         f"--accelerator-type={args.accelerator}", f"--runtime-version={runtime}")
+        return [command + (["--spot"] if args.spot else [])]
+    command = gcloud(args, "tpu-vm", "create", args.name,
+                     f"--accelerator-type={args.accelerator}", f"--version={runtime}")
+    return [command + (["--spot"] if args.spot else [])]
+
+
+def ssh(args, remote: str) -> list[str]:
+    return gcloud(args, "tpu-vm", "ssh", args.name, "--worker=all", f"--command={remote}")
+
+
+def install_command(args) -> str:
+    return " && ".join([
+        f"rm -rf maxlm && mkdir maxlm && tar -xzf {TARBALL} -C maxlm",
+        "cd maxlm",
+        "python3 -m venv .venv",
+        ".venv/bin/pip install --quiet --upgrade pip",
+        # The lock pins the CPU jaxlib used by CI; on TPU take the matching jax[tpu] (with libtpu).
+        ".venv/bin/pip install --quiet -r requirements.lock",
+        f".venv/bin/pip install --quiet 'jax[tpu]=={args.jax_version}'",
+        ".venv/bin/pip install --quiet --no-deps -e .",
+    ])
+
+
+def train_command(train_args: list[str]) -> str:
+    # The log on each worker survives the ssh session; `nohup` is not used so that the ssh
+    # command's exit status is the training's (143 = preempted, 0 = done).
+    return (f"cd maxlm && MAXLM_DISTRIBUTED=auto .venv/bin/python -m maxlm.train "
+            f"{shlex.join(train_args)} 2>&1 | tee -a ~/{LOG}; exit ${{PIPESTATUS[0]}}")
+
+
+def job_commands(args, train_args: list[str]) -> list[list[str]]:
+    """Create (unless --reuse), ship the code, install, train: stop at the first failure."""
+    commands = [] if args.reuse else create_commands(args)
+    return commands + [
+        ["git", "archive", "--format=tar.gz", f"--output={TARBALL}", "HEAD"],
+        gcloud(args, "tpu-vm", "scp", TARBALL, f"{args.name}:~/", "--worker=all"),
+        ssh(args, install_command(args)),
+        ssh(args, train_command(train_args)),
+    ]
+
+
+def final_commands(args) -> list[list[str]]:
+    """Run whatever happened above: collect worker 0's log, then delete (unless --keep)."""
+    commands = [gcloud(args, "tpu-vm", "scp", f"{args.name}:~/{LOG}", f"{args.name}-{LOG}",
+                       "--worker=0")]
+    if not args.keep:
+        delete = ("queued-resources", "delete", args.name, "--force") if args.queued else (
+            "tpu-vm", "delete", args.name)
+        commands.append(gcloud(args, *delete, "--quiet"))
+    return commands
+
+
+def wait_until_active(args) -> None:
+    """Queued resources are granted asynchronously: poll until the slice exists."""
+    describe = gcloud(args, "queued-resources", "describe", args.name, "--format=value(state.state)")
+    while True:
+        state = subprocess.run(describe, capture_output=True, text=True).stdout.strip()
+        print(f"[tpu] queued resource {args.name}: {state or 'unknown'}", flush=True)
+        if state == "ACTIVE":
+            return
+        if state in ("FAILED", "SUSPENDED"):
+            raise SystemExit(f"tpu.py: queued resource {args.name} is {state}")
+        time.sleep(30)
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--") if "--" in argv else len(argv)
+    argv, train_args = argv[:split], argv[split + 1 :]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--name", required=True, help="TPU VM / queued resource name")
+    parser.add_argument("--zone", required=True)
+    parser.add_argument("--accelerator", required=True, help="e.g. v5p-64, v5litepod-16, v4-8")
+    parser.add_argument("--project", default="")
+    parser.add_argument("--runtime", default="", help="TPU software version (default by family)")
+    parser.add_argument("--jax_version", default="0.10.2")
+    parser.add_argument("--spot", action="store_true", help="spot capacity (preemptible)")
+    parser.add_argument("--queued", action="store_true", help="use queued resources")
+    parser.add_argument("--reuse", action="store_true", help="the TPU exists already: skip create")
+    parser.add_argument("--keep", action="store_true", help="do not delete the TPU afterwards")
+    parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+    args = parser.parse_args(argv)
+    if not any(a.startswith("--config=") for a in train_args):
+        parser.error("give the training arguments after --, e.g. -- --config=configs/llama_1b.py --workdir=gs://...")
+
+    status = 0
+    for command in job_commands(args, train_args):
+        print("[tpu] " + shlex.join(command), flush=True)
+        if args.dry_run:
+            continue
+        status = subprocess.run(command).returncode
+        if status:
+            print(f"[tpu] failed with status {status}", file=sys.stderr, flush=True)
+            break
+        if command[3:5] == ["queued-resources", "create"]:
+            wait_until_active(args)
+    for command in final_commands(args):
+        print("[tpu] " + shlex.join(command), flush=True)
+        if not args.dry_run:
+            subprocess.run(command)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
