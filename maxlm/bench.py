@@ -4,11 +4,16 @@
 `maxlm.train`) on synthetic token batches, so the figure is the model's speed, independent of the
 input pipeline. Warm-up steps (compilation included) are excluded; every timed step is waited
 for, and the median is reported with the spread.
+
+`plan` compiles the train step ahead of time for the configured mesh (abstract state and batch,
+nothing executed) and reports per-device bytes: parameters, optimizer state, batch, and XLA's
+temp (activations) and peak figures, and whether that fits the device's memory when known.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 
@@ -87,6 +92,78 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int) -> dict:
     }
 
 
+def _bytes_per_device(tree) -> int:
+    """Bytes one device holds of a pytree of ShapeDtypeStructs/arrays with NamedShardings (the
+    largest shard, i.e. device 0's for the even splits the rules produce)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
+
+
+def plan(cfg) -> dict:
+    """Per-device memory of the train step, compiled ahead of time for the configured mesh.
+
+    Nothing runs and no state is materialised: the state and batch are ShapeDtypeStructs with
+    their shardings, and `jit(...).lower(...).compile()` gives XLA's buffer assignment.
+    """
+    rules = mesh_lib.rules_of(cfg.mesh)
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    tx = optim.make_optimizer(cfg.optim)
+    shapes = train.abstract_shapes(cfg, tx)
+    shardings = train.state_shardings(cfg, tx, mesh, rules, shapes)
+    state = train.abstract_state(cfg, tx, shardings)
+    batch_sharding = mesh_lib.batch_sharding(mesh, rules)
+    batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=batch_sharding)
+             for k in ("inputs", "targets", "segment_ids", "positions")}
+    train_fn, _ = train.compile_steps(cfg, tx, mesh, rules, shardings)
+    start = time.perf_counter()
+    with mesh_lib.activate(mesh, rules):
+        compiled = train_fn.lower(state, batch).compile()
+    compile_sec = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    argument = int(mem.argument_size_in_bytes)
+    output = int(mem.output_size_in_bytes)
+    alias = int(mem.alias_size_in_bytes)  # donated state: inputs that are reused as outputs
+    temp = int(mem.temp_size_in_bytes)
+    # XLA's own peak where the backend reports a plausible one (GPU/TPU); the CPU backend's
+    # figure leaves temp out, so there: everything live at once, an upper bound.
+    peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
+    peak_source = "xla"
+    if peak < temp:
+        peak, peak_source = argument + output - alias + temp, "arguments+outputs-aliased+temp"
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    return {
+        "benchmark": "plan",
+        "config": cfg.name,
+        "device_kind": jax.devices()[0].device_kind,
+        "device_count": jax.device_count(),
+        "mesh": {axis: cfg.mesh[axis] for axis in config_lib.MESH_AXES},
+        "dtype": cfg.model.dtype,
+        "remat": cfg.model.remat,
+        "scan_layers": cfg.model.scan_layers,
+        "grad_accum_steps": cfg.optim.grad_accum_steps,
+        "shard_state_over_data": cfg.optim.shard_state_over_data,
+        "mu_dtype": cfg.optim.mu_dtype,
+        "params": model.count_params(cfg.model),
+        "batch_size": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "bytes_per_device": {
+            "params": _bytes_per_device(state["params"]),
+            "opt_state": _bytes_per_device(state["opt_state"]),
+            "batch": _bytes_per_device(batch),
+            "temp": temp,  # activations and other scratch XLA allocates inside the step
+            "arguments": argument,
+            "outputs": output,
+            "aliased": alias,
+            "peak": peak,
+        },
+        "peak_source": peak_source,
+        "device_memory_bytes": limit,
+        "fits": None if limit is None else peak <= limit,
+        "compile_sec": compile_sec,
+        "jax_version": jax.__version__,
+    }
+
+
 def bench_data(cfg) -> dict:
     """Data-pipeline tokens/s per core: packed reading, tokenize+pack vs raw sentencepiece."""
     from maxlm.data import throughput
@@ -98,14 +175,17 @@ def main(argv) -> None:
     from absl import flags
 
     what = argv[1] if len(argv) > 1 else "train"
-    if what not in ("train", "data", "checkpoint"):
-        cli.config_error(f"unknown benchmark {what!r}; available: train, data, checkpoint")
+    if what not in ("train", "data", "checkpoint", "plan"):
+        cli.config_error(f"unknown benchmark {what!r}; available: train, data, checkpoint, plan")
     cli.setup_logging()
     cfg = cli.resolved_config(jax.device_count())
     if what == "checkpoint":  # blocking part of an async save, full save, restore
         from maxlm import checkpoint
 
         print(json.dumps(checkpoint.bench_checkpoint(cfg), indent=2))
+        return
+    if what == "plan":  # per-device memory, compiled ahead of time; nothing executes
+        print(json.dumps(plan(cfg), indent=2))
         return
     if what == "data":
         try:

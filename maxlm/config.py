@@ -88,6 +88,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.optim.b1 = 0.9
     c.optim.b2 = 0.95
     c.optim.eps = 1e-8
+    c.optim.grad_accum_steps = 1  # microbatches per step, accumulated inside the jitted step
+    c.optim.shard_state_over_data = False  # ZeRO-1: Adam moments also sharded over mesh.data
+    c.optim.mu_dtype = "float32"  # Adam first moment's dtype: "float32" or "bfloat16"
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "tfds:python_stdlib"
@@ -203,6 +206,11 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collectio
     for key in ("b1", "b2"):
         if not 0 <= c.optim[key] < 1:
             raise ConfigError(f"optim.{key} must be in [0, 1), got {c.optim[key]}")
+    accum = c.optim.grad_accum_steps
+    if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
+        raise ConfigError(f"optim.grad_accum_steps must be a positive int, got {accum!r}")
+    if c.optim.mu_dtype not in DTYPES:
+        raise ConfigError(f"optim.mu_dtype must be one of {DTYPES}, got {c.optim.mu_dtype!r}")
     if c.optim.min_lr_ratio > 1:
         raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {c.optim.min_lr_ratio}")
     if m.dtype not in DTYPES:
@@ -247,6 +255,12 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collectio
         raise ConfigError(
             f"batch_size={c.batch_size} must be divisible by mesh.data x mesh.fsdp = "
             f"{mesh['data']} x {mesh['fsdp']} = {batch_shards}"
+        )
+    if c.batch_size % (accum * batch_shards):
+        raise ConfigError(
+            f"batch_size={c.batch_size} must be divisible by optim.grad_accum_steps x mesh.data x "
+            f"mesh.fsdp = {accum} x {mesh['data']} x {mesh['fsdp']} = {accum * batch_shards} "
+            "(each microbatch is split evenly over the data-parallel devices)"
         )
     tensor = mesh["tensor"]
     for key in ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):

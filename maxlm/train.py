@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import sys
 import time
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from maxlm import checkpoint, cli, config as config_lib, distributed, mesh as mesh_lib, metrics, model, optim
 from maxlm.data import make_dataset
@@ -65,6 +67,42 @@ def state_logical_specs(cfg, tx: optax.GradientTransformation, abstract_state: S
             "skipped_steps": PartitionSpec(), "bad_streak": PartitionSpec()}
 
 
+def _add_data_axis(shape, spec: PartitionSpec, logical: PartitionSpec, sizes) -> PartitionSpec:
+    """ZeRO-1: `spec` (mesh axes) with `data` added to one dim: the `embed` dim if its size divides
+    by its current shards × data, else the first dim that does; unchanged if none does (small
+    vectors) or `data` is already used. `sizes`: the mesh's {axis: size}."""
+    pad = lambda t: (*t, *(None,) * (len(shape) - len(t)))
+    axes = [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in pad(spec)]
+    if sizes["data"] == 1 or any("data" in a for a in axes):
+        return spec
+    names = pad(logical)
+    for i in sorted(range(len(shape)), key=lambda i: names[i] != "embed"):  # embed first
+        if shape[i] % (math.prod(sizes[a] for a in axes[i]) * sizes["data"]) == 0:
+            axes[i] = (*axes[i], "data")
+            return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in axes))
+    return spec
+
+
+def state_shardings(cfg, tx, mesh, rules, abstract: State) -> State:
+    """NamedShardings of the whole state: `state_logical_specs` through the mesh rules, then, with
+    `optim.shard_state_over_data` (ZeRO-1), Adam's moments also split over `data`. Parameters stay
+    replicated over `data`; GSPMD reduce-scatters the gradients into the moments' shards and
+    all-gathers the updated parameters."""
+    shardings = mesh_lib.logical_to_shardings(state_logical_specs(cfg, tx, abstract), mesh, rules)
+    if not cfg.optim.get("shard_state_over_data", False) or mesh.shape["data"] == 1:
+        return shardings
+
+    def zero1(leaf, logical):
+        spec = nn.logical_to_mesh_axes(logical, rules)
+        return NamedSharding(mesh, _add_data_axis(leaf.shape, spec, logical, mesh.shape))
+
+    opt = optax.tree_map_params(
+        tx, zero1, abstract["opt_state"], model.param_logical_specs(cfg.model),
+        transform_non_params=lambda _: mesh_lib.replicated(mesh), is_leaf=model.is_spec,
+    )
+    return dict(shardings, opt_state=opt)
+
+
 def create_sharded_state(cfg, tx, mesh, rules, rng):
     """Initialises the state directly into its shards: no device ever holds the full state.
 
@@ -72,7 +110,7 @@ def create_sharded_state(cfg, tx, mesh, rules, rng):
     """
     init = functools.partial(init_state, cfg, tx)
     abstract = jax.eval_shape(init, rng)
-    shardings = mesh_lib.logical_to_shardings(state_logical_specs(cfg, tx, abstract), mesh, rules)
+    shardings = state_shardings(cfg, tx, mesh, rules, abstract)
     with mesh_lib.activate(mesh, rules):
         state = jax.jit(init, out_shardings=shardings)(rng)
     return state, shardings
@@ -98,6 +136,53 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+def _microbatches(batch, n: int):
+    """[B, ...] → [n, B/n, ...], microbatch i = rows i, i+n, i+2n, ...
+
+    Strided rather than contiguous rows: with the batch sharded over (data, fsdp) in contiguous
+    blocks, every device then holds B/(n·devices) rows of *every* microbatch, so slicing one out
+    moves no data (config.resolve checks B % (n·data·fsdp) == 0).
+    """
+
+    def split(x):
+        x = nn.with_logical_constraint(x.reshape(x.shape[0] // n, n, *x.shape[1:]),
+                                       ("batch", None, "length"))
+        return nn.with_logical_constraint(x.swapaxes(0, 1), (None, "batch", "length"))
+
+    return jax.tree.map(split, batch)
+
+
+def loss_and_grads(cfg, params, batch):
+    """((loss, aux), grads) of the whole batch, as `jax.value_and_grad(model.loss_fn)` gives them.
+
+    With `optim.grad_accum_steps` = n > 1, a `lax.scan` runs forward + backward on one microbatch
+    (B/n rows) at a time, so activations scale with the microbatch. The loss is a mean over the
+    batch's non-padding tokens, so each microbatch's mean loss and gradients are weighted by its
+    token count and the sums divided by the batch's: the result equals the large-batch step (up to
+    float summation order), however unevenly padding falls.
+    """
+    grad_fn = jax.value_and_grad(functools.partial(model.loss_fn, cfg.model), has_aux=True)
+    n = cfg.optim.get("grad_accum_steps", 1)
+    if n == 1:
+        return grad_fn(params, batch)
+
+    def body(carry, micro):
+        (loss_i, aux_i), grads_i = grad_fn(params, micro)
+        w = aux_i["num_tokens"]  # the microbatch's mean × its tokens = its loss sum
+        sums = {"loss": loss_i * w, "cross_entropy": aux_i["cross_entropy"] * w, "num_tokens": w,
+                "grads": jax.tree.map(lambda g: g * w, grads_i)}
+        return jax.tree.map(jnp.add, carry, sums), None
+
+    zero = jnp.zeros((), jnp.float32)
+    init = {"loss": zero, "cross_entropy": zero, "num_tokens": zero,
+            "grads": jax.tree.map(jnp.zeros_like, params)}
+    sums, _ = jax.lax.scan(body, init, _microbatches(batch, n))
+    denom = jnp.maximum(sums["num_tokens"], 1.0)
+    grads = jax.tree.map(lambda g: g / denom, sums["grads"])
+    aux = {"num_tokens": sums["num_tokens"], "cross_entropy": sums["cross_entropy"] / denom}
+    return (sums["loss"] / denom, aux), grads
+
+
 def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple[State, dict]:
     """One update; a step whose loss, gradient norm or new state is NaN/inf is not applied.
 
@@ -105,8 +190,7 @@ def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple
     function of the step) and counts in `skipped_steps` and `bad_streak` (reset by a good step).
     `inject_nan` (fault injection, `debug.nan_at_step`) makes this step's gradients NaN.
     """
-    grad_fn = jax.value_and_grad(functools.partial(model.loss_fn, cfg.model), has_aux=True)
-    (loss, aux), grads = grad_fn(state["params"], batch)
+    (loss, aux), grads = loss_and_grads(cfg, state["params"], batch)
     if inject_nan is not None:
         grads = jax.tree.map(lambda g: jnp.where(inject_nan, jnp.nan, g), grads)
     grad_norm = optax.tree.norm(grads)  # before clipping
@@ -346,7 +430,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
             first = True
             prev_metrics = None  # the previous step's, for its non-finite verdict
             while step < cfg.steps:
-                args = (state, global_batch(_host_batch(train_data, step), mesh, rules))
+                args = (state, global_batch(_host_batch(train_data.prefetch(), step), mesh, rules))
                 if injecting:
                     hit = cfg.debug.nan_at_step <= step < cfg.debug.nan_at_step + cfg.debug.nan_steps
                     if hit and cfg.debug.nan_transient:  # only the first time this step runs
