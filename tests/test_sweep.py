@@ -29,7 +29,8 @@ def test_a_short_sweep_writes_a_sorted_csv(tmp_path):
     sweep_file = tmp_path / "short.py"
     sweep_file.write_text(
         "def get_config():\n"
-        "    return {'base': 'configs/tiny.py', 'devices': 8, 'steps': 2, 'overrides': {},\n"
+        "    return {'base': 'configs/tiny.py', 'devices': 8, 'fake_cpu_devices': True, 'steps': 2,\n"
+        "            'overrides': {},\n"
         "            'grid': {'mesh': [(8, 1, 1), (2, 2, 2), (1, 1, 8)], 'batch_size': [8]}}\n"
     )
     result = subprocess.run(
@@ -44,3 +45,21 @@ def test_a_short_sweep_writes_a_sorted_csv(tmp_path):
     assert speeds == sorted(speeds, reverse=True) and all(s > 0 for s in speeds)
     assert "num_heads=4 must be divisible by mesh.tensor=8" in result.stdout
     assert (tmp_path / "out" / "000" / "bench.json").is_file()
+    assert all(float(r["memory_per_device_mib"]) > 0 for r in rows if r["status"] == "ok")
+    planned = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "sweep.py"), str(sweep_file), "--plan",
+         f"--workdir={tmp_path / 'plan'}"], cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )
+    assert planned.returncode == 0, planned.stdout[-2000:] + planned.stderr[-2000:]
+    plan_rows = list(csv.DictReader(open(tmp_path / "plan" / "sweep.csv")))
+    assert all(r["tokens_per_sec"] == "" for r in plan_rows)  # compiled, never run
+    assert sorted(float(r["memory_per_device_mib"]) for r in plan_rows if r["status"] == "ok") == [
+        float(r["memory_per_device_mib"]) for r in plan_rows if r["status"] == "ok"]
+
+
+@pytest.mark.parametrize("name", ["cpu8", "v5p_64", "gpu8"])
+def test_shipped_sweep_files_expand_to_valid_points(name):
+    spec = sweep.load_sweep(str(ROOT / "configs" / "sweeps" / f"{name}.py"))
+    points = sweep.expand(spec["grid"])
+    reasons = [sweep.validate(spec["base"], {**spec["overrides"], **p}, spec["devices"]) for p in points]
+    assert sum(r is None for r in reasons) >= len(points) // 2, reasons

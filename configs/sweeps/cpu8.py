@@ -7,7 +7,8 @@
 def get_config():
     return {
         "base": "configs/tiny.py",
-        "devices": 8,  # fake CPU devices per point (--xla_force_host_platform_device_count)
+        "devices": 8,  # the device count the points are validated for
+        "fake_cpu_devices": True,  # run on 8 fake CPU devices (--xla_force_host_platform_device_count)
         "steps": 5,  # timed steps per point (after 2 warm-up steps)
         "overrides": {"model.num_heads": 8, "model.num_kv_heads": 4},  # heads divisible by tensor
         # Every combination of these values is one point; "mesh" is (data, fsdp, tensor).
