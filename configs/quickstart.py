@@ -1,7 +1,8 @@
 """`make train`: a 0.9M-parameter Llama learns Python from the standard library, on a CPU, in minutes.
 
 Byte-level tokens (no tokenizer to train), 128-token packed sequences, one CPU device. About
-1.2M tokens in 300 steps: the loss falls from ln(264) = 5.6 to about 2 nats per byte.
+1.2M tokens in 300 steps: the loss falls from ln(264) = 5.6 to about 1.6 nats per byte
+(1.7 on held-out files) in about 4 minutes on 2 CPU cores.
 """
 
 from maxlm.config import defaults
