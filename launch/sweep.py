@@ -61,13 +61,7 @@ def expand(grid) -> list[dict]:
 
 def validate(base_path: str, overrides: dict, devices: int) -> str | None:
     """The validator's reason to reject this point, or None."""
-    cfg = load_base(base_path)
-    for key, value in overrides.items():
-        node = cfg
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
+    cfg = config_lib.apply_overrides(load_base(base_path), overrides)
     try:
         config_lib.resolve(cfg, devices)
     except config_lib.ConfigError as e:

@@ -313,5 +313,16 @@ def _check_rules(rules):
                 )
 
 
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+    """Sets dotted keys ("optim.lr") in place, as `--config.optim.lr=...` would; returns `config`."""
+    for key, value in overrides.items():
+        node = config
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return config
+
+
 def to_json(config: ml_collections.ConfigDict) -> str:
     return json.dumps(config.to_dict(), indent=2, sort_keys=True)

@@ -3,7 +3,10 @@
 import importlib.util
 import pathlib
 
+import jax
 import numpy as np
+
+from maxlm import config as config_lib, mesh as mesh_lib, optim, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -17,13 +20,22 @@ def load_config(name: str):
 
 def with_overrides(cfg, overrides: dict):
     """Sets dotted keys ("optim.lr") on `cfg`, as `--config.optim.lr=...` would."""
-    for key, value in overrides.items():
-        node = cfg
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return cfg
+    return config_lib.apply_overrides(cfg, overrides)
+
+
+def train_losses(cfg, steps: int, batch_for_step):
+    """Losses of `steps` jitted train steps on `batch_for_step(step)`, and the final state."""
+    rules = mesh_lib.rules_of(cfg.mesh)
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    tx = optim.make_optimizer(cfg.optim)
+    state, shardings = train.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
+    train_fn, _ = train.compile_steps(cfg, tx, mesh, rules, shardings)
+    losses = []
+    with mesh_lib.activate(mesh, rules):
+        for step in range(steps):
+            state, step_metrics = train_fn(state, train.global_batch(batch_for_step(step), mesh, rules))
+            losses.append(float(step_metrics["loss"]))
+    return np.array(losses), state
 
 
 def packed_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int = 0, docs_per_row: int = 3):

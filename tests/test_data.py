@@ -16,6 +16,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from maxlm import config as config_lib
 from maxlm.data import (
     ByteTokenizer,
     SentencePieceTokenizer,
@@ -102,13 +103,7 @@ def make_config(tfds_dir, cache_dir, **overrides) -> ml_collections.ConfigDict:
             "tokenizer": "byte",
         }
     )
-    for key, value in overrides.items():
-        target = c
-        *parents, leaf = key.split(".")
-        for p in parents:
-            target = target[p]
-        target[leaf] = value
-    return c
+    return config_lib.apply_overrides(c, overrides)
 
 
 @pytest.fixture

@@ -26,13 +26,7 @@ def make_config(source, tmp_path, **overrides) -> ml_collections.ConfigDict:
     c.data.tfds_dir = str(tmp_path / "tfds")
     c.data.cache_dir = str(tmp_path / "packed")
     c.data.validation_percent = 30.0
-    for key, value in overrides.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return c
+    return config_lib.apply_overrides(c, overrides)
 
 
 def _doc(i: int, words: int = 30) -> str:

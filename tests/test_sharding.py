@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, mesh as mesh_lib, optim, train
-from tests.helpers import load_config, packed_batch
+from maxlm import config as config_lib, mesh as mesh_lib
+from tests.helpers import load_config, packed_batch, train_losses
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4)]
 STEPS = 10
@@ -20,18 +20,9 @@ def mesh_config(data, fsdp, tensor):
 
 def run(cfg, steps=STEPS):
     """Losses of `steps` train steps on fixed synthetic batches; also returns the final state."""
-    rules = mesh_lib.rules_of(cfg.mesh)
-    mesh = mesh_lib.make_mesh(cfg.mesh)
-    tx = optim.make_optimizer(cfg.optim)
-    state, shardings = train.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
-    train_fn, _ = train.compile_steps(cfg, tx, mesh, rules, shardings)
-    losses = []
-    with mesh_lib.activate(mesh, rules):
-        for step in range(steps):
-            batch = packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, seed=step)
-            state, step_metrics = train_fn(state, train.global_batch(batch, mesh, rules))
-            losses.append(float(step_metrics["loss"]))
-    return np.array(losses), state
+    return train_losses(
+        cfg, steps, lambda step: packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, seed=step)
+    )
 
 
 @pytest.fixture(scope="module")

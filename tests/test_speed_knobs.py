@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import bench, config as config_lib, mesh as mesh_lib, optim, train
-from tests.helpers import load_config, packed_batch
+from maxlm import bench, config as config_lib, mesh as mesh_lib, train
+from tests.helpers import load_config, packed_batch, train_losses
 
 
 def tiny(mesh=(1, 8, 1), **optim_overrides):
@@ -27,17 +27,7 @@ def padded_batch(cfg, seed=0):
 
 
 def run(cfg, steps):
-    rules = mesh_lib.rules_of(cfg.mesh)
-    mesh = mesh_lib.make_mesh(cfg.mesh)
-    tx = optim.make_optimizer(cfg.optim)
-    state, shardings = train.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
-    train_fn, _ = train.compile_steps(cfg, tx, mesh, rules, shardings)
-    losses = []
-    with mesh_lib.activate(mesh, rules):
-        for step in range(steps):
-            state, step_metrics = train_fn(state, train.global_batch(padded_batch(cfg, step), mesh, rules))
-            losses.append(float(step_metrics["loss"]))
-    return np.array(losses), state
+    return train_losses(cfg, steps, lambda step: padded_batch(cfg, step))
 
 
 STEPS = 3
