@@ -26,9 +26,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
+from maxlm import attention as attention_lib, fp8
+
 Batch = dict[str, jax.Array]
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def _normal(std: float):
@@ -86,43 +88,80 @@ def attention_mask(segment_ids_BL):
 
 
 def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS):
-    """Plain einsum attention with grouped-query heads; softmax in float32."""
+    """Plain einsum attention with grouped-query heads; softmax in float32.
+
+    q is scaled before the matmul ([B, L, H, Dh] is far smaller than the [.., L, S] scores), and
+    the small q/k/v arrays are put heads-major first, so every [.., L, S] array comes out of its
+    matmul in the order softmax and the next matmul read it: no transpose copy of an L×S array
+    (on CPU those copies took a fifth of the step at seq 1024).
+    """
     B, L, H, Dh = q_BLHDh.shape
     K = k_BSKDh.shape[2]
-    q_BLKGDh = q_BLHDh.reshape(B, L, K, H // K, Dh)
-    scores_BKGLS = jnp.einsum("blkgd,bskd->bkgls", q_BLKGDh, k_BSKDh).astype(jnp.float32)
-    scores_BKGLS = scores_BKGLS / math.sqrt(Dh)
+    q_BLHDh = q_BLHDh * jnp.asarray(1 / math.sqrt(Dh), q_BLHDh.dtype)
+    q_BKGLDh = q_BLHDh.reshape(B, L, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
+    k_BKSDh, v_BKSDh = k_BSKDh.transpose(0, 2, 1, 3), v_BSKDh.transpose(0, 2, 1, 3)
+    scores_BKGLS = jnp.einsum("bkgld,bksd->bkgls", q_BKGLDh, k_BKSDh).astype(jnp.float32)
     # Every row keeps at least its diagonal, so the softmax never sees an all-masked row.
     scores_BKGLS = jnp.where(mask_B1LS[:, :, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
     probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(q_BLHDh.dtype)
-    out_BLKGDh = jnp.einsum("bkgls,bskd->blkgd", probs_BKGLS, v_BSKDh)
-    return out_BLKGDh.reshape(B, L, H, Dh)
+    out_BKGLDh = jnp.einsum("bkgls,bksd->bkgld", probs_BKGLS, v_BKSDh)
+    return out_BKGLDh.transpose(0, 3, 1, 2, 4).reshape(B, L, H, Dh)
 
 
-def attention_backend(name: str, dtype) -> str:
-    """Resolves `model.attention`: "auto" is cuDNN's fused attention on NVIDIA GPUs with 16-bit
+# Tests only, never in config.ATTENTION: the splash kernel run by the Pallas interpreter on any
+# backend (slow), so the model's splash path can be checked on CPU.
+SPLASH_INTERPRET = "splash_interpret"
+_SPLASH = ("splash", SPLASH_INTERPRET)
+
+
+def attention_backend(name: str, dtype, seq_len: int | None = None) -> str:
+    """Resolves `model.attention`: "auto" is the Pallas splash kernel on TPUs (when `seq_len`, if
+    given, suits it: a multiple of 128), cuDNN's fused attention on NVIDIA GPUs with 16-bit
     compute (it has no float32 kernel), the plain XLA path otherwise."""
+    platform = jax.default_backend()
     if name == "auto":
-        gpu = jax.default_backend() == "gpu"
-        return "cudnn" if gpu and jnp.dtype(dtype).itemsize == 2 else "xla"
-    if name == "cudnn" and jax.default_backend() != "gpu":
-        raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, not {jax.default_backend()}")
+        if platform == "tpu":
+            return "splash" if seq_len is None or seq_len % attention_lib.LANES == 0 else "xla"
+        return "cudnn" if platform == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
+    if name == "cudnn" and platform != "gpu":
+        raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, not {platform}")
+    if name == "splash" and platform != "tpu":
+        raise ValueError(f"model.attention='splash' needs a TPU, not {platform}")
     return name
 
 
-def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS):
-    if attention_backend(backend, q_BLHDh.dtype) == "cudnn":
+def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=None):
+    """Attention with the named backend. Splash takes the documents as `segment_ids_BL` (its own
+    causal mask, and'ed with same-segment) instead of `mask_B1LS`."""
+    backend = attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1])
+    if backend == "cudnn":
         return jax.nn.dot_product_attention(
             q_BLHDh, k_BSKDh, v_BSKDh, mask=mask_B1LS, implementation="cudnn"
         )
+    if backend in _SPLASH:
+        if segment_ids_BL is None:
+            raise ValueError("splash attention needs segment_ids_BL")
+        return attention_lib.splash_attention(
+            q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, interpret=backend == SPLASH_INTERPRET
+        )
     return xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
+
+
+def _matmul(cfg, spec: str, x, w, dtype):
+    """A layer's weight matmul: float8 operands with `model.fp8` (see maxlm/fp8.py), else `dtype`.
+
+    `get`: configs saved before `model.fp8` existed (checkpoint verify reads them) lack the key.
+    """
+    if cfg.get("fp8", False):
+        return fp8.fp8_einsum(spec, x, w, dtype)
+    return jnp.einsum(spec, x, w.astype(dtype))
 
 
 class Attention(nn.Module):
     cfg: Any
 
     @nn.compact
-    def __call__(self, x_BLD, positions_BL, mask_B1LS):
+    def __call__(self, x_BLD, positions_BL, mask_B1LS, segment_ids_BL):
         cfg = self.cfg
         dtype = _DTYPES[cfg.dtype]
         D, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -132,14 +171,17 @@ class Attention(nn.Module):
         wv_DKDh = _param(self, "wv", _normal(cfg.init_std), (D, K, Dh), ("embed", "kv_heads", "head_dim"))
         wo_HDhD = _param(self, "wo", _normal(out_std), (H, Dh, D), ("heads", "head_dim", "embed"))
 
-        q_BLHDh = checkpoint_name(jnp.einsum("bld,dhk->blhk", x_BLD, wq_DHDh.astype(dtype)), "q_proj")
-        k_BSKDh = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x_BLD, wk_DKDh.astype(dtype)), "k_proj")
-        v_BSKDh = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x_BLD, wv_DKDh.astype(dtype)), "v_proj")
+        q_BLHDh = checkpoint_name(_matmul(cfg, "bld,dhk->blhk", x_BLD, wq_DHDh, dtype), "q_proj")
+        k_BSKDh = checkpoint_name(_matmul(cfg, "bsd,dhk->bshk", x_BLD, wk_DKDh, dtype), "k_proj")
+        v_BSKDh = checkpoint_name(_matmul(cfg, "bsd,dhk->bshk", x_BLD, wv_DKDh, dtype), "v_proj")
         q_BLHDh = _constrain(rope(q_BLHDh, positions_BL, cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
         k_BSKDh = _constrain(rope(k_BSKDh, positions_BL, cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
 
-        out_BLHDh = attend(cfg.attention, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
-        return checkpoint_name(jnp.einsum("blhk,hkd->bld", out_BLHDh, wo_HDhD.astype(dtype)), "attn_out")
+        # Init only needs the parameters' shapes, from a 1 x 8 dummy batch that a splash kernel
+        # could neither tile nor split over the mesh: the plain path traces the same parameters.
+        backend = "xla" if self.is_initializing() else cfg.attention
+        out_BLHDh = attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL)
+        return checkpoint_name(_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
 
 
 class SwiGLU(nn.Module):
@@ -154,21 +196,21 @@ class SwiGLU(nn.Module):
         w_gate_DF = _param(self, "w_gate", _normal(cfg.init_std), (D, F), ("embed", "mlp"))
         w_up_DF = _param(self, "w_up", _normal(cfg.init_std), (D, F), ("embed", "mlp"))
         w_down_FD = _param(self, "w_down", _normal(out_std), (F, D), ("mlp", "embed"))
-        gate_BLF = jnp.einsum("bld,df->blf", x_BLD, w_gate_DF.astype(dtype))
-        up_BLF = jnp.einsum("bld,df->blf", x_BLD, w_up_DF.astype(dtype))
+        gate_BLF = _matmul(cfg, "bld,df->blf", x_BLD, w_gate_DF, dtype)
+        up_BLF = _matmul(cfg, "bld,df->blf", x_BLD, w_up_DF, dtype)
         hidden_BLF = _constrain(nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
-        return checkpoint_name(jnp.einsum("blf,fd->bld", hidden_BLF, w_down_FD.astype(dtype)), "mlp_out")
+        return checkpoint_name(_matmul(cfg, "blf,fd->bld", hidden_BLF, w_down_FD, dtype), "mlp_out")
 
 
 class Block(nn.Module):
     cfg: Any
 
     @nn.compact
-    def __call__(self, x_BLD, positions_BL, mask_B1LS):
+    def __call__(self, x_BLD, positions_BL, mask_B1LS, segment_ids_BL):
         cfg = self.cfg
         dtype = _DTYPES[cfg.dtype]
         h_BLD = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_BLD)
-        x_BLD = x_BLD + Attention(cfg, name="attn")(h_BLD, positions_BL, mask_B1LS)
+        x_BLD = x_BLD + Attention(cfg, name="attn")(h_BLD, positions_BL, mask_B1LS, segment_ids_BL)
         h_BLD = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_BLD)
         x_BLD = x_BLD + SwiGLU(cfg, name="mlp")(h_BLD)
         return _constrain(x_BLD, ("batch", "length", "act_embed")), None  # (carry, out) for scan
@@ -186,7 +228,10 @@ class Transformer(nn.Module):
         # weight): a gather out of an fsdp-sharded dim has no efficient SPMD partitioning.
         table_VD = _constrain(embed_VD, ("vocab", "act_embed"))
         x_BLD = _constrain(jnp.take(table_VD, tokens_BL, axis=0).astype(dtype), ("batch", "length", "act_embed"))
-        mask_B1LS = attention_mask(segment_ids_BL)
+        # Splash masks inside its kernel, from the segment ids: no [B, 1, L, L] mask then.
+        splash = not self.is_initializing() and attention_backend(
+            cfg.attention, dtype, tokens_BL.shape[1]) in _SPLASH
+        mask_B1LS = None if splash else attention_mask(segment_ids_BL)
         block = Block
         if REMAT_POLICIES[cfg.remat] is not None:
             # prevent_cse only matters outside scan, where XLA could merge the recomputation away.
@@ -196,14 +241,14 @@ class Transformer(nn.Module):
                 block,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast),
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x_BLD, _ = layers(cfg, name="layers")(x_BLD, positions_BL, mask_B1LS)
+            x_BLD, _ = layers(cfg, name="layers")(x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
         else:
             for i in range(cfg.num_layers):
-                x_BLD, _ = block(cfg, name=f"layer_{i}")(x_BLD, positions_BL, mask_B1LS)
+                x_BLD, _ = block(cfg, name=f"layer_{i}")(x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
         if not cfg.tie_embeddings:  # declared here so init creates it; used by `head_weights`
             _param(self, "head", _normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
         return RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BLD)

@@ -1,0 +1,368 @@
+"""Speed kernels: splash attention (Pallas, TPU; interpreted here) and fp8 matmuls."""
+
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from maxlm import attention, config as config_lib, fp8, mesh as mesh_lib, model, optim, train
+from tests.helpers import load_config, packed_batch
+
+
+def assert_close(actual, expected, tol, what=""):
+    """max |actual - expected| <= tol · max |expected| (one scale per array: attention outputs and
+    gradients have no meaningful per-element relative error near zero)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert np.isfinite(actual).all(), f"{what}: non-finite values"
+    error = np.abs(actual - expected).max() / np.abs(expected).max()
+    assert error <= tol, f"{what}: max error {error:.2e} of the largest value > {tol:.0e}"
+
+
+# ----------------------------------------------------------------------------- splash attention
+
+# Two rows of 256 tokens: documents that straddle the 128-token kernel blocks, one that ends
+# exactly on a block edge, and trailing padding (segment 0) in row 0.
+SEGMENT_IDS = np.array(
+    [[1] * 90 + [2] * 70 + [3] * 40 + [0] * 56,
+     [1] * 128 + [2] * 100 + [3] * 28],
+    np.int32,
+)
+
+
+def _qkv(kv_heads, batch=2, seq_len=256, heads=4, head_dim=64, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (batch, seq_len, heads, head_dim), jnp.float32)
+    k = jax.random.normal(keys[1], (batch, seq_len, kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(keys[2], (batch, seq_len, kv_heads, head_dim), jnp.float32)
+    cotangent = jax.random.normal(keys[3], q.shape, jnp.float32)
+    return q, k, v, cotangent
+
+
+def _outputs_and_grads(attend_fn, q, k, v, cotangent):
+    out, vjp = jax.vjp(attend_fn, q, k, v)
+    return (out, *vjp(cotangent))
+
+
+def _compare_with_xla(q, k, v, cotangent, segment_ids, splash_fn):
+    """Splash's output and (q, k, v) gradients against `model.xla_attention` with the model's mask;
+    returns the jitted splash function (output, dq, dk, dv).
+
+    Both compute in float32 with a float32 softmax; they differ only in summation order (splash's
+    online softmax rescales per 128-key block), so they agree to a few float32 ulps of the
+    accumulated sums: 2e-5 of the largest value (measured: ~1e-6).
+    """
+    mask = model.attention_mask(segment_ids)
+    expected = _outputs_and_grads(lambda q, k, v: model.xla_attention(q, k, v, mask), q, k, v, cotangent)
+    run = jax.jit(lambda *a: _outputs_and_grads(splash_fn, *a))
+    for name, a, e in zip(("output", "dq", "dk", "dv"), run(q, k, v, cotangent), expected):
+        assert_close(a, e, 2e-5, name)  # also: every value finite, padding rows included
+    return run
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_splash_matches_xla(kv_heads):
+    """4 query heads over 2 kv heads (GQA: k/v passed unrepeated) and plain MHA, 2 x 2 blocks of
+    128 (the upper-right one skipped by the causal mask), packed documents and padding.
+    And directly: changing every token from position 128 on leaves the documents that end
+    before it (row 0: [0, 90); row 1: [0, 128)) exactly as they were."""
+    q, k, v, cotangent = _qkv(kv_heads)
+    segment_ids = jnp.asarray(SEGMENT_IDS)
+    splash = lambda q, k, v: attention.splash_attention(q, k, v, segment_ids, block=128, interpret=True)
+    run = _compare_with_xla(q, k, v, cotangent, segment_ids, splash)
+    changed = lambda x: x.at[:, 128:].multiply(-3.0)
+    before, after = run(q, k, v, cotangent)[0], run(changed(q), changed(k), changed(v), cotangent)[0]
+    for row, end in ((0, 90), (1, 128)):
+        np.testing.assert_array_equal(np.asarray(before[row, :end]), np.asarray(after[row, :end]))
+    assert not np.allclose(np.asarray(before[1, 128:]), np.asarray(after[1, 128:]))
+
+
+def test_splash_sharded_over_mesh_matches_xla():
+    """Under a data=2 x fsdp=2 x tensor=2 mesh: one shard_map, batch split 4 ways, the 4 heads and
+    2 kv heads 2 ways (each device: 2 query heads on their 1 kv head); same numbers as unsharded.
+    Then with heads replicated (a rule mapping them to no axis): still the same numbers."""
+    cfg = load_config("tiny")
+    cfg.mesh.update(data=2, fsdp=2, tensor=2)
+    cfg = config_lib.resolve(cfg, jax.device_count())
+    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
+    q, k, v, cotangent = _qkv(2, batch=4)
+    segment_ids = jnp.asarray(np.concatenate([SEGMENT_IDS, SEGMENT_IDS[::-1]]))
+    splash = lambda q, k, v: attention.splash_attention(q, k, v, segment_ids, block=128, interpret=True)
+    with mesh_lib.activate(mesh, rules):
+        assert "shard_map" in str(jax.make_jaxpr(splash)(q, k, v))
+        _compare_with_xla(q, k, v, cotangent, segment_ids, splash)
+    heads_replicated = tuple((n, None if n in ("heads", "kv_heads") else a) for n, a in rules)
+    with mesh_lib.activate(mesh, heads_replicated):
+        _compare_with_xla(q, k, v, cotangent, segment_ids, splash)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """configs/tiny.py resolved for one device, and its initial train state (shared: init is slow)."""
+    cfg = config_lib.resolve(load_config("tiny"), 1)
+    init = functools.partial(train.init_state, cfg, optim.make_optimizer(cfg.optim))
+    return cfg, jax.jit(init)(jax.random.key(cfg.seed))
+
+
+def _copy(cfg):
+    return config_lib.ml_collections.ConfigDict(cfg.to_dict())
+
+
+def test_model_with_splash_matches_xla(tiny):
+    """The whole model (tiny: GQA, scanned layers; one device: the mesh path and the gradients are
+    tested above) computes the same loss on 128-token rows with the splash path (interpreted) as
+    with the XLA path. Init traces the plain path (its 1 x 8 dummy batch suits no kernel tile)."""
+    cfg, state = tiny
+    batch = packed_batch(2, 128, cfg.model.vocab_size, docs_per_row=4)
+    batch["segment_ids"][0, 100:] = 0  # padding
+    splash_cfg = _copy(cfg.model)
+    splash_cfg.attention = model.SPLASH_INTERPRET
+    splash_shapes = jax.eval_shape(lambda: model.init_params(splash_cfg, jax.random.key(0)))
+    assert jax.tree.map(lambda a: a.shape, splash_shapes) == jax.tree.map(lambda a: a.shape, state["params"])
+    loss = lambda model_cfg: float(jax.jit(lambda p: model.loss_fn(model_cfg, p, batch)[0])(state["params"]))
+    np.testing.assert_allclose(loss(splash_cfg), loss(cfg.model), rtol=1e-6)
+
+
+def test_block_size():
+    assert [attention.block_size(n) for n in (128, 256, 384, 512, 768, 2048, 8192)] == [
+        128, 256, 128, 512, 256, 512, 512]
+    with pytest.raises(ValueError, match="divisible by 128"):
+        attention.block_size(100)
+
+
+def test_attention_backend_choice(monkeypatch):
+    assert model.attention_backend("auto", jnp.bfloat16, 256) == "xla"  # CPU
+    with pytest.raises(ValueError, match="model.attention='splash' needs a TPU, not cpu"):
+        model.attention_backend("splash", jnp.bfloat16)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert model.attention_backend("auto", jnp.bfloat16, 256) == "splash"
+    assert model.attention_backend("auto", jnp.float32) == "splash"
+    assert model.attention_backend("auto", jnp.bfloat16, 100) == "xla"  # no 128-multiple tiling
+    assert model.attention_backend("splash", jnp.bfloat16) == "splash"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert model.attention_backend("auto", jnp.bfloat16, 256) == "cudnn"
+    assert model.attention_backend("auto", jnp.float32, 256) == "xla"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"model.attention": "splash", "seq_len": 200},
+         "model.attention='splash' needs seq_len divisible by 128 (the kernel's tile), got "
+         "seq_len=200; use model.attention='xla' or a seq_len of 256"),
+        ({"model.attention": "flash"}, "model.attention must be one of"),
+    ],
+)
+def test_config_rejects(overrides, message):
+    cfg = config_lib.apply_overrides(load_config("tiny"), overrides)
+    with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config_lib.resolve(cfg, 8)
+
+
+def test_config_rejects_non_bool_fp8():
+    raw = load_config("tiny").to_dict()  # a plain dict: ConfigDict's own type check is bypassed
+    raw["model"]["fp8"] = "yes"
+    with pytest.raises(config_lib.ConfigError, match="model.fp8 must be True or False, got 'yes'"):
+        config_lib.resolve(config_lib.ml_collections.ConfigDict(raw), 8)
+
+
+def test_config_accepts_splash_and_fp8():
+    cfg = config_lib.apply_overrides(
+        load_config("tiny"), {"model.attention": "splash", "seq_len": 384, "model.fp8": True})
+    resolved = config_lib.resolve(cfg, 8)
+    assert (resolved.model.attention, resolved.model.fp8) == ("splash", True)
+    assert config_lib.defaults().model.fp8 is False
+
+
+# ----------------------------------------------------------------------------- fp8
+
+
+def _reference_qdq(x, fp8_dtype):
+    """Independent float64/ml_dtypes rounding of x to float8 with the per-tensor power-of-2 scale."""
+    x = np.asarray(x, np.float64)
+    scale = 2.0 ** np.ceil(np.log2(np.abs(x).max() / float(ml_dtypes.finfo(fp8_dtype).max)))
+    return (x / scale).astype(fp8_dtype).astype(np.float64) * scale
+
+
+def _fp8_case(seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (4, 32, 256), jnp.float32)
+    w = 0.02 * jax.random.normal(keys[1], (256, 96), jnp.float32)
+    cotangent = jax.random.normal(keys[2], (4, 32, 96), jnp.float32)
+    return x, w, cotangent
+
+
+def test_fp8_scale():
+    scale = lambda values, dtype=fp8.E4M3: float(fp8.scale_of(jnp.asarray(values, jnp.float32), dtype))
+    assert scale([0.0, 0.0]) == 1.0
+    assert scale([448.0, -3.0]) == 1.0  # amax exactly the float8 max: no scaling
+    assert scale([-449.0]) == 2.0  # just above: the next power of two
+    assert scale([0.02, -0.1]) == 2.0**-12  # 0.1 / 448 = 2.2e-4 ∈ (2^-13, 2^-12]
+    assert scale([57344.0], fp8.E5M2) == 1.0
+    x = jax.random.normal(jax.random.key(0), (1000,)) * 37.0
+    x_f8, s = fp8.quantize(x, fp8.E4M3)
+    assert x_f8.dtype == jnp.float8_e4m3fn and np.isfinite(np.asarray(x_f8, np.float32)).all()
+    assert 224.0 < float(jnp.abs(x / s).max()) <= 448.0  # the top binade is used, never exceeded
+    # Non-finite values stay non-finite (so a bad step is still detected as one).
+    assert np.isnan(np.asarray(fp8.quantize_dequantize(jnp.array([1.0, jnp.inf]), fp8.E4M3, jnp.float32))[1])
+    assert np.isnan(np.asarray(fp8.quantize_dequantize(jnp.array([1.0, jnp.nan]), fp8.E5M2, jnp.float32))[1])
+
+
+def test_fp8_einsum_forward():
+    """Exactly the dot of the float8-rounded operands (rounded independently here); against the
+    float32 einsum, within float8's rounding error.
+
+    e4m3 keeps 3 mantissa bits: one operand's relative rounding error is at most 2^-4 = 6.25%
+    (half an ulp), about 2.5% RMS. Both operands' errors are independent and enter each product,
+    so a dot's relative (Frobenius) error is about sqrt(2) x 2.5% = 3.5% (the errors do not
+    average out relative to the output: they grow like the sum itself): bound 5%. Per element the
+    worst case is (1 + 2^-4)^2 - 1 < 13% of sum |x||w| (plus the subnormals' absolute error).
+    """
+    x, w, _ = _fp8_case()
+    y = fp8.fp8_einsum("bld,df->blf", x, w)
+    reference = np.einsum("bld,df->blf", _reference_qdq(x, ml_dtypes.float8_e4m3fn),
+                          _reference_qdq(w, ml_dtypes.float8_e4m3fn))
+    np.testing.assert_allclose(np.asarray(y), reference, rtol=1e-5, atol=1e-6)
+
+    exact = np.einsum("bld,df->blf", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    error = np.asarray(y, np.float64) - exact
+    assert np.linalg.norm(error) / np.linalg.norm(exact) < 0.05
+    magnitude = np.einsum("bld,df->blf", np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(w, np.float64)))
+    assert (np.abs(error) <= 0.13 * magnitude + 1e-5).all()
+
+
+def test_fp8_einsum_gradients():
+    """Backward: the output gradient rounded to e5m2 (2 mantissa bits), then dx = g_q · w_qᵀ and
+    dw = x_qᵀ · g_q with the forward's e4m3 operands: exactly that (rounded independently here),
+    and within 10% (Frobenius) of the float32 gradients (e5m2's RMS rounding error is ~5%)."""
+    x, w, cotangent = _fp8_case()
+    _, vjp = jax.vjp(lambda x, w: fp8.fp8_einsum("bld,df->blf", x, w), x, w)
+    dx, dw = vjp(cotangent)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    x_q, w_q = (_reference_qdq(a, ml_dtypes.float8_e4m3fn) for a in (x, w))
+    g_q = _reference_qdq(cotangent, ml_dtypes.float8_e5m2)
+    np.testing.assert_allclose(np.asarray(dx), np.einsum("blf,df->bld", g_q, w_q), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(dw), np.einsum("bld,blf->df", x_q, g_q), rtol=1e-5, atol=1e-5)
+
+    _, vjp32 = jax.vjp(lambda x, w: jnp.einsum("bld,df->blf", x, w), x, w)
+    for actual, expected in zip((dx, dw), vjp32(cotangent)):
+        expected = np.asarray(expected, np.float64)
+        assert np.linalg.norm(np.asarray(actual, np.float64) - expected) / np.linalg.norm(expected) < 0.1
+
+
+def test_fp8_einsum_exact_on_representable_inputs():
+    """Integers up to 16 (4 significant bits) times a power of two are e4m3 values, up to 8 are
+    e5m2 values, and their dot products are exact in float32: no error anywhere, either pass."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(-16, 17, (2, 8, 64)) * 2.0**-3, jnp.float32)
+    w = jnp.asarray(rng.integers(-16, 17, (64, 4, 16)) * 2.0**-9, jnp.float32)
+    cotangent = jnp.asarray(rng.integers(-8, 9, (2, 8, 4, 16)) * 2.0**5, jnp.float32)
+    spec = "bld,dhk->blhk"
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_einsum(spec, x, w), x, w)
+    y32, vjp32 = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y32))
+    for actual, expected in zip(vjp(cotangent), vjp32(cotangent)):
+        np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected))
+
+
+def test_fp8_bfloat16_compute():
+    """bfloat16 compute: a bfloat16 output, gradients in each operand's dtype, and the dequantized
+    operand equal to the float32 one (power-of-2 scales make dequantization exact in bfloat16)."""
+    x, w, _ = _fp8_case()
+    x16 = x.astype(jnp.bfloat16)
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_einsum("bld,df->blf", x, w), x16, w)
+    assert y.dtype == jnp.bfloat16
+    dx, dw = vjp(jnp.ones_like(y))
+    assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.float32)
+    for a in (x16, w):
+        np.testing.assert_array_equal(
+            np.asarray(fp8.quantize_dequantize(a, fp8.E4M3, jnp.bfloat16), np.float32),
+            np.asarray(fp8.quantize_dequantize(a.astype(jnp.float32), fp8.E4M3, jnp.float32)))
+
+
+def test_fp8_keeps_remat_policies(capsys):
+    """Each remat policy saves the same residuals (the `checkpoint_name` tags, the weight-matmul
+    outputs) with model.fp8 on as off, and without remat the matmul operands are kept as float8
+    (traced only; the training test below runs fp8 with remat)."""
+    base = config_lib.resolve(load_config("tiny"), 1).model
+    batch = packed_batch(2, 64, base.vocab_size)
+
+    def model_cfg(fp8_on, remat):
+        cfg = config_lib.ml_collections.ConfigDict(base.to_dict())
+        cfg.update(fp8=fp8_on, remat=remat, scan_layers=False, num_layers=1)
+        return cfg
+
+    params = jax.eval_shape(lambda: model.init_params(model_cfg(True, "none"), jax.random.key(0)))
+    loss = lambda cfg: lambda p: model.loss_fn(cfg, p, batch)[0]
+
+    def residuals(fp8_on, remat):
+        jax.ad_checkpoint.print_saved_residuals(loss(model_cfg(fp8_on, remat)), params)
+        lines = capsys.readouterr().out.splitlines()
+        named = sorted(line.split("named ")[1].split()[0] for line in lines if "named '" in line)
+        return (len(lines), named, sum("output of dot_general" in line for line in lines),
+                sum(line.startswith("f8_e4m3fn") for line in lines))
+
+    named, dots = residuals(True, "save_qkv_proj"), residuals(True, "save_dots")
+    assert named == residuals(False, "save_qkv_proj") and dots == residuals(False, "save_dots")
+    assert named[1] == ["'k_proj'", "'q_proj'", "'v_proj'"]
+    assert dots[2] == 6  # q, k, v, o, gate, up: down's output is not needed for the gradients
+    # Without remat, fp8 keeps both operands of its 7 matmuls as float8 residuals.
+    assert residuals(True, "none")[3] == 14 and residuals(False, "none")[3] == 0
+
+
+def _train_losses_one_device(cfg, state, steps, batch):
+    """`steps` of `train.train_step` (jitted, one device) from `state` on the same batch: the losses."""
+    tx = optim.make_optimizer(cfg.optim)
+    step_fn = jax.jit(functools.partial(train.train_step, cfg, tx, optim.learning_rate_schedule(cfg.optim)))
+    losses = []
+    for _ in range(steps):
+        state, step_metrics = step_fn(state, batch)
+        losses.append(float(step_metrics["loss"]))
+    return np.array(losses)
+
+
+def test_fp8_training_tracks_float32(tiny):
+    """configs/tiny.py on a fixed packed batch (so the loss must fall) for 8 steps from the same
+    initial state: with model.fp8 (and remat save_dots: fp8's gradients under rematerialisation)
+    the loss is finite, falls, and stays within 2% of float32's at every step."""
+    cfg, state = tiny
+    batch = packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, seed=3)
+    batch["segment_ids"][0, 40:] = 0
+    losses32 = _train_losses_one_device(cfg, state, 8, batch)
+    cfg = _copy(cfg)
+    cfg.model.update(fp8=True, remat="save_dots")
+    losses8 = _train_losses_one_device(cfg, state, 8, batch)
+    assert np.isfinite(losses8).all()
+    assert losses8[-1] < losses8[0] - 0.3, losses8
+    np.testing.assert_allclose(losses8, losses32, rtol=0.02)
+
+
+def test_fp8_is_native():
+    gpu = lambda cc: types.SimpleNamespace(platform="gpu", compute_capability=cc)
+    assert [fp8.is_native(gpu(cc)) for cc in ("8.0", "8.6", "8.9", "9.0", "10.0")] == [
+        False, False, True, True, True]
+    assert not fp8.is_native(types.SimpleNamespace(platform="cpu"))
+    assert not fp8.is_native(types.SimpleNamespace(platform="tpu"))
+
+
+def _hopper():
+    if jax.default_backend() != "gpu":
+        return False
+    major = str(getattr(jax.devices()[0], "compute_capability", "0")).split(".")[0]
+    return int(major) >= 9
+
+
+@pytest.mark.skipif(not _hopper(), reason="float8 GEMMs need an NVIDIA GPU of compute capability >= 9.0")
+def test_fp8_einsum_compiles_to_cublaslt_f8_gemm():
+    """XLA's GemmRewriter turns the quantize → dequantize → dot pattern into cuBLASLt float8 GEMMs,
+    forward and in both gradient matmuls."""
+    x = jnp.ones((8, 128, 512), jnp.bfloat16)
+    w = jnp.ones((512, 1024), jnp.float32)
+    forward = jax.jit(lambda x, w: fp8.fp8_einsum("bld,df->blf", x, w))
+    assert "__cublas$lt$matmul$f8" in forward.lower(x, w).compile().as_text()
+    loss = lambda x, w: fp8.fp8_einsum("bld,df->blf", x, w).astype(jnp.float32).sum()
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+    assert hlo.count("__cublas$lt$matmul$f8") >= 2, "the backward matmuls are not float8 GEMMs"
