@@ -1,13 +1,31 @@
 """Sweep mesh shapes (and any other config keys) and rank the points by throughput.
 
     python launch/sweep.py configs/sweeps/cpu8.py --workdir=runs/sweep
+    python launch/sweep.py configs/sweeps/v5p_64.py --workdir=gs://bucket/sweep --launcher=tpu -- \
+        --name=sweep --zone=us-east5-a --accelerator=v5p-64
+    python launch/sweep.py configs/sweeps/gpu8.py --workdir=/shared/sweep --launcher=slurm -- \
+        --partition=h200
 
 A sweep file's `get_config()` returns a dict naming a base config, fixed overrides and a grid;
 every combination of the grid is a point. Points the config validator rejects are listed with its
-reason and skipped. Each remaining point is compiled ahead of time (`python -m maxlm.bench plan`:
-per-device memory) and then timed (`python -m maxlm.bench`), each in its own process so a crash or
-OOM costs one point, not the sweep; `--plan` only compiles. Each point leaves its JSON and logs in
-`DIR/NNN/`. The table is written to `DIR/sweep.csv` and printed, fastest first.
+reason and skipped. `--launcher` decides where the others run:
+
+  local  (default) each point is compiled ahead of time here (`python -m maxlm.bench plan`:
+         per-device memory) and then timed (`python -m maxlm.bench`), each in its own process so a
+         crash or OOM costs one point, not the sweep; `--plan` only compiles. Each point leaves its
+         JSON and logs in `DIR/NNN/`.
+  tpu    each point is a short training run (`maxlm.train`, workdir `DIR/NNN`) through
+         `launch/tpu.py` with the arguments after `--`: the first point creates the TPU and keeps
+         it, the next ones reuse it without reinstalling, the last one deletes it (unless `--keep`
+         is among them). DIR must be readable here and on the workers: a gs:// bucket.
+  slurm  each point is `sbatch [args after --] launch/slurm.sbatch <train args>`, waited for in
+         turn (`--no_wait`: all submitted at once; gather later with `--collect`). DIR must be on
+         the cluster's shared filesystem (or gs://) and readable here.
+
+For tpu and slurm the results come from each point's `DIR/NNN/metrics.jsonl`: the medians of
+tokens/s, MFU and step time over the steps after the warm-up. `--dry_run` prints the commands
+(tpu: also every gcloud command of `tpu.py --dry_run`) and runs nothing. The table is written to
+`DIR/sweep.csv` and printed, fastest first.
 """
 
 from __future__ import annotations
@@ -15,19 +33,25 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.util
+import io
 import itertools
 import json
 import os
+import shlex
+import statistics
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from maxlm import config as config_lib  # noqa: E402  (after the path fix-up above)
+from etils import epath  # noqa: E402
+
+from maxlm import config as config_lib, paths  # noqa: E402  (after the path fix-up above)
 
 COLUMNS = ("point", "mesh", "batch_size", "overrides", "status", "memory_per_device_mib",
            "tokens_per_sec", "mfu", "step_sec_median", "model_tflops_per_sec", "reason")
+WARMUP_STEPS = 2  # untimed steps first (the first one compiles), as `maxlm.bench --warmup_steps`
 
 
 def load_sweep(path: str):
@@ -104,16 +128,127 @@ def run_point(sweep, overrides: dict, point_dir: str, plan_only: bool) -> dict:
             ("tokens_per_sec", "mfu", "step_sec_median", "model_tflops_per_sec")}}
 
 
+# ----------------------------------------------------------------------------- tpu and slurm
+
+
+def train_args(sweep, overrides: dict, point_dir: str) -> list[str]:
+    """`maxlm.train` arguments of a point: a short run logging every step, no eval."""
+    return [f"--config={sweep['base']}", f"--workdir={point_dir}",
+            f"--config.steps={WARMUP_STEPS + sweep['steps']}", "--config.log_every_steps=1",
+            "--config.eval.every_steps=0", *(f"--config.{k}={v}" for k, v in overrides.items())]
+
+
+def tpu_command(launcher_args: list[str], train: list[str], first: bool, last: bool,
+                dry_run: bool) -> list[str]:
+    """`launch/tpu.py` for one point: only the first creates the TPU (and installs maxlm on it),
+    every point but the last keeps it."""
+    flags = ([] if first else ["--reuse", "--no_install"]) + ([] if last else ["--keep"])
+    return [sys.executable, os.path.join(ROOT, "launch", "tpu.py"), *launcher_args, *flags,
+            *(["--dry_run"] if dry_run else []), "--", *train]
+
+
+def slurm_command(launcher_args: list[str], train: list[str], point: str, point_dir: str,
+                  wait: bool) -> list[str]:
+    """`sbatch` of `launch/slurm.sbatch` for one point (`--wait`: returns when the job ends, with
+    its exit status); its log goes to the point's directory when that is a local path."""
+    output = [] if paths.is_remote(point_dir) else [f"--output={point_dir}/slurm-%j.log"]
+    return ["sbatch", "--parsable", *(["--wait"] if wait else []), f"--job-name=maxlm-sweep-{point}",
+            *output, *launcher_args, "launch/slurm.sbatch", *train]
+
+
+def collect(sweep, overrides: dict, point_dir: str) -> dict:
+    """A point's results from its `metrics.jsonl`: medians over the steps after the warm-up."""
+    path = epath.Path(point_dir) / "metrics.jsonl"
+    try:
+        lines = path.read_text().splitlines() if path.exists() else []
+    except OSError as e:
+        return {"status": "failed", "reason": f"{path}: {e}"}
+    rows = {}
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a killed run
+        if "tokens_per_sec" in row and row["step"] > WARMUP_STEPS:
+            rows[row["step"]] = row  # a rerun's row for a step replaces the earlier one
+    if not rows:
+        return {"status": "failed", "reason": f"no training steps after the warm-up in {path}"}
+    median = lambda key: statistics.median(r[key] for r in rows.values())  # noqa: E731
+    from maxlm import metrics  # imports jax: only here
+
+    cfg = config_lib.resolve(config_lib.apply_overrides(load_base(sweep["base"]), overrides),
+                             sweep["devices"])
+    flops = metrics.flops_per_token(cfg.model, cfg.seq_len)
+    return {"status": "ok", "tokens_per_sec": median("tokens_per_sec"), "mfu": median("mfu"),
+            "step_sec_median": median("step_time_sec"),
+            "model_tflops_per_sec": median("tokens_per_sec") * flops / 1e12}
+
+
+def run_remote(args, launcher_args: list[str], sweep, overrides: dict, point: str,
+               point_dir: str, first: bool, last: bool) -> dict:
+    """One point through launch/tpu.py or sbatch; its results once it has finished."""
+    train = train_args(sweep, overrides, point_dir)
+    if args.launcher == "tpu":
+        command = tpu_command(launcher_args, train, first, last, args.dry_run)
+    else:
+        command = slurm_command(launcher_args, train, point, point_dir, wait=not args.no_wait)
+    print("[sweep] " + shlex.join(command), flush=True)
+    if args.dry_run and args.launcher == "slurm":
+        return {"status": "dry_run"}
+    if not paths.is_remote(point_dir) and not args.dry_run:
+        os.makedirs(point_dir, exist_ok=True)  # sbatch's --output needs the directory
+    result = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE if args.launcher == "slurm" else None,
+                            text=True)
+    if args.dry_run:
+        return {"status": "dry_run"}
+    if args.launcher == "slurm" and args.no_wait:
+        if result.returncode:
+            return {"status": "failed", "reason": f"sbatch exited with status {result.returncode}"}
+        job = result.stdout.strip().split(";")[0]
+        print(f"[sweep] {point}: submitted job {job}", flush=True)
+        return {"status": "submitted", "reason": f"job {job}; gather with --collect"}
+    if result.returncode:
+        return {"status": "failed", "reason": f"{args.launcher} run exited with status {result.returncode}"}
+    return collect(sweep, overrides, point_dir)
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
 def main(argv: list[str]) -> int:
+    split = argv.index("--") if "--" in argv else len(argv)
+    argv, launcher_args = argv[:split], argv[split + 1:]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep", help="configs/sweeps/NAME.py")
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--plan", action="store_true", help="only compile: per-device memory")
+    parser.add_argument("--workdir", required=True, help="a directory or gs:// URL")
+    parser.add_argument("--launcher", choices=("local", "tpu", "slurm"), default="local",
+                        help="where each point runs; tpu/slurm take launch/tpu.py flags / sbatch "
+                             "options after --")
+    parser.add_argument("--plan", action="store_true", help="only compile: per-device memory (local)")
+    parser.add_argument("--dry_run", action="store_true", help="tpu/slurm: print the commands, run nothing")
+    parser.add_argument("--no_wait", action="store_true", help="slurm: submit every point, wait for none")
+    parser.add_argument("--collect", action="store_true",
+                        help="tpu/slurm: run nothing, gather the points' metrics into sweep.csv")
     args = parser.parse_args(argv)
+    remote = args.launcher != "local"
+    if args.plan and remote:
+        parser.error("--plan compiles on this machine's devices: use it with --launcher=local")
+    if (args.dry_run or args.collect) and not remote:
+        parser.error("--dry_run and --collect are for --launcher=tpu or slurm")
+    if args.no_wait and args.launcher != "slurm":
+        parser.error("--no_wait is for --launcher=slurm")
+    if launcher_args and not remote:
+        parser.error("arguments after -- go to launch/tpu.py or sbatch: use --launcher=tpu or slurm")
+    if args.launcher == "tpu" and not args.collect and not launcher_args:
+        parser.error("give launch/tpu.py's flags after --, e.g. -- --name=sweep --zone=us-east5-a "
+                     "--accelerator=v5p-64")
+    if not remote and paths.is_remote(args.workdir):
+        parser.error("--launcher=local writes its points' logs locally: give a local --workdir")
     sweep = load_sweep(args.sweep)
-    os.makedirs(args.workdir, exist_ok=True)
+    if not args.dry_run:
+        epath.Path(args.workdir).mkdir(parents=True, exist_ok=True)
 
-    rows = []
+    rows, todo = [], []
     for index, point in enumerate(expand(sweep['grid'])):
         overrides = {**sweep['overrides'], **point}
         row = {"point": f"{index:03d}",
@@ -126,16 +261,30 @@ def main(argv: list[str]) -> int:
             row.update(status="skipped", reason=reason)
             print(f"[sweep] {row['point']} {row['mesh']} skipped: {reason}", flush=True)
         else:
-            print(f"[sweep] {row['point']} {row['mesh']} batch {row['batch_size']} ...", flush=True)
-            row.update(run_point(sweep, overrides, os.path.join(args.workdir, row["point"]), args.plan))
+            todo.append((row, overrides))
         rows.append(row)
+    for i, (row, overrides) in enumerate(todo):
+        point_dir = (os.fspath(paths.workdir_path(args.workdir) / row["point"]) if remote
+                     else os.path.join(args.workdir, row["point"]))  # remote: absolute, or a URL
+        print(f"[sweep] {row['point']} {row['mesh']} batch {row['batch_size']} ...", flush=True)
+        if args.collect:
+            row.update(collect(sweep, overrides, point_dir))
+        elif remote:
+            row.update(run_remote(args, launcher_args, sweep, overrides, row["point"], point_dir,
+                                  first=i == 0, last=i == len(todo) - 1))
+        else:
+            row.update(run_point(sweep, overrides, point_dir, args.plan))
+    if args.dry_run:
+        return 0
 
     # Fastest first; with --plan, the smallest per-device memory first.
     rows.sort(key=lambda r: (-(r.get("tokens_per_sec") or -1), r.get("memory_per_device_mib") or 1e30))
-    with open(os.path.join(args.workdir, "sweep.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: r.get(k, "") for k in COLUMNS} for r in rows)
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows({k: r.get(k, "") for k in COLUMNS} for r in rows)
+    csv_path = epath.Path(args.workdir) / "sweep.csv"
+    csv_path.write_text(table.getvalue())
     print(f"\n{'mesh':>8} {'batch':>5} {'MiB/dev':>8} {'tokens/s':>10} {'MFU':>6} {'step s':>8}  status")
     for r in rows:
         memory = f"{r['memory_per_device_mib']:>8,.1f}" if r.get("memory_per_device_mib") else f"{'':>8}"
@@ -146,8 +295,8 @@ def main(argv: list[str]) -> int:
             print(f"{r['mesh']:>8} {r['batch_size']:>5} {memory} {'':>10} {'':>6} {'':>8}  ok {r['overrides']}")
         else:
             print(f"{r['mesh']:>8} {r['batch_size']:>5} {memory} {'':>10} {'':>6} {'':>8}  {r['status']}: {r['reason']}")
-    print(f"\nwrote {os.path.join(args.workdir, 'sweep.csv')}")
-    return 0 if any(r["status"] == "ok" for r in rows) else 1
+    print(f"\nwrote {csv_path}")
+    return 0 if any(r["status"] in ("ok", "submitted") for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ Every step is one `gcloud compute tpus ...` command, printed before it runs; `--
 them and runs nothing. The same training command runs on every worker (`--worker=all`) with
 `MAXLM_DISTRIBUTED=auto`, so each host calls `jax.distributed.initialize()` and JAX reads the pod's
 topology itself. The code shipped is `git archive HEAD` of this checkout (commit first), installed
-into a virtualenv on each worker with `jax[tpu]`. The workdir must be a filesystem every worker
-shares (Filestore/NFS, or a GCS bucket mounted with gcsfuse): checkpoints are written by all hosts,
-metrics by host 0, and `gs://` URLs are not handled by the metric writers yet.
+into a virtualenv on each worker with `jax[tpu]` (`--reuse --no_install`: it is there already).
+The workdir must be one every worker shares: a `gs://bucket/run` URL (every workdir write goes
+through etils.epath; `gcsfs` is then installed too), Filestore/NFS, or a bucket mounted with
+gcsfuse. Checkpoints are written by all hosts, metrics by host 0.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def ssh(args, remote: str) -> list[str]:
     return gcloud(args, "tpu-vm", "ssh", args.name, "--worker=all", f"--command={remote}")
 
 
-def install_command(args) -> str:
+def install_command(args, train_args: list[str] = ()) -> str:
+    # A gs:// workdir is written through etils.epath, whose GCS backend is gcsfs.
+    remote = any(a.startswith("--workdir=gs://") for a in train_args)
     return " && ".join([
         f"rm -rf maxlm && mkdir maxlm && tar -xzf {TARBALL} -C maxlm",
         "cd maxlm",
@@ -63,6 +66,7 @@ def install_command(args) -> str:
         ".venv/bin/pip install --quiet -r requirements.lock",
         f".venv/bin/pip install --quiet 'jax[tpu]=={args.jax_version}'",
         ".venv/bin/pip install --quiet --no-deps -e .",
+        *([".venv/bin/pip install --quiet gcsfs"] if remote else []),
     ])
 
 
@@ -74,14 +78,16 @@ def train_command(train_args: list[str]) -> str:
 
 
 def job_commands(args, train_args: list[str]) -> list[list[str]]:
-    """Create (unless --reuse), ship the code, install, train: stop at the first failure."""
+    """Create (unless --reuse), ship the code and install (unless --no_install), train: stop at
+    the first failure."""
     commands = [] if args.reuse else create_commands(args)
-    return commands + [
-        ["git", "archive", "--format=tar.gz", f"--output={TARBALL}", "HEAD"],
-        gcloud(args, "tpu-vm", "scp", TARBALL, f"{args.name}:~/", "--worker=all"),
-        ssh(args, install_command(args)),
-        ssh(args, train_command(train_args)),
-    ]
+    if not args.no_install:
+        commands += [
+            ["git", "archive", "--format=tar.gz", f"--output={TARBALL}", "HEAD"],
+            gcloud(args, "tpu-vm", "scp", TARBALL, f"{args.name}:~/", "--worker=all"),
+            ssh(args, install_command(args, train_args)),
+        ]
+    return commands + [ssh(args, train_command(train_args))]
 
 
 def final_commands(args) -> list[list[str]]:
@@ -122,8 +128,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--queued", action="store_true", help="use queued resources")
     parser.add_argument("--reuse", action="store_true", help="the TPU exists already: skip create")
     parser.add_argument("--keep", action="store_true", help="do not delete the TPU afterwards")
+    parser.add_argument("--no_install", action="store_true",
+                        help="with --reuse: maxlm is installed there already (an earlier run with "
+                             "--keep, e.g. launch/sweep.py's previous point); ship nothing")
     parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
+    if args.no_install and not args.reuse:
+        parser.error("--no_install needs --reuse (a new TPU has nothing installed)")
     if not any(a.startswith("--config=") for a in train_args):
         parser.error("give the training arguments after --, e.g. -- --config=configs/llama_1b.py --workdir=gs://...")
 

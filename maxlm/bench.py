@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 
@@ -35,7 +36,9 @@ def synthetic_batch(cfg, rng: np.random.Generator) -> dict:
     }
 
 
-def bench_train(cfg, warmup_steps: int, timed_steps: int) -> dict:
+def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "") -> dict:
+    """Times the train step; with `profile_dir`, then traces two more steps there (untimed, so the
+    profiler's overhead never reaches the figures)."""
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim)
@@ -43,8 +46,9 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int) -> dict:
     train_fn, _ = train.compile_steps(cfg, tx, mesh, rules, shardings)
     rng = np.random.default_rng(cfg.seed)
     host_batch = synthetic_batch(cfg, rng)
-    rows = slice(jax.process_index() * cfg.batch_size // jax.process_count(),
-                 (jax.process_index() + 1) * cfg.batch_size // jax.process_count())
+    parts, count = mesh_lib.batch_parts(mesh, rules)  # the rows this process's devices hold
+    size = cfg.batch_size // count
+    rows = np.concatenate([np.arange(p * size, (p + 1) * size) for p in parts])
     batch = train.global_batch({k: v[rows] for k, v in host_batch.items()}, mesh, rules)
 
     times = []
@@ -58,6 +62,11 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int) -> dict:
                 compile_sec = time.perf_counter() - compile_start
             if i >= warmup_steps:
                 times.append(time.perf_counter() - start)
+        if profile_dir:
+            with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+                for _ in range(2):
+                    state, step_metrics = train_fn(state, batch)
+                jax.block_until_ready(step_metrics)
 
     step_sec = statistics.median(times)
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -89,6 +98,8 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int) -> dict:
         "first_step_sec_incl_compile": compile_sec,
         "final_loss": float(step_metrics["loss"]),
         "jax_version": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        **({"profile_dir": profile_dir} if profile_dir else {}),
     }
 
 
@@ -193,7 +204,7 @@ def main(argv) -> None:
         except ValueError as e:  # bad data: one line, exit 2
             cli.config_error(str(e))
         return
-    result = bench_train(cfg, flags.FLAGS.warmup_steps, flags.FLAGS.steps)
+    result = bench_train(cfg, flags.FLAGS.warmup_steps, flags.FLAGS.steps, flags.FLAGS.profile_dir)
     print(json.dumps(result, indent=2))
 
 
@@ -202,6 +213,8 @@ def _define_flags() -> None:
 
     flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (the first one compiles).")
     flags.DEFINE_integer("steps", 10, "Timed steps; the median is reported.")
+    flags.DEFINE_string("profile_dir", "", "train: also trace two untimed steps into this directory "
+                        "(jax.profiler: TensorBoard's profile plugin or Perfetto).")
 
 
 if __name__ == "__main__":

@@ -36,16 +36,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
+
+from maxlm import loss_scale, paths
 
 log = logging.getLogger("maxlm")
 
 ITEMS = ("state", "meta", "config")
+# State entries a checkpoint may lack or hold beyond the restore target: the dynamic loss scale
+# exists only in float16 runs (and not in checkpoints written before it did). See restore_state.
+OPTIONAL_STATE = frozenset(loss_scale.STATE_KEYS)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 DAMAGED_SUFFIX = ".damaged"
 
 
 def checkpoint_dir(workdir: str) -> str:
-    return os.path.join(os.path.abspath(workdir), "checkpoints")
+    """WORKDIR/checkpoints: absolute for a local workdir, the URL itself for gs:// and the like."""
+    return os.fspath(paths.workdir_path(workdir) / "checkpoints")
 
 
 def _warn(message: str) -> None:
@@ -67,11 +74,11 @@ def _sync(name: str) -> None:
 def step_dirs(directory: str) -> dict[str, list]:
     """{"complete": [(step, path)], "incomplete": [...], "damaged": [...]} sorted by step."""
     found: dict[str, list] = {"complete": [], "incomplete": [], "damaged": []}
-    if not os.path.isdir(directory):
+    if not epath.Path(directory).is_dir():
         return found
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if not os.path.isdir(path):
+    for entry in epath.Path(directory).iterdir():
+        name, path = entry.name, os.fspath(entry)
+        if not entry.is_dir():
             continue
         if name.isdigit():
             found["complete"].append((int(name), path))
@@ -84,22 +91,21 @@ def step_dirs(directory: str) -> dict[str, list]:
 
 def file_problem(path: str) -> str | None:
     """Why the checkpoint at `path` is damaged judging by its files alone, or None."""
+    path = epath.Path(path)  # local, or gs:// and the like
     try:
-        with open(os.path.join(path, "_CHECKPOINT_METADATA")) as f:
-            json.load(f)
+        json.loads((path / "_CHECKPOINT_METADATA").read_text())
     except (OSError, ValueError) as e:
         return f"unreadable _CHECKPOINT_METADATA ({type(e).__name__})"
     for item in ITEMS:
-        if not os.path.isdir(os.path.join(path, item)):
+        if not (path / item).is_dir():
             return f"item {item!r} missing"
     for item in ("meta", "config"):
         try:
-            with open(os.path.join(path, item, "metadata")) as f:
-                json.load(f)
+            json.loads((path / item / "metadata").read_text())
         except (OSError, ValueError) as e:
             return f"unreadable {item}/metadata ({type(e).__name__})"
     for name in ("manifest.ocdbt", "_sharding"):
-        if not os.path.exists(os.path.join(path, "state", name)):
+        if not (path / "state" / name).exists():
             return f"state/{name} missing"
     return None
 
@@ -115,8 +121,7 @@ def _short(e: Exception) -> str:
 
 
 def read_json(path: str, item: str) -> dict:
-    with open(os.path.join(path, item, "metadata")) as f:
-        return json.load(f)
+    return json.loads((epath.Path(path) / item / "metadata").read_text())
 
 
 # ----------------------------------------------------------------------------- the manager
@@ -129,7 +134,7 @@ class Checkpointer:
         self.directory = checkpoint_dir(workdir)
         self.cfg = checkpoint_cfg
         self.temporary: set[int] = set()  # time-based saves of this process, replaced by the next
-        os.makedirs(self.directory, exist_ok=True)
+        epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
         found = step_dirs(self.directory)
         for step, path in found["incomplete"]:
             _warn(f"ignoring incomplete checkpoint {path} (interrupted write; removed)")
@@ -148,12 +153,12 @@ class Checkpointer:
     def _quarantine(self, path: str, problem: str) -> None:
         target = path + DAMAGED_SUFFIX
         n = 1
-        while os.path.exists(target):
+        while epath.Path(target).exists():
             n += 1
             target = f"{path}{DAMAGED_SUFFIX}{n}"
         _warn(f"skipping damaged checkpoint {path}: {problem}; kept as {target}")
         if jax.process_index() == 0:
-            os.rename(path, target)
+            epath.Path(path).rename(target)
 
     # -- saving
 
@@ -239,21 +244,37 @@ class Checkpointer:
 
 
 def restore_state(path: str, abstract_state, params_only: bool = False):
-    """(state, meta) of the checkpoint directory `path` (`.../checkpoints/STEP`)."""
+    """(state, meta) of the checkpoint directory `path` (`.../checkpoints/STEP`).
+
+    Only the OPTIONAL_STATE entries (the loss scale) may differ from `abstract_state`: those the
+    checkpoint lacks are missing from the state returned (the caller keeps its own, see
+    `train.with_missing_from`), those the target lacks are not read. Any other difference fails.
+    """
     handler = ocp.PyTreeCheckpointer()
-    target = {"params": abstract_state["params"]} if params_only else abstract_state
+    directory = os.path.join(path, "state")
+    target, partial = {"params": abstract_state["params"]}, True
+    if not params_only:
+        saved = set(_saved_tree(handler, directory))
+        target = {k: v for k, v in abstract_state.items() if k in saved or k not in OPTIONAL_STATE}
+        extra = saved - set(target)
+        partial = bool(extra) and extra <= OPTIONAL_STATE
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     state = handler.restore(
-        os.path.join(path, "state"),
-        args=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=params_only),
+        directory, args=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=partial)
     )
     return state, read_json(path, "meta")
 
 
+def _saved_tree(handler, directory: str):
+    """The saved pytree's metadata (its leaves describe the arrays)."""
+    saved = handler.metadata(directory)
+    return saved.item_metadata.tree if hasattr(saved, "item_metadata") else saved.tree
+
+
 def resolve_restore_from(path: str) -> str:
     """A checkpoint step directory from PATH: a step dir, a `checkpoints/` dir or a workdir."""
-    path = os.path.abspath(os.path.expanduser(path))
-    if os.path.isdir(os.path.join(path, "state")):
+    path = path if paths.is_remote(path) else os.path.abspath(os.path.expanduser(path))
+    if epath.Path(path, "state").is_dir():
         return path
     for candidate in (os.path.join(path, "checkpoints"), path):
         steps = [(s, p) for s, p in step_dirs(candidate)["complete"] if file_problem(p) is None]
@@ -309,8 +330,9 @@ class PreemptionWatcher:
 # ----------------------------------------------------------------------------- list / verify
 
 
-def _size(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+def _size(path) -> int:
+    """Bytes under `path` (iterdir rather than walk: epath's fsspec walk drops the gs:// prefix)."""
+    return sum(_size(p) if p.is_dir() else p.stat().length for p in epath.Path(path).iterdir())
 
 
 def _human(n: float) -> str:
@@ -349,8 +371,7 @@ def verify_one(path: str, config_dict: dict | None = None) -> str | None:
         return problem
     try:
         expected = _expected_abstract(config_dict or read_json(path, "config"))
-        saved = ocp.PyTreeCheckpointer().metadata(os.path.join(path, "state"))
-        saved_tree = saved.item_metadata.tree if hasattr(saved, "item_metadata") else saved.tree
+        saved_tree = _saved_tree(ocp.PyTreeCheckpointer(), os.path.join(path, "state"))
         # orbax's metadata has lists where optax has namedtuples: compare leaves in order
         saved_shapes = [tuple(m.shape) for m in jax.tree.leaves(saved_tree)]
         expected_shapes = [tuple(s.shape) for s in jax.tree.leaves(expected)]
@@ -378,9 +399,9 @@ def cli_main(argv: list[str]) -> int:
         print(f"maxlm: config error: {usage}", file=sys.stderr)
         return 2
     command, directory = argv
-    if os.path.isdir(os.path.join(directory, "checkpoints")):
+    if epath.Path(directory, "checkpoints").is_dir():
         directory = os.path.join(directory, "checkpoints")
-    if not os.path.isdir(directory):
+    if not epath.Path(directory).is_dir():
         print(f"maxlm: config error: no checkpoint directory at {directory}", file=sys.stderr)
         return 2
     entries = _entries(directory)
@@ -391,7 +412,7 @@ def cli_main(argv: list[str]) -> int:
         with contextlib.suppress(Exception):
             meta = read_json(path, "meta")
         saved = meta.get("saved_at") or time.strftime(
-            "%Y-%m-%dT%H:%M:%S", time.localtime(os.path.getmtime(path)))
+            "%Y-%m-%dT%H:%M:%S", time.localtime(epath.Path(path).stat().mtime))
         row = [str(step), status, _human(_size(path)), saved, meta.get("kind", "?")]
         if command == "verify":
             problem = verify_one(path) if status == "complete" else status

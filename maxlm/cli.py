@@ -52,11 +52,15 @@ def run(main: Callable[[list[str]], None], define_flags: Callable[[], None]) -> 
     app.run(main, flags_parser=_parse_flags)
 
 
-def resolved_config(num_devices: int):
-    """The parsed `--config`, validated for `num_devices` (exit 2 on a problem)."""
+def resolved_config(num_devices: int, num_granules: int | None = None):
+    """The parsed `--config`, validated for `num_devices` in `num_granules` TPU slices or
+    processes (default: those of `jax.devices()`, for `mesh.dcn_*`) (exit 2 on a problem)."""
     from absl import flags
 
-    from maxlm import config as config_lib
+    from maxlm import config as config_lib, mesh as mesh_lib
+
+    if num_granules is None:
+        num_granules = mesh_lib.num_granules()
 
     try:
         config = flags.FLAGS.config
@@ -66,6 +70,7 @@ def resolved_config(num_devices: int):
     except OSError as e:
         config_error(" ".join(str(e).split()))
     try:
-        return config_lib.resolve(config_lib.ml_collections.ConfigDict(config), num_devices)
+        return config_lib.resolve(config_lib.ml_collections.ConfigDict(config), num_devices,
+                                  num_granules)
     except config_lib.ConfigError as e:
         config_error(str(e))

@@ -33,9 +33,12 @@ DEFAULT_RULES = (
 )
 
 MESH_AXES = ("data", "fsdp", "tensor")
-DTYPES = ("float32", "bfloat16")
+DCN_AXES = ("data", "fsdp")  # axes that may span granules: mesh.dcn_data, mesh.dcn_fsdp
+DTYPES = ("float32", "bfloat16", "float16")  # model.dtype: compute; float16 turns on loss scaling
+MU_DTYPES = ("float32", "bfloat16")  # optim.mu_dtype
 REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
-ATTENTION = ("auto", "xla", "cudnn")  # see model.attention_backend
+ATTENTION = ("auto", "xla", "cudnn", "splash")  # see model.attention_backend
+SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/attention.py)
 
 
 class ConfigError(ValueError):
@@ -56,6 +59,10 @@ def defaults() -> ml_collections.ConfigDict:
     c.mesh.data = 1
     c.mesh.fsdp = -1  # -1: all devices left after the other axes
     c.mesh.tensor = 1
+    # Multi-slice / multi-node: how many granules (TPU slices; GPU/CPU processes) the data and
+    # fsdp axes are split across, over DCN/the network; the rest of each axis is within a granule.
+    c.mesh.dcn_data = 1
+    c.mesh.dcn_fsdp = 1
     c.mesh.rules = DEFAULT_RULES
 
     c.model = ml_collections.ConfigDict()
@@ -74,6 +81,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.model.scan_layers = True  # one compiled layer body (compile time flat in depth)
     c.model.remat = "none"  # activation rematerialisation policy, one of REMAT
     c.model.attention = "auto"  # one of ATTENTION; the log says which one ran
+    c.model.fp8 = False  # layer weight matmuls with float8 operands (maxlm/fp8.py)
     c.model.logits_chunk_size = 0  # >0: the loss computes logits this many positions at a time
     c.model.z_loss = 0.0  # weight of log²Z in the objective (PaLM uses 1e-4)
     c.model.label_smoothing = 0.0
@@ -91,6 +99,10 @@ def defaults() -> ml_collections.ConfigDict:
     c.optim.grad_accum_steps = 1  # microbatches per step, accumulated inside the jitted step
     c.optim.shard_state_over_data = False  # ZeRO-1: Adam moments also sharded over mesh.data
     c.optim.mu_dtype = "float32"  # Adam first moment's dtype: "float32" or "bfloat16"
+    # dynamic loss scaling, on with model.dtype="float16" only (maxlm/loss_scale.py)
+    c.optim.loss_scale_init = 2.0**15
+    c.optim.loss_scale_growth_interval = 2000  # consecutive applied steps before the scale doubles
+    c.optim.loss_scale_min = 1.0  # halving stops here; a non-finite step at the min is a bad step
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "tfds:python_stdlib"
@@ -119,6 +131,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.checkpoint.restore_lr_scale = 1.0  # lr multiplier applied at each such restore
     c.checkpoint.restore_from = ""  # start a fresh workdir from another run's checkpoint
     c.checkpoint.restore_params_only = False  # with restore_from: params only (step 0, new optimizer)
+    c.checkpoint.init_from_hf = ""  # a fresh workdir starts from a local HF Llama folder (maxlm/hf.py)
 
     c.debug = ml_collections.ConfigDict()
     c.debug.nan_at_step = -1  # fault injection: step N's gradients are NaN (-1 = off)
@@ -183,9 +196,32 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
     return sizes
 
 
-def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collections.ConfigDict:
+def check_dcn(mesh_cfg, num_granules: int | None = None) -> None:
+    """`mesh.dcn_data` / `mesh.dcn_fsdp` against the resolved mesh and, when known, the number of
+    granules (TPU slices; processes on GPU/CPU) the devices come in."""
+    dcn = {axis: mesh_cfg.get(f"dcn_{axis}", 1) for axis in DCN_AXES}
+    for axis, size in dcn.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ConfigError(f"mesh.dcn_{axis} must be a positive int, got {size!r}")
+        if mesh_cfg[axis] % size:
+            raise ConfigError(
+                f"mesh.dcn_{axis}={size} must divide mesh.{axis}={mesh_cfg[axis]} (mesh.{axis} = "
+                f"dcn_{axis} granules x mesh.{axis}/dcn_{axis} devices within each)"
+            )
+    product = math.prod(dcn.values())
+    if num_granules is not None and product > 1 and product != num_granules:
+        raise ConfigError(
+            f"mesh.dcn_data x mesh.dcn_fsdp = {dcn['data']} x {dcn['fsdp']} = {product} must equal "
+            f"the number of granules, {num_granules} (TPU slices; processes on GPU/CPU)"
+        )
+
+
+def resolve(config: ml_collections.ConfigDict, num_devices: int,
+            num_granules: int | None = None) -> ml_collections.ConfigDict:
     """Validates `config` for `num_devices` and returns a copy with derived values filled in.
 
+    `num_granules`: how many TPU slices (processes on GPU/CPU) the devices come in, checked
+    against `mesh.dcn_*` (None: not checked; `mesh.make_mesh` checks it again).
     Raises ConfigError with a one-line message on the first problem found.
     """
     c = ml_collections.ConfigDict(config.to_dict())
@@ -209,16 +245,25 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collectio
     accum = c.optim.grad_accum_steps
     if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
         raise ConfigError(f"optim.grad_accum_steps must be a positive int, got {accum!r}")
-    if c.optim.mu_dtype not in DTYPES:
-        raise ConfigError(f"optim.mu_dtype must be one of {DTYPES}, got {c.optim.mu_dtype!r}")
+    if c.optim.mu_dtype not in MU_DTYPES:
+        raise ConfigError(f"optim.mu_dtype must be one of {MU_DTYPES}, got {c.optim.mu_dtype!r}")
     if c.optim.min_lr_ratio > 1:
         raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {c.optim.min_lr_ratio}")
+    _check_loss_scale(c.optim)
     if m.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {DTYPES}, got {m.dtype!r}")
     if m.remat not in REMAT:
         raise ConfigError(f"model.remat must be one of {REMAT}, got {m.remat!r}")
     if m.attention not in ATTENTION:
         raise ConfigError(f"model.attention must be one of {ATTENTION}, got {m.attention!r}")
+    if m.attention == "splash" and c.seq_len % SPLASH_BLOCK:
+        raise ConfigError(
+            f"model.attention='splash' needs seq_len divisible by {SPLASH_BLOCK} (the kernel's tile), "
+            f"got seq_len={c.seq_len}; use model.attention='xla' or a seq_len of "
+            f"{-(-c.seq_len // SPLASH_BLOCK) * SPLASH_BLOCK}"
+        )
+    if not isinstance(m.fp8, bool):
+        raise ConfigError(f"model.fp8 must be True or False, got {m.fp8!r}")
     _non_negative(c, "model.logits_chunk_size", "model.z_loss", "model.label_smoothing")
     if m.label_smoothing >= 1:
         raise ConfigError(f"model.label_smoothing must be < 1, got {m.label_smoothing}")
@@ -250,6 +295,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collectio
 
     mesh = resolve_mesh_shape(c.mesh, num_devices)
     c.mesh.update(mesh)
+    check_dcn(c.mesh, num_granules)
     batch_shards = mesh["data"] * mesh["fsdp"]
     if c.batch_size % batch_shards:
         raise ConfigError(
@@ -275,6 +321,24 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int) -> ml_collectio
     _check_rules(c.mesh.rules)
     _check_data(c)
     return c
+
+
+def _check_loss_scale(o):
+    for key in ("loss_scale_init", "loss_scale_min"):
+        value = o[key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+            raise ConfigError(f"optim.{key} must be a positive finite number, got {value!r}")
+    if o.loss_scale_init < o.loss_scale_min:
+        raise ConfigError(
+            f"optim.loss_scale_init={o.loss_scale_init:g} is below optim.loss_scale_min="
+            f"{o.loss_scale_min:g}; start the loss scale at or above its minimum"
+        )
+    interval = o.loss_scale_growth_interval
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise ConfigError(
+            f"optim.loss_scale_growth_interval must be a positive int (good steps before the "
+            f"loss scale doubles), got {interval!r}"
+        )
 
 
 def _check_data(c):

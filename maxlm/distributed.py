@@ -12,16 +12,22 @@ JAX backend.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
 
 
 def initialize() -> bool:
-    """Calls jax.distributed.initialize when a launcher asked for it; True if it did."""
+    """Calls jax.distributed.initialize when a launcher asked for it; True if it did.
+
+    Afterwards only process 0 logs progress: the others keep warnings and errors, so N processes
+    don't print every line N times.
+    """
     address = os.environ.get("JAX_COORDINATOR_ADDRESS")
     if os.environ.get("MAXLM_DISTRIBUTED") == "auto" and not address:
         jax.distributed.initialize()  # TPU pod, SLURM or Open MPI: JAX finds its peers
+        _quiet_unless_first()
         return True
     if not address:
         return False
@@ -32,4 +38,10 @@ def initialize() -> bool:
         num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
         process_id=int(os.environ["JAX_PROCESS_ID"]),
     )
+    _quiet_unless_first()
     return True
+
+
+def _quiet_unless_first() -> None:
+    if jax.process_index() != 0:
+        logging.getLogger("maxlm").setLevel(logging.WARNING)

@@ -7,32 +7,73 @@ The config's `mesh.rules` maps them onto the three mesh axes:
   fsdp   : data parallelism with parameters, gradients and optimizer state sharded (ZeRO-3)
   tensor : Megatron-style splits of heads, MLP hidden units and vocabulary
 
-so a mesh sweep edits config only.
+so a mesh sweep edits config only. On several TPU slices or GPU nodes, `mesh.dcn_data` and
+`mesh.dcn_fsdp` split `data` / `fsdp` across them (a hybrid mesh: see `hybrid_device_grid`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 
 import flax.linen as nn
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from maxlm.config import MESH_AXES
+from maxlm.config import DCN_AXES, MESH_AXES, check_dcn
+
+
+def _granule_key(devices) -> str:
+    """What a granule is: a slice on TPU; a process on GPU/CPU (one per node under SLURM), whose
+    devices report slice 0 for all processes or carry no `slice_index`."""
+    tpu_slices = devices[0].platform == "tpu" and hasattr(devices[0], "slice_index")
+    return "slice_index" if tpu_slices else "process_index"
+
+
+def num_granules(devices=None) -> int:
+    """How many granules `devices` (default: all) come in: TPU slices, or processes on GPU/CPU.
+    Devices in one granule talk over ICI/NVLink; granules talk over DCN/the network."""
+    devices = jax.devices() if devices is None else devices
+    key = _granule_key(devices)
+    return len({getattr(d, key) for d in devices})
+
+
+def dcn_shape(mesh_cfg) -> tuple[int, ...]:
+    """Granules along each mesh axis (`mesh.dcn_data`, `mesh.dcn_fsdp`; 1 for `tensor`)."""
+    return tuple(int(mesh_cfg.get(f"dcn_{axis}", 1)) if axis in DCN_AXES else 1 for axis in MESH_AXES)
+
+
+def hybrid_device_grid(mesh_cfg, devices) -> np.ndarray:
+    """The devices as a [data, fsdp, tensor] array whose `data` and `fsdp` axes are split
+    `dcn_data` and `dcn_fsdp` ways across granules: the mesh is a grid of granules, each granule a
+    contiguous [data/dcn_data, fsdp/dcn_fsdp, tensor] block (arranged for ICI inside a slice), so
+    only the collectives of the dcn-split axes cross granules."""
+    dcn = dcn_shape(mesh_cfg)
+    ici = tuple(int(mesh_cfg[axis]) // n for axis, n in zip(MESH_AXES, dcn))
+    return mesh_utils.create_hybrid_device_mesh(
+        ici, dcn, devices, process_is_granule=_granule_key(devices) == "process_index"
+    )
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
     """A Mesh over `devices` (default: all) shaped by the resolved `mesh_cfg`.
 
     `jax.make_mesh` orders devices to follow the physical topology (ICI rings on TPU), so the
-    innermost axis (`tensor`) gets the fastest links.
+    innermost axis (`tensor`) gets the fastest links. With `mesh.dcn_data` or `mesh.dcn_fsdp`
+    > 1, a hybrid mesh (`hybrid_device_grid`) puts those axes' outer splits across granules.
+    Raises ConfigError when the dcn factors do not match the granules.
     """
     shape = tuple(int(mesh_cfg[axis]) for axis in MESH_AXES)
     devices = jax.devices() if devices is None else devices
     # Auto axes: GSPMD propagates shardings from the jit in/out shardings and our constraints.
-    return jax.make_mesh(
-        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
-    )
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    if math.prod(dcn_shape(mesh_cfg)) == 1:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    check_dcn(mesh_cfg, num_granules(devices))
+    return Mesh(hybrid_device_grid(mesh_cfg, devices), MESH_AXES, axis_types=axis_types)
 
 
 def rules_of(mesh_cfg) -> tuple:
@@ -51,6 +92,42 @@ def logical_to_shardings(logical_specs, mesh: Mesh, rules):
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
     """Sharding of a [batch, length] input array."""
     return logical_to_shardings(PartitionSpec("batch", "length"), mesh, rules)
+
+
+@functools.lru_cache(maxsize=16)
+def batch_parts(mesh: Mesh, rules, process_index: int | None = None) -> tuple[tuple[int, ...], int]:
+    """The rows of the global batch that `process_index`'s (default: this process's) devices
+    hold, as `(parts, count)`: split the batch into `count` equal parts, it holds `parts`
+    (ascending; the coarsest such split). What the process reads from the data pipeline, so the
+    global batch is the same on any mesh and process count.
+
+    Usually one part (`((p,), P)` for process p of P on a plain mesh); a process can hold several
+    separate parts (hybrid meshes with fsdp split across granules) or all rows (`((0,), 1)`, the
+    batch axes inside one process).
+    """
+    process_index = jax.process_index() if process_index is None else process_index
+    axes = nn.logical_to_mesh_axes(PartitionSpec("batch"), rules)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return grid_batch_parts(mesh.devices, mesh.axis_names, axes, process_index)
+
+
+def grid_batch_parts(grid: np.ndarray, axis_names, batch_axes, process_index: int):
+    """`batch_parts` for a device array `grid` with `axis_names`, the batch split over `batch_axes`
+    (major to minor, as a PartitionSpec entry splits a dimension)."""
+    names = list(axis_names)
+    sizes = [grid.shape[names.index(a)] for a in batch_axes]
+    count = math.prod(sizes)
+    held = {
+        int(np.ravel_multi_index([coords[names.index(a)] for a in batch_axes], sizes)) if sizes else 0
+        for coords in np.ndindex(grid.shape) if grid[coords].process_index == process_index
+    }
+    if not held:
+        raise ValueError(f"process {process_index} has no device in the mesh")
+    for group in sorted((g for g in range(1, count + 1) if count % g == 0), reverse=True):
+        merged = {h // group for h in held}
+        if len(merged) * group == len(held):  # every part of each merged group is held
+            return tuple(sorted(merged)), count // group
+    raise AssertionError("unreachable: groups of 1 always merge")
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxlm import paths
+
 # ---------------------------------------------------------------------------
 # Model FLOPs
 # ---------------------------------------------------------------------------
@@ -263,14 +265,6 @@ def _json_value(value: bool | int | float) -> bool | int | float | str:
     return value
 
 
-def _ends_mid_line(path: str) -> bool:
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
-        return False
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) != b"\n"
-
-
 class JsonlWriter:
     """One JSON object per line: {"step": step, **metrics}.
 
@@ -278,15 +272,14 @@ class JsonlWriter:
     from an earlier checkpoint therefore repeats some steps, and readers should
     keep the last record for each step. Non-finite floats are written as the
     strings "nan", "inf", "-inf" (see _json_value). Each write is flushed to
-    the OS so a crash loses at most the line being written.
+    the OS so a crash loses at most the line being written. A remote path
+    (gs://...) is written through epath, the object rewritten at most every
+    paths.REMOTE_FLUSH_SECONDS and on close (see paths.AppendFile).
     """
 
     def __init__(self, path: str | os.PathLike):
-        path = os.fspath(path)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        torn = _ends_mid_line(path)  # killed mid-write: start on a fresh line
-        self._file = open(path, "a", encoding="utf-8")
-        if torn:
+        self._file = paths.AppendFile(path)
+        if self._file.tail() not in (b"", b"\n"):  # killed mid-write: start on a fresh line
             self._file.write("\n")
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -299,19 +292,27 @@ class JsonlWriter:
         self._file.flush()
 
     def flush(self) -> None:
-        self._file.flush()
+        self._file.flush(force=True)
 
     def close(self) -> None:
         self._file.close()
 
 
 class TensorBoardWriter:
-    """Scalars to TensorBoard event files via tensorboardX (no TensorFlow)."""
+    """Scalars to TensorBoard event files via tensorboardX (no TensorFlow).
+
+    A remote logdir (gs://...) is written through epath (paths.AppendFile), not tensorboardX's
+    own gs:// / s3:// writers (which need google-cloud-storage or boto3).
+    """
 
     def __init__(self, logdir: str | os.PathLike):
         from tensorboardX import SummaryWriter  # only runs that want TB pay for it
+        from tensorboardX import record_writer
 
-        self._writer = SummaryWriter(logdir=os.fspath(logdir))
+        logdir = os.fspath(logdir)
+        if paths.is_remote(logdir):
+            record_writer.register_writer_factory(logdir.split(":")[0], _EpathEventFiles())
+        self._writer = SummaryWriter(logdir=logdir)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         for name, value in metrics.items():
@@ -322,6 +323,16 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self._writer.close()
+
+
+class _EpathEventFiles:
+    """A tensorboardX writer factory: event files opened through epath."""
+
+    def open(self, path: str) -> paths.AppendFile:
+        return paths.AppendFile(path)
+
+    def directory_check(self, path: str) -> None:
+        pass  # object stores have no directories to create
 
 
 class MultiWriter:
@@ -365,8 +376,8 @@ def make_writers(workdir: str | os.PathLike, is_primary: bool,
     """
     if not is_primary:
         return NullWriter()
-    workdir = os.fspath(workdir)
-    writers: list[MetricWriter] = [JsonlWriter(os.path.join(workdir, "metrics.jsonl"))]
+    workdir = paths.workdir_path(workdir)  # local or remote (gs://...): see maxlm/paths.py
+    writers: list[MetricWriter] = [JsonlWriter(workdir / "metrics.jsonl")]
     if tensorboard:
-        writers.append(TensorBoardWriter(str(workdir)))
+        writers.append(TensorBoardWriter(os.fspath(workdir)))
     return MultiWriter(writers)

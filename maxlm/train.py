@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import sys
 import time
 from typing import Any
@@ -24,12 +23,13 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxlm import checkpoint, cli, config as config_lib, distributed, mesh as mesh_lib, metrics, model, optim
+from maxlm import checkpoint, cli, config as config_lib, distributed, fp8, loss_scale, mesh as mesh_lib, metrics, model, optim, paths
 from maxlm.data import make_dataset
 
 log = logging.getLogger("maxlm")
 
-State = dict[str, Any]  # {"step", "params", "opt_state", "skipped_steps", "bad_streak"}
+State = dict[str, Any]  # {"step", "params", "opt_state", "skipped_steps", "bad_streak"} + float16:
+#                        loss_scale.STATE_KEYS {"loss_scale", "good_steps", "overflow_steps"}
 
 
 # "Preempted, checkpoint committed": 128 + SIGTERM, what schedulers already read as "terminated
@@ -48,8 +48,11 @@ class NonFiniteLossError(RuntimeError):
 def init_state(cfg, tx: optax.GradientTransformation, rng: jax.Array) -> State:
     params = model.init_params(cfg.model, rng)
     zero = jnp.zeros((), jnp.int32)
-    return {"step": zero, "params": params, "opt_state": tx.init(params),
-            "skipped_steps": zero, "bad_streak": zero}  # non-finite steps: total, consecutive
+    state = {"step": zero, "params": params, "opt_state": tx.init(params),
+             "skipped_steps": zero, "bad_streak": zero}  # non-finite steps: total, consecutive
+    if loss_scale.enabled(cfg):
+        state.update(loss_scale.init(cfg.optim))
+    return state
 
 
 def state_logical_specs(cfg, tx: optax.GradientTransformation, abstract_state: State) -> State:
@@ -63,8 +66,9 @@ def state_logical_specs(cfg, tx: optax.GradientTransformation, abstract_state: S
         transform_non_params=lambda _: PartitionSpec(),
         is_leaf=model.is_spec,
     )
-    return {"step": PartitionSpec(), "params": param_specs, "opt_state": opt_specs,
-            "skipped_steps": PartitionSpec(), "bad_streak": PartitionSpec()}
+    # every other entry (step, counters, loss scale) is a replicated scalar
+    return {**{key: PartitionSpec() for key in abstract_state},
+            "params": param_specs, "opt_state": opt_specs}
 
 
 def _add_data_axis(shape, spec: PartitionSpec, logical: PartitionSpec, sizes) -> PartitionSpec:
@@ -128,6 +132,16 @@ def abstract_state(cfg, tx, shardings) -> State:
     )
 
 
+def with_missing_from(restored: State, fallback: State, source: str) -> State:
+    """`restored` plus the entries its checkpoint lacked, from `fallback`: only the loss scale can
+    be missing (checkpoint.restore_state), when a float16 run resumes a checkpoint written
+    without float16 compute (or before loss scaling existed)."""
+    if any(key not in restored for key in fallback):
+        _warning(f"the checkpoint of step {int(restored['step'])} in {source} has no loss scale "
+                 f"(written without float16 compute): using {float(fallback['loss_scale']):g}")
+    return {**fallback, **restored}
+
+
 # ----------------------------------------------------------------------------- steps
 
 
@@ -152,7 +166,7 @@ def _microbatches(batch, n: int):
     return jax.tree.map(split, batch)
 
 
-def loss_and_grads(cfg, params, batch):
+def loss_and_grads(cfg, params, batch, scale=None):
     """((loss, aux), grads) of the whole batch, as `jax.value_and_grad(model.loss_fn)` gives them.
 
     With `optim.grad_accum_steps` = n > 1, a `lax.scan` runs forward + backward on one microbatch
@@ -160,11 +174,21 @@ def loss_and_grads(cfg, params, batch):
     batch's non-padding tokens, so each microbatch's mean loss and gradients are weighted by its
     token count and the sums divided by the batch's: the result equals the large-batch step (up to
     float summation order), however unevenly padding falls.
+
+    With a loss `scale` (float16 compute, see maxlm/loss_scale.py) each microbatch's objective is
+    multiplied by it before differentiating and the summed gradients divided by it in float32: the
+    loss and gradients returned are unscaled (non-finite where the float16 backward overflowed).
     """
-    grad_fn = jax.value_and_grad(functools.partial(model.loss_fn, cfg.model), has_aux=True)
+    loss_fn = functools.partial(model.loss_fn, cfg.model)
+    if scale is None:
+        grad_fn, unscale = jax.value_and_grad(loss_fn, has_aux=True), lambda grads: grads
+    else:
+        grad_fn = loss_scale.value_and_scaled_grad(loss_fn, scale)
+        unscale = functools.partial(loss_scale.unscale, loss_scale=scale)
     n = cfg.optim.get("grad_accum_steps", 1)
     if n == 1:
-        return grad_fn(params, batch)
+        (loss, aux), grads = grad_fn(params, batch)
+        return (loss, aux), unscale(grads)
 
     def body(carry, micro):
         (loss_i, aux_i), grads_i = grad_fn(params, micro)
@@ -180,7 +204,7 @@ def loss_and_grads(cfg, params, batch):
     denom = jnp.maximum(sums["num_tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / denom, sums["grads"])
     aux = {"num_tokens": sums["num_tokens"], "cross_entropy": sums["cross_entropy"] / denom}
-    return (sums["loss"] / denom, aux), grads
+    return (sums["loss"] / denom, aux), unscale(grads)
 
 
 def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple[State, dict]:
@@ -189,24 +213,33 @@ def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple
     A skipped step still advances `step` (its batch is consumed: the data position stays a pure
     function of the step) and counts in `skipped_steps` and `bad_streak` (reset by a good step).
     `inject_nan` (fault injection, `debug.nan_at_step`) makes this step's gradients NaN.
+
+    With float16 compute the state carries a dynamic loss scale (maxlm/loss_scale.py): non-finite
+    gradients while the scale can still halve are an overflow, skipped and counted in
+    `overflow_steps` but not a bad step (`bad_streak` neither grows nor resets).
     """
-    (loss, aux), grads = loss_and_grads(cfg, state["params"], batch)
+    scale = state.get("loss_scale")  # None: no loss scaling (float32 / bfloat16 compute)
+    (loss, aux), grads = loss_and_grads(cfg, state["params"], batch, scale)
     if inject_nan is not None:
         grads = jax.tree.map(lambda g: jnp.where(inject_nan, jnp.nan, g), grads)
     grad_norm = optax.tree.norm(grads)  # before clipping
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params) & _all_finite(opt_state)
+    grads_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    ok = grads_finite & _all_finite(params) & _all_finite(opt_state)
     keep_if_bad = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
     params = keep_if_bad(params, state["params"])
     opt_state = keep_if_bad(opt_state, state["opt_state"])
-    bad = (~ok).astype(jnp.int32)
+    bad = ~ok
+    if scale is not None:
+        bad &= ~loss_scale.overflowed(cfg.optim, state, grads_finite)
+    bad = bad.astype(jnp.int32)
     new_state = {
         "step": state["step"] + 1,
         "params": params,
         "opt_state": opt_state,
         "skipped_steps": state["skipped_steps"] + bad,
-        "bad_streak": jnp.where(ok, 0, state["bad_streak"] + 1),
+        "bad_streak": jnp.where(ok, 0, state["bad_streak"] + bad),
     }
     step_metrics = {
         "loss": aux["cross_entropy"],  # plain next-token loss; `loss` above adds z-loss etc.
@@ -217,6 +250,10 @@ def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple
         "skipped_steps": new_state["skipped_steps"],
         "bad_streak": new_state["bad_streak"],
     }
+    if scale is not None:
+        new_state.update(loss_scale.update(cfg.optim, state, grads_finite, applied=ok))
+        step_metrics.update(loss_scale=scale,  # the scale this step used, as `lr`
+                            overflow_steps=new_state["overflow_steps"])
     return new_state, step_metrics
 
 
@@ -259,12 +296,16 @@ def global_batch(numpy_batch: dict, mesh, rules) -> dict:
 # ----------------------------------------------------------------------------- the loop
 
 
-def _host_batch(dataset, step: int):
-    return dataset.batch(step, jax.process_index(), jax.process_count())
+def _host_batch(dataset, step: int, mesh, rules):
+    """This process's rows of global batch `step`: the parts of it its devices hold (one block of
+    B/P rows on a plain mesh; see `mesh.batch_parts`), so the global batch is the same on any
+    mesh and process count."""
+    parts, count = mesh_lib.batch_parts(mesh, rules)
+    return dataset.batch(step, parts[0] if len(parts) == 1 else parts, count)
 
 
 def evaluate(cfg, eval_fn, params, dataset, mesh, rules) -> float:
-    totals = [eval_fn(params, global_batch(_host_batch(dataset, i), mesh, rules)) for i in range(cfg.eval.steps)]
+    totals = [eval_fn(params, global_batch(_host_batch(dataset, i, mesh, rules), mesh, rules)) for i in range(cfg.eval.steps)]
     loss_sum = sum(float(t["loss_sum"]) for t in totals)
     return loss_sum / max(sum(float(t["num_tokens"]) for t in totals), 1.0)
 
@@ -272,7 +313,8 @@ def evaluate(cfg, eval_fn, params, dataset, mesh, rules) -> float:
 def _format(step: int, row: dict) -> str:
     parts = [f"step {step:>6}"]
     for key, fmt in (("loss", "{:.4f}"), ("eval_loss", "{:.4f}"), ("lr", "{:.2e}"),
-                     ("grad_norm", "{:.3f}"), ("tokens_per_sec", "{:,.0f}"), ("mfu", "{:.1%}")):
+                     ("grad_norm", "{:.3f}"), ("loss_scale", "{:g}"), ("tokens_per_sec", "{:,.0f}"),
+                     ("mfu", "{:.1%}")):
         if key in row:
             parts.append(f"{key} " + fmt.format(row[key]))
     return " | ".join(parts)
@@ -301,12 +343,12 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     when non-finite steps persist after `checkpoint.max_restores` restores.
     """
     train_data, eval_data = data if data is not None else load_data(cfg)
-    os.makedirs(workdir, exist_ok=True)
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
+    out = paths.workdir_path(workdir)  # a local directory or gs://... alike: see maxlm/paths.py
+    out.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config_lib.to_json(cfg))
+        (out / "config.json").write_text(config_lib.to_json(cfg))
     ckpt_cfg = cfg.checkpoint
 
     tx = optim.make_optimizer(cfg.optim)
@@ -317,14 +359,20 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     lr_scale = 1.0
     restored = ckpt.restore_latest(abstract)
     if restored is not None:
-        state, meta = restored
+        state, meta = with_missing_from(restored[0], state, ckpt.directory), restored[1]
         lr_scale = float(meta.get("lr_scale", 1.0))
         log.info("resumed from %s at step %d", ckpt.directory, int(state["step"]))
     elif ckpt_cfg.restore_from:
         path = checkpoint.resolve_restore_from(ckpt_cfg.restore_from)
         loaded, _ = checkpoint.restore_state(path, abstract, params_only=ckpt_cfg.restore_params_only)
-        state = dict(state, params=loaded["params"]) if ckpt_cfg.restore_params_only else loaded
+        state = dict(state, params=loaded["params"]) if ckpt_cfg.restore_params_only else \
+            with_missing_from(loaded, state, path)
         log.info("started from %s (%s)", path, "params only" if ckpt_cfg.restore_params_only else "full state")
+    elif ckpt_cfg.get("init_from_hf"):  # a Hugging Face Llama folder: params only, step 0
+        from maxlm import hf
+
+        state = dict(state, params=hf.load_params(ckpt_cfg.init_from_hf, cfg.model, shardings["params"]))
+        log.info("started from Hugging Face checkpoint %s (params only)", ckpt_cfg.init_from_hf)
 
     injecting = cfg.debug.nan_at_step >= 0
     injected: set[int] = set()
@@ -344,9 +392,13 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     log.info("model: %s parameters, %.3g training FLOPs/token; peak %.3g FLOP/s (%s, %s)",
              f"{model.count_params(cfg.model):,}", flops_per_token,
              peak["total_flops_per_sec"], peak["device_kind"], peak["source"])
-    log.info("attention: %s, layers %s, remat %s, compute %s",
-             model.attention_backend(cfg.model.attention, cfg.model.dtype),
-             "scanned" if cfg.model.scan_layers else "unrolled", cfg.model.remat, cfg.model.dtype)
+    log.info("attention: %s, layers %s, remat %s, compute %s, fp8 %s",
+             model.attention_backend(cfg.model.attention, cfg.model.dtype, cfg.seq_len),
+             "scanned" if cfg.model.scan_layers else "unrolled", cfg.model.remat, cfg.model.dtype,
+             "on" if cfg.model.fp8 else "off")
+    if cfg.model.fp8 and not fp8.is_native(jax.devices()[0]):
+        _warning(f"model.fp8 is emulated on {jax.devices()[0].device_kind}: float8-rounded operands, "
+                 "not faster (float8 GEMMs need an NVIDIA GPU of compute capability >= 8.9)")
 
     step = int(state["step"])
     last_row: dict = {}
@@ -405,7 +457,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
         if back is None:
             state, _ = create_sharded_state(cfg, tx, mesh, rules, init_rng)
         else:
-            state = back[0]
+            state = with_missing_from(back[0], state, ckpt.directory)
         if ckpt_cfg.restore_lr_scale != 1.0:
             lr_scale *= ckpt_cfg.restore_lr_scale
             train_fn, eval_fn = build(lr_scale)
@@ -430,7 +482,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
             first = True
             prev_metrics = None  # the previous step's, for its non-finite verdict
             while step < cfg.steps:
-                args = (state, global_batch(_host_batch(train_data.prefetch(), step), mesh, rules))
+                args = (state, global_batch(_host_batch(train_data.prefetch(), step, mesh, rules), mesh, rules))
                 if injecting:
                     hit = cfg.debug.nan_at_step <= step < cfg.debug.nan_at_step + cfg.debug.nan_steps
                     if hit and cfg.debug.nan_transient:  # only the first time this step runs
@@ -523,6 +575,10 @@ def main(argv) -> None:
         data = load_data(cfg)
         if cfg.checkpoint.restore_from:
             checkpoint.resolve_restore_from(cfg.checkpoint.restore_from)
+        if cfg.checkpoint.init_from_hf:
+            from maxlm import hf
+
+            hf.check_init_from_hf(cfg, workdir)
     except ValueError as e:  # bad data or a data/config mismatch: the user's to fix
         cli.config_error(str(e))
     try:
@@ -542,7 +598,7 @@ def main(argv) -> None:
         else:
             print(f"nothing to do: the checkpoint in {workdir} is already at step {cfg.steps}")
         print(f"checkpoints: {checkpoint.checkpoint_dir(workdir)}")
-        print(f"metrics:     {os.path.join(os.path.abspath(workdir), 'metrics.jsonl')}")
+        print(f"metrics:     {paths.workdir_path(workdir) / 'metrics.jsonl'}")
 
 
 def _define_flags() -> None:

@@ -37,16 +37,31 @@ def test_mesh_fill():
         ({"seq_len": -5}, "seq_len must be a positive number, got -5"),
         ({"batch_size": 0}, "batch_size must be a positive number"),
         ({"optim.warmup_steps": 50, "steps": 20}, "optim.warmup_steps=50 is longer than steps=20"),
-        ({"model.dtype": "float16"}, "model.dtype must be one of"),
+        ({"model.dtype": "float8"}, "model.dtype must be one of ('float32', 'bfloat16', 'float16')"),
         ({"optim.b2": 1.0}, "optim.b2 must be in [0, 1)"),
         ({"mesh.tensor": 8, "mesh.fsdp": 1, "batch_size": 8}, "must be divisible by mesh.tensor=8"),
         ({"mesh.rules": (("batch", "nope"),)}, "unknown mesh axis 'nope'"),
+        ({"mesh.data": 2, "mesh.dcn_data": 4}, "mesh.dcn_data=4 must divide mesh.data=2"),
+        ({"mesh.fsdp": -1, "mesh.dcn_fsdp": 3}, "mesh.dcn_fsdp=3 must divide mesh.fsdp=8"),
+        ({"mesh.dcn_data": 0}, "mesh.dcn_data must be a positive int, got 0"),
     ],
 )
 def test_config_errors(overrides, expected):
     with pytest.raises(config_lib.ConfigError, match=None) as info:
         resolve(**overrides)
     assert expected in str(info.value)
+
+
+def test_dcn_factors_must_multiply_to_the_granule_count():
+    cfg = load_config("tiny")
+    cfg.mesh.update(data=2, fsdp=-1, dcn_data=2, dcn_fsdp=2)
+    resolved = config_lib.resolve(cfg, 8, num_granules=4)  # 4 processes (or slices) of 2 devices
+    assert (resolved.mesh.fsdp, resolved.mesh.dcn_data, resolved.mesh.dcn_fsdp) == (4, 2, 2)
+    with pytest.raises(config_lib.ConfigError, match=r"mesh.dcn_data x mesh.dcn_fsdp = 2 x 2 = 4 "
+                       r"must equal the number of granules, 2 \(TPU slices; processes on GPU/CPU\)"):
+        config_lib.resolve(cfg, 8, num_granules=2)
+    assert resolve().mesh.dcn_data == 1
+    config_lib.resolve(load_config("tiny"), 8, num_granules=4)  # no dcn split: any granule count
 
 
 def test_to_json_round_trips():
@@ -63,6 +78,7 @@ def test_to_json_round_trips():
         ("--config.optim.lr=-1", "optim.lr must be a positive number, got -1"),
         ("--config.model.num_kv_heads=3", "model.num_heads=4 must be divisible by model.num_kv_heads=3"),
         ("--config.model.nope=3", "unknown config key 'nope'"),
+        ("--config.mesh.dcn_fsdp=2", "mesh.dcn_fsdp=2 must divide mesh.fsdp=1"),
         ("--config.steps=abc", "flag --config.steps=abc: invalid literal for int()"),
         ("--config=configs/missing.py", "No such file or directory: 'configs/missing.py'"),
     ],
@@ -78,3 +94,17 @@ def test_cli_config_error_exits_2_without_traceback(tmp_path, flag, expected):
     assert expected in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()  # nothing written before validation passes
+
+
+def test_cli_dcn_split_without_the_granules_exits_2(tmp_path):
+    """Two devices in one process: mesh.dcn_data=2 asks for two processes (or TPU slices)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "maxlm.train", f"--workdir={tmp_path / 'run'}", "--config=configs/tiny.py",
+         "--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.dcn_data=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path),
+             "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )
+    assert result.returncode == 2, result.stderr
+    assert "mesh.dcn_data x mesh.dcn_fsdp = 2 x 1 = 2 must equal the number of granules, 1" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()

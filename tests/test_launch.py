@@ -28,29 +28,64 @@ def env(tmp_path, **extra):
     return {**base, **extra}
 
 
-def losses(workdir):
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+def losses(workdir, partial=False):
+    """step -> loss; `partial`: of a file being written (none yet, or a last line half written)."""
+    path = workdir / "metrics.jsonl"
+    if partial and not path.exists():
+        return {}
+    lines = path.read_text().splitlines()
+    rows = [json.loads(line) for line in (lines[:-1] if partial else lines)]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_two_processes_by_four_devices_equal_one_by_eight(tmp_path, data_dirs):
-    multi, single = tmp_path / "2x4", tmp_path / "1x8"
-    launched = subprocess.run(
-        [*LAUNCH, "--processes=2", "--devices_per_process=4", "--",
-         *train_args(multi, data_dirs, "--config.steps=10")],
-        cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300,
-    )
-    assert launched.returncode == 0, launched.stdout[-3000:]
-    assert "[1] " in launched.stdout and "[0] done at step 10" in launched.stdout
+def test_2x4_hybrid_run_preempted_resumes_on_4x2_with_the_1x8_losses(tmp_path, data_dirs):
+    """One job, three shapes, the single-process numbers throughout (1e-4 relative):
+    2 processes x 4 devices on a hybrid mesh (data split across the processes: mesh.dcn_data=2),
+    SIGTERM to the launcher (every process saves the same step, exit 143), then resumed on
+    4 processes x 2 devices with fsdp split across them (mesh.dcn_fsdp=4: each process holds two
+    separate parts of the batch), against an uninterrupted 1 x 8 run."""
+    steps = ["--config.steps=12", "--config.log_every_steps=1", "--config.metrics.tensorboard=False"]
     alone = subprocess.run(
-        [sys.executable, "-m", "maxlm.train", *train_args(single, data_dirs, "--config.steps=10")],
+        [sys.executable, "-m", "maxlm.train", *train_args(tmp_path / "1x8", data_dirs, *steps)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=env(tmp_path, XLA_FLAGS="--xla_force_host_platform_device_count=8"),
     )
     assert alone.returncode == 0, alone.stderr[-3000:]
-    assert sorted(losses(multi)) == sorted(losses(single)) == [5, 10]
-    for step, loss in losses(single).items():
-        assert losses(multi)[step] == pytest.approx(loss, rel=1e-4)
+    want = losses(tmp_path / "1x8")
+
+    run = tmp_path / "run"
+    mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=4"]
+    first = subprocess.Popen(
+        [*LAUNCH, "--processes=2", "--devices_per_process=4", "--",
+         *train_args(run, data_dirs, *steps, *mesh, "--config.mesh.dcn_data=2")],
+        cwd=ROOT, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while len(losses(run, partial=True)) < 2:  # training is under way
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.05)
+        first.send_signal(signal.SIGTERM)
+        out, _ = first.communicate(timeout=180)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 143, out[-3000:]
+    assert "[0] maxlm: preempted (SIGTERM): checkpoint of step" in out, out[-3000:]
+    saved = int(out.split("checkpoint of step ")[1].split()[0])
+    assert 2 <= saved < 12
+
+    second = subprocess.run(
+        [*LAUNCH, "--processes=4", "--devices_per_process=2", "--",
+         *train_args(run, data_dirs, *steps, *mesh, "--config.mesh.dcn_fsdp=4")],
+        cwd=ROOT, env=env(tmp_path), capture_output=True, text=True, timeout=300,
+    )
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert "[3] " in second.stdout and f"resumed from {run / 'checkpoints'} at step {saved}" in second.stdout
+    got = losses(run)
+    assert sorted(got) == sorted(want) == list(range(1, 13))
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=1e-4), step
 
 
 def test_a_dead_process_restarts_the_job_which_resumes(tmp_path, data_dirs):

@@ -1,6 +1,9 @@
 """Sharded training: the same numbers on every mesh, and state really sharded as the rules say."""
 
+import dataclasses
+
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -77,3 +80,66 @@ def test_bitwise_deterministic():
     np.testing.assert_array_equal(first, second)
     for a, b in zip(jax.tree.leaves(state_a["params"]), jax.tree.leaves(state_b["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------- hybrid meshes
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """What mesh building reads of a device: enough to lay out processes without starting them."""
+
+    id: int
+    process_index: int
+    platform: str = "cpu"
+    device_kind: str = "cpu"
+    slice_index: int = 0  # multi-process CPU/GPU devices report slice 0 everywhere
+
+
+def fake_devices(processes, per_process, **extra):
+    return [FakeDevice(p * per_process + i, p, **extra) for p in range(processes) for i in range(per_process)]
+
+
+def hybrid(devices, **mesh):
+    cfg = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1, "dcn_data": 1, "dcn_fsdp": 1})
+    cfg.update(mesh)
+    grid = mesh_lib.hybrid_device_grid(cfg, devices)
+    owner = np.vectorize(lambda d: d.process_index)(grid)
+    parts = [mesh_lib.grid_batch_parts(grid, config_lib.MESH_AXES, ("data", "fsdp"), p)
+             for p in sorted(set(owner.flat))]
+    return owner, parts
+
+
+def test_hybrid_mesh_puts_each_process_in_one_contiguous_block_of_data():
+    # 2 processes x 4 devices, data=2 across them (dcn_data=2), fsdp=4 inside each
+    owner, parts = hybrid(fake_devices(2, 4), data=2, dcn_data=2, fsdp=4)
+    assert owner.shape == (2, 4, 1)
+    assert (owner[0] == 0).all() and (owner[1] == 1).all()  # process p = data row p, whole
+    assert parts == [((0,), 2), ((1,), 2)]  # so it reads rows [p*B/2, (p+1)*B/2)
+    # 4 processes x 2 devices on a 2 x 2 grid of granules: each a contiguous [1, 2] block
+    owner, parts = hybrid(fake_devices(4, 2), data=2, dcn_data=2, fsdp=4, dcn_fsdp=2)
+    np.testing.assert_array_equal(owner[..., 0], [[0, 0, 1, 1], [2, 2, 3, 3]])
+    assert parts == [((p,), 4) for p in range(4)]
+    # fsdp split across processes under an in-process data axis: each process holds two
+    # separate quarters of the batch, and reads exactly those
+    owner, parts = hybrid(fake_devices(2, 4), data=2, fsdp=4, dcn_fsdp=2)
+    np.testing.assert_array_equal(owner[..., 0], [[0, 0, 1, 1], [0, 0, 1, 1]])
+    assert parts == [((0, 2), 4), ((1, 3), 4)]
+    # a plain mesh with tensor across both processes: each holds (and reads) every row
+    grid = np.array(fake_devices(2, 4), dtype=object).reshape(1, 1, 8)
+    assert mesh_lib.grid_batch_parts(grid, config_lib.MESH_AXES, ("data", "fsdp"), 1) == ((0,), 1)
+
+
+def test_granules_are_tpu_slices_or_processes():
+    assert mesh_lib.num_granules(fake_devices(4, 2)) == 4  # CPU/GPU: processes
+    tpu = [FakeDevice(i, i // 2, platform="tpu", device_kind="TPU v5p", slice_index=i // 4)
+           for i in range(8)]
+    assert mesh_lib.num_granules(tpu) == 2  # 4 hosts in 2 slices
+
+
+def test_dcn_factors_that_do_not_match_the_granules_are_a_config_error():
+    cfg = load_config("tiny")
+    cfg.mesh.update(data=2, fsdp=4, dcn_data=2)
+    cfg = config_lib.resolve(cfg, jax.device_count())  # granules unknown: not checked here
+    with pytest.raises(config_lib.ConfigError, match="= 2 must equal the number of granules, 1"):
+        mesh_lib.make_mesh(cfg.mesh)  # ... but where the mesh is built

@@ -1,6 +1,7 @@
 """launch/sweep.py: grid expansion, validator skips, one process per point, sweep.csv."""
 
 import csv
+import json
 import subprocess
 import sys
 
@@ -63,3 +64,89 @@ def test_shipped_sweep_files_expand_to_valid_points(name):
     points = sweep.expand(spec["grid"])
     reasons = [sweep.validate(spec["base"], {**spec["overrides"], **p}, spec["devices"]) for p in points]
     assert sum(r is None for r in reasons) >= len(points) // 2, reasons
+
+
+# ----------------------------------------------------------------------------- tpu and slurm
+
+SHORT = ("def get_config():\n"
+         "    return {'base': 'configs/tiny.py', 'devices': 8, 'steps': 3, 'overrides': {'seq_len': 32},\n"
+         "            'grid': {'mesh': [(8, 1, 1), (1, 1, 8), (2, 2, 2), (1, 8, 1)], 'batch_size': [8]}}\n")
+
+
+def run_sweep(tmp_path, *args):
+    sweep_file = tmp_path / "short.py"
+    sweep_file.write_text(SHORT)
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "sweep.py"), str(sweep_file), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def commands(stdout, marker):
+    return [line for line in stdout.splitlines() if marker in line]
+
+
+def test_tpu_dry_run_runs_each_point_through_tpu_py_on_one_reused_tpu(tmp_path):
+    result = run_sweep(tmp_path, "--workdir=gs://bucket/sweep", "--launcher=tpu", "--dry_run", "--",
+                       "--name=pod", "--zone=us-east5-a", "--accelerator=v5p-64", "--project=p")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "001 1x1x8 skipped: model.num_heads=4 must be divisible by mesh.tensor=8" in out
+    points = commands(out, "launch/tpu.py")
+    assert len(points) == 3  # 000, 002, 003: one tpu.py run each
+    for point, command in zip(("000", "002", "003"), points):
+        assert "--name=pod --zone=us-east5-a --accelerator=v5p-64 --project=p" in command
+        assert f"--workdir=gs://bucket/sweep/{point} " in command and "--dry_run" in command
+        assert "--config=configs/tiny.py " in command  # 2 warm-up steps + 3 timed, every one logged
+        assert "--config.steps=5 --config.log_every_steps=1 --config.eval.every_steps=0" in command
+        assert "--config.seq_len=32" in command and "--config.batch_size=8" in command
+    assert "--config.mesh.data=8 --config.mesh.fsdp=1 --config.mesh.tensor=1" in points[0]
+    assert "--config.mesh.data=2 --config.mesh.fsdp=2 --config.mesh.tensor=2" in points[1]
+    # create once and keep; reuse without reinstalling; the last point deletes
+    assert "--keep" in points[0] and "--reuse" not in points[0]
+    assert "--reuse --no_install --keep" in points[1]
+    assert "--reuse --no_install" in points[2] and "--keep" not in points[2]
+    gcloud = commands(out, "[tpu] ")
+    assert len(commands(out, "tpu-vm create pod")) == 1 and gcloud[0].startswith("[tpu] gcloud compute tpus tpu-vm create pod")
+    assert len(commands(out, "jax[tpu]==")) == 1  # installed once
+    assert any("gcsfs" in line for line in commands(out, "jax[tpu]=="))  # gs:// workdir
+    runs = commands(out, "-m maxlm.train")  # each point's training, on every worker
+    assert len(runs) == 3 and all("--worker=all" in r and "MAXLM_DISTRIBUTED=auto" in r for r in runs)
+    assert len(commands(out, "tpu-vm delete pod")) == 1 and gcloud[-1].startswith("[tpu] gcloud compute tpus tpu-vm delete pod")
+    assert not (tmp_path / "gs:").exists()  # nothing written
+
+
+def test_slurm_dry_run_submits_each_point_with_sbatch(tmp_path):
+    workdir = tmp_path / "sweep"
+    result = run_sweep(tmp_path, f"--workdir={workdir}", "--launcher=slurm", "--dry_run", "--",
+                       "--nodes=2", "--partition=h200")
+    assert result.returncode == 0, result.stderr
+    points = commands(result.stdout, "[sweep] sbatch")
+    assert len(points) == 3
+    for point, command in zip(("000", "002", "003"), points):
+        assert command.startswith(f"[sweep] sbatch --parsable --wait --job-name=maxlm-sweep-{point} "
+                                  f"--output={workdir}/{point}/slurm-%j.log --nodes=2 --partition=h200 "
+                                  f"launch/slurm.sbatch --config=configs/tiny.py --workdir={workdir}/{point} ")
+        assert "--config.eval.every_steps=0" in command and "--config.seq_len=32" in command
+    assert "--config.mesh.data=1 --config.mesh.fsdp=8 --config.mesh.tensor=1" in points[2]
+    assert not workdir.exists()  # a dry run writes nothing
+    no_wait = run_sweep(tmp_path, f"--workdir={workdir}", "--launcher=slurm", "--dry_run", "--no_wait")
+    assert no_wait.returncode == 0 and "--wait" not in no_wait.stdout
+
+
+def test_collect_gathers_each_points_metrics_into_the_csv(tmp_path):
+    """What tpu and slurm points leave: DIR/NNN/metrics.jsonl, medians after the warm-up."""
+    workdir = tmp_path / "sweep"
+    for point, speed in (("000", 1000.0), ("003", 3000.0)):
+        (workdir / point).mkdir(parents=True)
+        lines = [{"step": s, "loss": 5.0, "tokens_per_sec": speed * (0.1 if s <= 2 else 1) + s,
+                  "mfu": 0.1, "step_time_sec": 256 / speed} for s in range(1, 6)]
+        (workdir / point / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    result = run_sweep(tmp_path, f"--workdir={workdir}", "--launcher=slurm", "--collect")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = list(csv.DictReader(open(workdir / "sweep.csv")))
+    assert [r["point"] for r in rows[:2]] == ["003", "000"]  # fastest first
+    by_point = {r["point"]: r for r in rows}
+    assert {p: r["status"] for p, r in by_point.items()} == {
+        "000": "ok", "001": "skipped", "002": "failed", "003": "ok"}
+    assert float(by_point["003"]["tokens_per_sec"]) == 3004.0  # median of steps 3, 4, 5
+    assert float(by_point["003"]["model_tflops_per_sec"]) > 0
+    assert "no training steps after the warm-up" in by_point["002"]["reason"]

@@ -92,9 +92,9 @@ class TokenDataset:
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
 
-    def row_ids(self, step: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+    def row_ids(self, step: int, process_index=0, process_count: int = 1) -> np.ndarray:
         """Ids of the rows `batch(step, ...)` returns, in order."""
-        step, process_index, process_count = int(step), int(process_index), int(process_count)
+        step, parts, process_count = int(step), _parts(process_index), int(process_count)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if process_count < 1 or self.batch_size % process_count:
@@ -102,23 +102,27 @@ class TokenDataset:
                 f"batch_size={self.batch_size} must be divisible by the process count "
                 f"{process_count}"
             )
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index={process_index} not in [0, {process_count})")
+        for part in parts:
+            if not 0 <= part < process_count:
+                raise ValueError(f"process_index={part} not in [0, {process_count})")
         per_process = self.batch_size // process_count
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
-        first = epoch * self.num_rows + step_in_epoch * self.batch_size
-        first += process_index * per_process
+        start = epoch * self.num_rows + step_in_epoch * self.batch_size
+        firsts = [start + part * per_process for part in parts]
         return np.fromiter(
-            (self.order[i] for i in range(first, first + per_process)), np.int64, per_process
+            (self.order[i] for first in firsts for i in range(first, first + per_process)),
+            np.int64, per_process * len(parts),
         )
 
     def batch(
-        self, step: int, process_index: int = 0, process_count: int = 1
+        self, step: int, process_index=0, process_count: int = 1
     ) -> dict[str, np.ndarray]:
         """This process's contiguous slice of global batch `step`.
 
         Rows [p*B/P, (p+1)*B/P) of the global batch, as int32 arrays `[B/P, seq_len]` under
-        `inputs, targets, segment_ids, positions`.
+        `inputs, targets, segment_ids, positions`. `process_index` may also be a tuple of such
+        parts p (ascending): a process whose devices hold several separate slices of the batch
+        (see `mesh.batch_parts`) gets them concatenated, `[len(parts)*B/P, seq_len]`.
         """
         return self._rows.rows(self.row_ids(step, process_index, process_count))
 
@@ -163,8 +167,8 @@ class Prefetcher:
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
-    def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
-        key = (int(step), int(process_index), int(process_count))
+    def batch(self, step: int, process_index=0, process_count: int = 1) -> dict[str, np.ndarray]:
+        key = (int(step), _parts(process_index), int(process_count))
         if key != self._next or self._thread is None:
             self._start(key)
         item = self._queue.get()
@@ -193,6 +197,13 @@ class Prefetcher:
                 thread.join()
 
     __del__ = close
+
+
+def _parts(process_index) -> tuple[int, ...]:
+    """`batch`'s process_index: one part p, or a tuple of parts."""
+    if isinstance(process_index, (int, np.integer)):
+        return (int(process_index),)
+    return tuple(int(p) for p in process_index)
 
 
 def _fill_queue(ref, key, out: queue.Queue, stop: threading.Event) -> None:

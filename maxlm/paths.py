@@ -1,0 +1,81 @@
+"""Workdir paths, local or remote (`gs://bucket/run`, `s3://...`), through `etils.epath`.
+
+Orbax writes checkpoints through epath; everything else a run writes or scans in its workdir
+(`config.json`, `metrics.jsonl`, TensorBoard events, the checkpoint directory listing) goes through
+here, so `--workdir=gs://bucket/run` needs no local filesystem. epath's GCS backend needs `gcsfs`
+(or TensorFlow) installed, as orbax does for the same URLs.
+
+Object stores cannot append to an object: `AppendFile` keeps an appended-to file's contents in
+memory and rewrites the whole object, at most every `REMOTE_FLUSH_SECONDS` (GCS allows about one
+write per second to one object) and when closed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from etils import epath
+
+REMOTE_FLUSH_SECONDS = 10.0
+
+
+def is_remote(path) -> bool:
+    """A URL (`gs://`, `s3://`, ...) rather than a local path."""
+    return "://" in os.fspath(path)
+
+
+def workdir_path(path) -> epath.Path:
+    """`path` as an epath.Path: URLs as they are, local paths made absolute."""
+    return epath.Path(path if is_remote(path) else os.path.abspath(os.fspath(path)))
+
+
+class AppendFile:
+    """A file opened for appending (text or bytes, as written) on a local or remote path.
+
+    Local: the file itself, opened through epath in append mode; `flush` reaches the OS.
+    Remote: the existing contents are read once, writes are appended in memory, and `flush`
+    rewrites the object (no more often than every `min_interval` seconds; `close` always does).
+    """
+
+    def __init__(self, path, min_interval: float = REMOTE_FLUSH_SECONDS):
+        self.path = epath.Path(path)
+        self.remote = is_remote(path)
+        self.min_interval = min_interval
+        if self.remote:
+            self._data = bytearray(self.path.read_bytes() if self.path.exists() else b"")
+            self._written_at, self._dirty = float("-inf"), False
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("ab")
+
+    def tail(self, n: int = 1) -> bytes:
+        """The last `n` bytes of the file as it stands (including unflushed writes)."""
+        if self.remote:
+            return bytes(self._data[-n:])
+        self._file.flush()
+        size = self._file.tell()
+        with self.path.open("rb") as f:
+            f.seek(max(size - n, 0))
+            return f.read()
+
+    def write(self, data: str | bytes) -> None:
+        data = data.encode("utf-8") if isinstance(data, str) else data
+        if self.remote:
+            self._data += data
+            self._dirty = True
+        else:
+            self._file.write(data)
+
+    def flush(self, force: bool = False) -> None:
+        if not self.remote:
+            self._file.flush()
+        elif self._dirty and (force or time.monotonic() - self._written_at >= self.min_interval):
+            self.path.write_bytes(bytes(self._data))
+            self._written_at, self._dirty = time.monotonic(), False
+
+    def close(self) -> None:
+        if self.remote:
+            self.flush(force=True)
+        else:
+            self._file.close()
