@@ -1,0 +1,346 @@
+"""Sample from a run's checkpoint: `python -m maxlm.generate --workdir=DIR --prompt="..."
+[--max_new_tokens=64] [--temperature=0.8] [--top_k=0] [--top_p=1.0] [--seed=0] [--step=N] [--json]`.
+
+Loads the run like `python -m maxlm.eval` (DIR/config.json, a checkpoint's parameters sharded by
+the config's mesh rules), tokenizes the prompt with the run's tokenizer as training framed a
+document (`[bos] + tokens`, positions from 0), and samples with a KV cache: one prefill over the
+prompt, then one token per iteration of a jitted `lax.while_loop` that feeds only the new token and
+attends to the cached keys and values. Greedy when temperature is 0; top-k and nucleus (top-p)
+filtering otherwise; a row stops at EOS (the loop ends when every row has). Prints the completion,
+or with --json one object: prompt, completion, token_ids, num_tokens, stopped_at_eos, step,
+tokens_per_sec (generation only, compilation excluded), compile_sec.
+
+The cached forward is a functional twin of `model.apply` over the same parameter pytree (scanned
+`layers` with a leading layer axis, or unrolled `layer_i`): it calls model.py's own pieces (the
+RMSNorm and SwiGLU modules, `rope`, `xla_attention`, the weight matmuls, the logits) and only
+replaces where keys and values come from, so the two cannot drift apart; the tests check its logits
+against `model.apply`'s at every position.
+
+Shape suffixes as in model.py, plus T (new tokens this call), P (prompt), N (new tokens), NL (layers).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxlm import cli, distributed, mesh as mesh_lib, model
+from maxlm import evaluate as evaluate_lib
+
+# ----------------------------------------------------------------------------- the cached forward
+
+Cache = dict  # {"k", "v"}: [NL, B, S, K, Dh] when scanned; unrolled: a list of per-layer dicts
+
+
+def _dtype(model_cfg):
+    return model._DTYPES[model_cfg.dtype]
+
+
+def init_cache(model_cfg, params, batch_size: int, max_len: int) -> Cache | list:
+    """Zeroed keys/values for `max_len` positions, in the parameters' layer layout."""
+    shape = (batch_size, max_len, model_cfg.num_kv_heads, model_cfg.head_dim)
+    zeros = lambda *lead: jnp.zeros((*lead, *shape), _dtype(model_cfg))
+    if "layers" in params:
+        return {"k": zeros(model_cfg.num_layers), "v": zeros(model_cfg.num_layers)}
+    return [{"k": zeros(), "v": zeros()} for _ in range(model_cfg.num_layers)]
+
+
+def _rms_norm(model_cfg, norm_params, x_BTD):
+    return model.RMSNorm(model_cfg.norm_eps, _dtype(model_cfg)).apply({"params": norm_params}, x_BTD)
+
+
+def _attention(model_cfg, p, x_BTD, positions_BT, cache):
+    """model.Attention for T new tokens whose keys/values go into the cache at slot = position;
+    each attends to the cache's slots up to its own position."""
+    cfg, dtype = model_cfg, _dtype(model_cfg)
+    q_BTHDh = model._matmul(cfg, "bld,dhk->blhk", x_BTD, p["wq"], dtype)
+    k_BTKDh = model._matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wk"], dtype)
+    v_BTKDh = model._matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wv"], dtype)
+    q_BTHDh = model.rope(q_BTHDh, positions_BT, cfg.rope_theta)
+    k_BTKDh = model.rope(k_BTKDh, positions_BT, cfg.rope_theta)
+    rows_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[0])[:, None], positions_BT.shape)
+    k_BSKDh = cache["k"].at[rows_BT, positions_BT].set(k_BTKDh)
+    v_BSKDh = cache["v"].at[rows_BT, positions_BT].set(v_BTKDh)
+    slots_S = jnp.arange(k_BSKDh.shape[1])
+    mask_B1TS = (slots_S[None, None, :] <= positions_BT[:, :, None])[:, None]
+    out_BTHDh = model.xla_attention(q_BTHDh, k_BSKDh, v_BSKDh, mask_B1TS)
+    out_BTD = model._matmul(cfg, "blhk,hkd->bld", out_BTHDh, p["wo"], dtype)
+    return out_BTD, {"k": k_BSKDh, "v": v_BSKDh}
+
+
+def _block(model_cfg, p, x_BTD, positions_BT, cache):
+    """model.Block with the cached attention."""
+    attn_BTD, cache = _attention(model_cfg, p["attn"], _rms_norm(model_cfg, p["attn_norm"], x_BTD),
+                                 positions_BT, cache)
+    x_BTD = x_BTD + attn_BTD
+    h_BTD = _rms_norm(model_cfg, p["mlp_norm"], x_BTD)
+    return x_BTD + model.SwiGLU(model_cfg).apply({"params": p["mlp"]}, h_BTD), cache
+
+
+def forward(model_cfg, params, tokens_BT, positions_BT, cache):
+    """Float32 logits [B, T, V] of T new tokens at `positions_BT` (one document per row, its
+    earlier tokens in the cache), and the cache with their keys and values added."""
+    x_BTD = jnp.take(params["embed"], tokens_BT, axis=0).astype(_dtype(model_cfg))
+    if "layers" in params:  # the scanned layout: one layer body over the leading layer axis
+
+        def body(x_BTD, layer):
+            layer_params, layer_cache = layer
+            return _block(model_cfg, layer_params, x_BTD, positions_BT, layer_cache)
+
+        x_BTD, cache = jax.lax.scan(body, x_BTD, (params["layers"], cache))
+    else:
+        new_cache = []
+        for i, layer_cache in enumerate(cache):
+            x_BTD, layer_cache = _block(model_cfg, params[f"layer_{i}"], x_BTD, positions_BT, layer_cache)
+            new_cache.append(layer_cache)
+        cache = new_cache
+    x_BTD = _rms_norm(model_cfg, params["final_norm"], x_BTD)
+    return model._logits(model_cfg, x_BTD, model.head_weights(model_cfg, params)), cache
+
+
+def prefill(model_cfg, params, prompt_BP, max_len: int):
+    """Logits [B, P, V] of the prompt block (row b real up to its length; the rest is padding
+    whose cache slots later tokens overwrite before anything can see them) and the cache."""
+    B, P = prompt_BP.shape
+    positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    return forward(model_cfg, params, prompt_BP, positions_BP, init_cache(model_cfg, params, B, max_len))
+
+
+def decode_step(model_cfg, params, token_B, position_B, cache):
+    """Logits [B, V] of one new token per row at `position_B`, and the updated cache."""
+    logits_B1V, cache = forward(model_cfg, params, token_B[:, None], position_B[:, None], cache)
+    return logits_B1V[:, 0], cache
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def sample(logits_BV, rng, temperature=0.0, top_k=0, top_p=1.0):
+    """Next tokens [B] int32: argmax when temperature is 0; else a draw from softmax(logits / T)
+    restricted to the top_k most likely tokens (0 = all) and, of those, to the smallest set of
+    most likely tokens whose probability reaches top_p (nucleus; 1 = all).
+
+    The three settings may be traced scalars (one compiled program serves every setting), so
+    greedy and the filters are selected with `where`, not Python branches.
+    """
+    logits_BV = logits_BV.astype(jnp.float32)
+    V = logits_BV.shape[-1]
+    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    scaled_BV = logits_BV / jnp.where(temperature > 0, temperature, 1.0)
+    sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    ranks_V = jnp.arange(V)
+    sorted_BV = jnp.where(ranks_V < k, sorted_BV, -jnp.inf)  # top-k, in sorted order
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # mass of the more likely tokens
+    keep_BV = (ranks_V < k) & ((before_BV < top_p) | (top_p >= 1.0) | (ranks_V == 0))
+    threshold_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    drawn_B = jax.random.categorical(
+        rng, jnp.where(scaled_BV < threshold_B1, -jnp.inf, scaled_BV), axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn_B, greedy_B)
+
+
+NO_LIMIT = np.iinfo(np.int32).max
+
+
+def settings(seed: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             eos_id: int | None = None, pad_id: int = 0, vocab_limit: int | None = None) -> dict:
+    """generate_tokens's run-time settings as typed scalars: changing them never recompiles.
+    `eos_id` None: no stop token; `vocab_limit` None: every id of the model may be drawn."""
+    return {"seed": np.uint32(seed), "temperature": np.float32(temperature), "top_k": np.int32(top_k),
+            "top_p": np.float32(top_p), "eos_id": np.int32(-1 if eos_id is None else eos_id),
+            "pad_id": np.int32(pad_id),
+            "vocab_limit": np.int32(NO_LIMIT if vocab_limit is None else vocab_limit)}
+
+
+def generate_tokens(model_cfg, params, prompt_BP, lengths_B, settings: dict, *, max_new_tokens: int):
+    """(tokens [B, N], counts [B]): up to N = max_new_tokens tokens after each row's prompt
+    (`prompt_BP` right-padded, row b's real length `lengths_B[b]` >= 1), drawn by `sample` with
+    `settings` (see `settings()`). A row that draws `eos_id` keeps it and stops (`pad_id` after
+    it); the loop ends when every row has stopped. Ids >= `vocab_limit` (the tokenizer's size,
+    below a padded model vocabulary) are never drawn. Step t draws with `fold_in(key(seed), t)`:
+    same seed, same sample."""
+    seed, temperature, top_k, top_p, eos_id, pad_id, vocab_limit = (settings[k] for k in (
+        "seed", "temperature", "top_k", "top_p", "eos_id", "pad_id", "vocab_limit"))
+    B, P = prompt_BP.shape
+    N = max_new_tokens
+    rng = jax.random.key(seed)
+    logits_BPV, cache = prefill(model_cfg, params, prompt_BP, P + N)
+    last_B11 = (lengths_B - 1)[:, None, None]
+    logits_BV = jnp.take_along_axis(logits_BPV, last_B11, axis=1)[:, 0]
+
+    def allowed(logits_BV):
+        return jnp.where(jnp.arange(logits_BV.shape[-1]) < vocab_limit, logits_BV, -jnp.inf)
+
+    def cond(s):
+        return (s["t"] < N) & ~jnp.all(s["done"])
+
+    def body(s):
+        t = s["t"]
+        token_B = sample(allowed(s["logits"]), jax.random.fold_in(rng, t), temperature, top_k, top_p)
+        token_B = jnp.where(s["done"], pad_id, token_B)
+        counts_B = s["counts"] + (~s["done"]).astype(jnp.int32)
+        done_B = s["done"] | (token_B == eos_id)
+        logits_BV, cache = decode_step(model_cfg, params, token_B, lengths_B + t, s["cache"])
+        return {"t": t + 1, "tokens": s["tokens"].at[:, t].set(token_B), "counts": counts_B,
+                "done": done_B, "logits": logits_BV, "cache": cache}
+
+    init = {"t": jnp.zeros((), jnp.int32), "tokens": jnp.full((B, N), pad_id, jnp.int32),
+            "counts": jnp.zeros((B,), jnp.int32), "done": jnp.zeros((B,), bool),
+            "logits": logits_BV, "cache": cache}
+    final = jax.lax.while_loop(cond, body, init)
+    return final["tokens"], final["counts"]
+
+
+# ----------------------------------------------------------------------------- jitted, sharded
+
+
+def decode_rules(rules) -> tuple:
+    """The config's rules with `batch` replicated: a handful of prompts is not split over the data
+    axes (their sizes need not divide it); parameters (no batch axis) keep their shardings."""
+    return tuple((name, None if name == "batch" else axes) for name, axes in rules)
+
+
+def make_generate_fn(cfg, mesh=None, rules=None, *, max_new_tokens: int):
+    """`fn(params, prompt_BP, lengths_B, settings) -> (tokens_BN, counts_B)` (generate_tokens),
+    jitted; with a mesh the parameters are sharded by the config's rules and everything else
+    replicated. Call (or `.lower(...)`) it inside `activation_context(mesh, rules)`. The same
+    function comes back for the same arguments, so its compilations are reused: only the
+    model, the mesh and max_new_tokens (and the prompts' shape) shape the program."""
+    return _generate_fn(json.dumps(cfg.model.to_dict(), sort_keys=True), mesh, rules, max_new_tokens)
+
+
+@functools.lru_cache(maxsize=16)
+def _generate_fn(model_json: str, mesh, rules, max_new_tokens: int):
+    import ml_collections
+
+    model_cfg = ml_collections.ConfigDict(json.loads(model_json))
+    fn = functools.partial(generate_tokens, model_cfg, max_new_tokens=max_new_tokens)
+    if mesh is None:
+        return jax.jit(fn)
+    shardings = evaluate_lib.param_shardings(ml_collections.ConfigDict({"model": model_cfg}), mesh, rules)
+    replicated = mesh_lib.replicated(mesh)
+    return jax.jit(fn, in_shardings=(shardings,) + (replicated,) * 3, out_shardings=replicated)
+
+
+def activation_context(mesh, rules):
+    import contextlib
+
+    return contextlib.nullcontext() if mesh is None else mesh_lib.activate(mesh, decode_rules(rules))
+
+
+def pad_prompts(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Token id lists → (right-padded int32 [B, P], lengths [B])."""
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if lengths.min() < 1:
+        raise ValueError("every prompt needs at least one token (the tokenizer's bos)")
+    out = np.full((len(prompts), lengths.max()), pad_id, np.int32)
+    for row, ids in zip(out, prompts):
+        row[: len(ids)] = ids
+    return out, lengths
+
+
+def generate(cfg, params, prompts, *, max_new_tokens: int, mesh=None, rules=None,
+             **kwargs) -> list[list[int]]:
+    """The new token ids of each prompt (lists of ids, `[bos] + ...` as training framed them),
+    EOS included when drawn. `kwargs`: `settings()`'s (seed, temperature, top_k, top_p, eos_id,
+    pad_id, vocab_limit)."""
+    run_settings = settings(**kwargs)
+    prompt_BP, lengths_B = pad_prompts(prompts, int(run_settings["pad_id"]))
+    fn = make_generate_fn(cfg, mesh, rules, max_new_tokens=max_new_tokens)
+    with activation_context(mesh, rules):
+        tokens_BN, counts_B = jax.device_get(fn(params, prompt_BP, lengths_B, run_settings))
+    return [row[:n].tolist() for row, n in zip(tokens_BN, counts_B)]
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _check_flags(f) -> None:
+    if f.max_new_tokens < 1:
+        cli.config_error(f"--max_new_tokens={f.max_new_tokens} must be >= 1")
+    if f.temperature < 0:
+        cli.config_error(f"--temperature={f.temperature} must be >= 0 (0 = greedy)")
+    if f.top_k < 0:
+        cli.config_error(f"--top_k={f.top_k} must be >= 0 (0 = off)")
+    if not 0 < f.top_p <= 1:
+        cli.config_error(f"--top_p={f.top_p} must be in (0, 1] (1 = off)")
+    if f.seed < 0:
+        cli.config_error(f"--seed={f.seed} must be >= 0")
+
+
+def main(argv) -> None:
+    from absl import flags
+
+    from maxlm.data.tokenizer import load_tokenizer
+
+    if len(argv) > 1:
+        cli.config_error(f"unexpected arguments {argv[1:]}")
+    cli.setup_logging()
+    f = flags.FLAGS
+    if not f.workdir:
+        cli.config_error("--workdir=DIR is required")
+    _check_flags(f)
+    distributed.initialize()
+    try:
+        run = evaluate_lib.load_run(f.workdir, f.step)
+        cfg = run["config"]
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+    except ValueError as e:  # RunError, a missing tokenizer file
+        cli.config_error(str(e))
+    prompt_ids = [tokenizer.bos_id, *tokenizer.encode(f.prompt).tolist()]
+    if len(prompt_ids) + f.max_new_tokens > cfg.seq_len and jax.process_index() == 0:
+        print(f"maxlm: warning: prompt ({len(prompt_ids)} tokens) + --max_new_tokens="
+              f"{f.max_new_tokens} is longer than the run's seq_len={cfg.seq_len}: positions past "
+              "it were never trained", file=sys.stderr)
+    mesh, rules = run["mesh"], run["rules"]
+    prompt_BP, lengths_B = pad_prompts([prompt_ids], tokenizer.pad_id)
+    fn = make_generate_fn(cfg, mesh, rules, max_new_tokens=f.max_new_tokens)
+    args = (run["params"], prompt_BP, lengths_B,
+            settings(seed=f.seed, temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
+                     eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, vocab_limit=tokenizer.vocab_size))
+    with activation_context(mesh, rules):
+        start = time.perf_counter()
+        compiled = fn.lower(*args).compile()
+        compile_sec = time.perf_counter() - start
+        start = time.perf_counter()
+        tokens_BN, counts_B = jax.device_get(compiled(*args))
+        seconds = time.perf_counter() - start
+    ids = tokens_BN[0, : counts_B[0]].tolist()
+    stopped = bool(ids) and ids[-1] == tokenizer.eos_id
+    completion = tokenizer.decode(ids)
+    if jax.process_index() != 0:
+        return
+    if f.json:
+        print(json.dumps({
+            "prompt": f.prompt, "completion": completion, "prompt_ids": prompt_ids,
+            "token_ids": ids, "num_tokens": len(ids), "stopped_at_eos": stopped,
+            "step": run["step"], "tokens_per_sec": len(ids) / max(seconds, 1e-9),
+            "compile_sec": compile_sec,
+        }), flush=True)
+    else:
+        print(completion, flush=True)
+
+
+def define_flags() -> None:
+    from absl import flags
+
+    flags.DEFINE_string("workdir", None, "A training run's workdir (config.json, checkpoints/).")
+    flags.DEFINE_string("prompt", "", "Text to continue (encoded after the tokenizer's bos).")
+    flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate at most (fewer at EOS).")
+    flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 = greedy.")
+    flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0 = all).")
+    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set with this probability (1 = all).")
+    flags.DEFINE_integer("seed", 0, "Sampling seed: same seed, same sample.")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest complete one).")
+    flags.DEFINE_bool("json", False, "Print one JSON object instead of the completion.")
+
+
+if __name__ == "__main__":
+    evaluate_lib.run(main, define_flags)
