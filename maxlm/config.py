@@ -144,6 +144,10 @@ def defaults() -> ml_collections.ConfigDict:
 
     c.metrics = ml_collections.ConfigDict()
     c.metrics.tensorboard = True
+
+    c.profile = ml_collections.ConfigDict()  # a jax.profiler trace of a few steps (maxlm/profiler.py)
+    c.profile.start_step = 5  # the first traced step (after the compile and warm-up)
+    c.profile.num_steps = 0  # 0 = off
     return c
 
 
@@ -239,6 +243,10 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
     _non_negative(c, "optim.warmup_steps", "optim.decay_steps", "optim.clip_norm")
     _non_negative(c, "optim.weight_decay", "optim.min_lr_ratio", "eval.every_steps")
     _non_negative(c, "model.head_dim", "model.init_std", "seed")
+    for key in ("start_step", "num_steps"):
+        value = c.profile[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"profile.{key} must be an int >= 0, got {value!r}")
     for key in ("b1", "b2"):
         if not 0 <= c.optim[key] < 1:
             raise ConfigError(f"optim.{key} must be in [0, 1), got {c.optim[key]}")

@@ -25,8 +25,10 @@ the embedding table and norm scales, plus the LM head.
 Peak FLOP/s comes from a table of dense (non-sparse) datasheet peaks for known
 accelerators, or, on CPU and unknown devices, from a short measured matmul.
 
-Metric writers share one small protocol so the training loop never knows
-whether it is writing JSONL, TensorBoard, both, or nothing (non-primary hosts).
+Metric writers share one small protocol (`MetricWriter`: write, write_hparams, flush, close) so
+the training loop never knows whether it is writing JSONL, TensorBoard, both, or nothing
+(non-primary hosts). Rows use flat names (`loss`, `eval_loss`, `tokens_per_sec`, ...), the
+contract of metrics.jsonl; the TensorBoard writer files them under groups (`TENSORBOARD_TAGS`).
 """
 
 from __future__ import annotations
@@ -241,9 +243,89 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak_total: float) -> flo
 
 @runtime_checkable
 class MetricWriter(Protocol):
+    """Where metric rows go. A new sink (W&B, MLflow, a database) implements these four methods
+    and is added to `make_writers`' list; the loop calls them on every process, and only process
+    0 gets real writers (the others get a NullWriter).
+
+    write(step, metrics): one row of scalars under flat names (`loss`, `eval_loss`, ...).
+    write_hparams(hparams): the run's flattened, resolved config ({"optim.lr": 3e-4, ...}; values
+        bool, int, float or str), once at the start.
+    flush(): make what was written durable; close(): flush and release.
+    """
+
     def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
+    def write_hparams(self, hparams: Mapping[str, bool | int | float | str]) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
+
+
+# metrics.jsonl's flat names -> TensorBoard tags, grouped by prefix (one TensorBoard section
+# each). A name not listed here keeps its name as its tag.
+TENSORBOARD_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "param_norm": "train/param_norm",
+    "update_ratio": "train/update_ratio",
+    "skipped_steps": "train/skipped_steps",
+    "bad_streak": "train/bad_streak",
+    "loss_scale": "train/loss_scale",
+    "overflow_steps": "train/overflow_steps",
+    "eval_loss": "eval/loss",
+    "eval_perplexity": "eval/perplexity",
+    "tokens_per_sec": "perf/tokens_per_sec",
+    "step_time_sec": "perf/step_time_sec",
+    "mfu": "perf/mfu",
+    "compile_sec": "perf/compile_sec",
+    "memory_bytes_in_use": "memory/bytes_in_use",
+    "memory_peak_bytes_in_use": "memory/peak_bytes_in_use",
+}
+
+
+def tensorboard_tag(name: str) -> str:
+    return TENSORBOARD_TAGS.get(name, name)
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
+    """{"optim": {"lr": 3e-4}, ...} -> {"optim.lr": 3e-4, ...}; values that are not a bool, int,
+    float or str (tuples such as mesh.rules, None) become their JSON text."""
+    flat: dict[str, bool | int | float | str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_config(value, name + "."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = json.dumps(value)
+    return flat
+
+
+def device_memory(device=None) -> dict[str, int]:
+    """`memory_bytes_in_use` and `memory_peak_bytes_in_use` of one local device (default the
+    first), as its platform reports them; {} where it reports nothing (CPU)."""
+    device = device if device is not None else jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        stats = None
+    out = {}
+    for key in ("bytes_in_use", "peak_bytes_in_use"):
+        if stats and key in stats:
+            out[f"memory_{key}"] = int(stats[key])
+    return out
+
+
+def format_eta(seconds: float) -> str:
+    """Time left, to the minute past an hour: 45s, 12m05s, 1h02m, 30h00m."""
+    seconds = max(int(round(seconds)), 0)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
 
 
 def _to_python_scalar(name: str, value) -> bool | int | float:
@@ -291,6 +373,9 @@ class JsonlWriter:
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
+    def write_hparams(self, hparams: Mapping[str, bool | int | float | str]) -> None:
+        pass  # config.json already holds the resolved config
+
     def flush(self) -> None:
         self._file.flush(force=True)
 
@@ -301,6 +386,9 @@ class JsonlWriter:
 class TensorBoardWriter:
     """Scalars to TensorBoard event files via tensorboardX (no TensorFlow).
 
+    Each flat name is written under its group's tag (`TENSORBOARD_TAGS`: `loss` -> `train/loss`,
+    `eval_loss` -> `eval/loss`, `mfu` -> `perf/mfu`, ...). Hyperparameters go to the HParams
+    dashboard as the hparams plugin's experiment and session-start summaries, in the same run.
     A remote logdir (gs://...) is written through epath (paths.AppendFile), not tensorboardX's
     own gs:// / s3:// writers (which need google-cloud-storage or boto3).
     """
@@ -316,7 +404,17 @@ class TensorBoardWriter:
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         for name, value in metrics.items():
-            self._writer.add_scalar(name, float(_to_python_scalar(name, value)), int(step))
+            self._writer.add_scalar(tensorboard_tag(name), float(_to_python_scalar(name, value)),
+                                    int(step))
+
+    def write_hparams(self, hparams: Mapping[str, bool | int | float | str]) -> None:
+        from tensorboardX.summary import hparams as hparams_summaries
+
+        # The metrics the HParams dashboard shows next to the values (their last scalar).
+        shown = ("train/loss", "eval/loss", "eval/perplexity", "perf/tokens_per_sec", "perf/mfu")
+        experiment, session_start, _ = hparams_summaries(dict(hparams), dict.fromkeys(shown, 0.0))
+        self._writer.file_writer.add_summary(experiment)
+        self._writer.file_writer.add_summary(session_start)
 
     def flush(self) -> None:
         self._writer.flush()
@@ -345,6 +443,10 @@ class MultiWriter:
         for writer in self._writers:
             writer.write(step, metrics)
 
+    def write_hparams(self, hparams: Mapping[str, bool | int | float | str]) -> None:
+        for writer in self._writers:
+            writer.write_hparams(hparams)
+
     def flush(self) -> None:
         for writer in self._writers:
             writer.flush()
@@ -358,6 +460,9 @@ class NullWriter:
     """Writes nothing; what non-primary processes get."""
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def write_hparams(self, hparams: Mapping[str, bool | int | float | str]) -> None:
         pass
 
     def flush(self) -> None:

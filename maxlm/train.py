@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxlm import checkpoint, cli, config as config_lib, distributed, fp8, loss_scale, mesh as mesh_lib, metrics, model, optim, paths
+from maxlm import checkpoint, cli, config as config_lib, distributed, fp8, loss_scale, mesh as mesh_lib, metrics, model, optim, paths, profiler
 from maxlm.data import make_dataset
 
 log = logging.getLogger("maxlm")
@@ -225,6 +225,8 @@ def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple
     grad_norm = optax.tree.norm(grads)  # before clipping
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    # how far this step moved the weights, relative to their size (~1e-3 is typical for Adam)
+    update_ratio = optax.tree.norm(updates) / optax.tree.norm(state["params"])
     grads_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     ok = grads_finite & _all_finite(params) & _all_finite(opt_state)
     keep_if_bad = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
@@ -245,6 +247,7 @@ def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple
         "loss": aux["cross_entropy"],  # plain next-token loss; `loss` above adds z-loss etc.
         "grad_norm": grad_norm,
         "param_norm": optax.tree.norm(params),
+        "update_ratio": jnp.where(ok, update_ratio, 0.0),  # 0: the update was not applied
         "lr": schedule(state["step"]),  # the rate this update used
         "num_tokens": aux["num_tokens"],
         "skipped_steps": new_state["skipped_steps"],
@@ -310,13 +313,17 @@ def evaluate(cfg, eval_fn, params, dataset, mesh, rules) -> float:
     return loss_sum / max(sum(float(t["num_tokens"]) for t in totals), 1.0)
 
 
-def _format(step: int, row: dict) -> str:
+def _format(step: int, row: dict, eta_sec: float | None = None) -> str:
+    """One console line: `step 100 | loss 2.3456 | ... | tokens/s 41,000 | mfu 16.5% | eta 1h02m`."""
     parts = [f"step {step:>6}"]
-    for key, fmt in (("loss", "{:.4f}"), ("eval_loss", "{:.4f}"), ("lr", "{:.2e}"),
-                     ("grad_norm", "{:.3f}"), ("loss_scale", "{:g}"), ("tokens_per_sec", "{:,.0f}"),
-                     ("mfu", "{:.1%}")):
+    for key, label, fmt in (("loss", "loss", "{:.4f}"), ("eval_loss", "eval_loss", "{:.4f}"),
+                            ("eval_perplexity", "eval_ppl", "{:.2f}"), ("lr", "lr", "{:.2e}"),
+                            ("grad_norm", "grad_norm", "{:.3f}"), ("loss_scale", "loss_scale", "{:g}"),
+                            ("tokens_per_sec", "tokens/s", "{:,.0f}"), ("mfu", "mfu", "{:.1%}")):
         if key in row:
-            parts.append(f"{key} " + fmt.format(row[key]))
+            parts.append(f"{label} " + fmt.format(row[key]))
+    if eta_sec is not None:
+        parts.append(f"eta {metrics.format_eta(eta_sec)}")
     return " | ".join(parts)
 
 
@@ -386,6 +393,8 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     config_dict = cfg.to_dict()
 
     writer = metrics.make_writers(workdir, jax.process_index() == 0, cfg.metrics.tensorboard)
+    writer.write_hparams(metrics.flatten_config(config_dict))
+    trace = profiler.StepProfiler(cfg.profile, workdir, enabled=jax.process_index() == 0)
     flops_per_token = metrics.flops_per_token(cfg.model, cfg.seq_len)
     peak = metrics.peak_flops(jax.devices(), cfg.model.dtype)
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -406,6 +415,8 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     # A log step's metrics are read back only after the next step is dispatched, so logging never
     # stalls the device. Throughput is measured between moments when a known step has finished.
     pending = None  # (step, device metrics)
+    next_row: dict = {}  # added to the next training row written (compile_sec)
+    compiled: set = set()  # train functions already called (their first call compiles)
     clock = {"time": time.perf_counter(), "step": step}
     restores = 0  # restores after bad streaks without getting past the failure since
     failed_at = -1
@@ -427,10 +438,13 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
             tokens_per_sec=tokens_per_sec,
             step_time_sec=tokens_per_step / tokens_per_sec,
             mfu=metrics.mfu(tokens_per_sec, flops_per_token, peak["total_flops_per_sec"]),
+            **metrics.device_memory(),  # nothing where the platform reports nothing (CPU)
+            **next_row,
         )
+        next_row.clear()
         del row["num_tokens"]
         writer.write(logged_step, row)
-        log.info(_format(logged_step, row))
+        log.info(_format(logged_step, row, eta_sec=row["step_time_sec"] * (cfg.steps - logged_step)))
         last_row = dict(row, step=logged_step, first_loss=first_loss)
 
     def restart_clock(finished_step: int):
@@ -482,6 +496,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
             first = True
             prev_metrics = None  # the previous step's, for its non-finite verdict
             while step < cfg.steps:
+                trace.before_step(step)
                 args = (state, global_batch(_host_batch(train_data.prefetch(), step, mesh, rules), mesh, rules))
                 if injecting:
                     hit = cfg.debug.nan_at_step <= step < cfg.debug.nan_at_step + cfg.debug.nan_steps
@@ -489,8 +504,16 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                         hit = step not in injected
                         injected.add(step)
                     args += (np.bool_(hit),)
-                state, step_metrics = train_fn(*args)
+                compiling, dispatched = train_fn not in compiled, time.perf_counter()
+                state, step_metrics = train_fn(*args)  # the first call traces and compiles
+                if compiling:
+                    compiled.add(train_fn)
+                    next_row["compile_sec"] = time.perf_counter() - dispatched
+                    log.info("compiled the train step in %.1f s", next_row["compile_sec"])
                 done = step = step + 1
+                if trace.after_step(done, step_metrics):  # stopped and wrote the trace
+                    flush_pending()
+                    restart_clock(done)
                 # read one step late, so the device already has the next step queued
                 streak = int(prev_metrics["bad_streak"]) if prev_metrics is not None else 0
                 prev_metrics = step_metrics
@@ -509,8 +532,9 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                 if cfg.eval.every_steps and (done % cfg.eval.every_steps == 0 or done == cfg.steps):
                     flush_pending()
                     eval_loss = evaluate(cfg, eval_fn, state["params"], eval_data, mesh, rules)
-                    writer.write(done, {"eval_loss": eval_loss})
-                    log.info(_format(done, {"eval_loss": eval_loss}))
+                    eval_row = {"eval_loss": eval_loss, "eval_perplexity": _perplexity(eval_loss)}
+                    writer.write(done, eval_row)
+                    log.info(_format(done, eval_row))
                     restart_clock(done)
                 preempted = preemption.reached(done)
                 regular = done % ckpt_cfg.every_steps == 0 or done == cfg.steps
@@ -538,9 +562,17 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                     raise checkpoint.Preempted(done)
             flush_pending()
     finally:
+        trace.close()
         ckpt.close()
         writer.close()
     return last_row
+
+
+def _perplexity(loss: float) -> float:
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def _agree(flag: bool) -> bool:

@@ -219,12 +219,37 @@ def test_tensorboard_writer_creates_events_file(tmp_path):
     assert "tensorflow" not in sys.modules  # tensorboardX must not pull TF in
 
 
+def test_tensorboard_writer_groups_names_and_records_hparams(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator as ea
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    writer = metrics.TensorBoardWriter(tmp_path)
+    writer.write_hparams({"optim.lr": 3e-4, "model.dtype": "bfloat16", "model.fp8": False, "steps": 10})
+    writer.write(3, {"loss": 2.5, "eval_loss": 2.75, "mfu": 0.25, "memory_peak_bytes_in_use": 2**30,
+                     "loss_scale": 1024.0, "custom_thing": 1.0})
+    writer.close()
+    acc = ea.EventAccumulator(str(tmp_path), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert scalars == {"train/loss": [(3, 2.5)], "eval/loss": [(3, 2.75)], "perf/mfu": [(3, 0.25)],
+                       "memory/peak_bytes_in_use": [(3, 2.0**30)], "train/loss_scale": [(3, 1024.0)],
+                       "custom_thing": [(3, 1.0)]}  # a name without a group keeps its name
+    start = plugin_data_pb2.HParamsPluginData.FromString(
+        acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info
+    assert {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()} == {
+        "optim.lr": pytest.approx(3e-4), "model.dtype": "bfloat16", "model.fp8": False, "steps": 10}
+    assert "tensorflow" not in sys.modules
+
+
 class Recorder:
     def __init__(self):
         self.calls = []
 
     def write(self, step, metrics):
         self.calls.append(("write", step, dict(metrics)))
+
+    def write_hparams(self, hparams):
+        self.calls.append(("hparams", dict(hparams)))
 
     def flush(self):
         self.calls.append(("flush",))
@@ -237,16 +262,19 @@ def test_multiwriter_fans_out():
     a, b = Recorder(), Recorder()
     writer = metrics.MultiWriter([a, b])
     assert isinstance(writer, metrics.MetricWriter)
+    assert isinstance(a, metrics.MetricWriter)  # the protocol a new sink implements
+    writer.write_hparams({"optim.lr": 0.1})
     writer.write(7, {"loss": 1.0})
     writer.flush()
     writer.close()
-    expected = [("write", 7, {"loss": 1.0}), ("flush",), ("close",)]
+    expected = [("hparams", {"optim.lr": 0.1}), ("write", 7, {"loss": 1.0}), ("flush",), ("close",)]
     assert a.calls == expected and b.calls == expected
 
 
 def test_non_primary_writes_nothing(tmp_path):
     writer = metrics.make_writers(tmp_path / "run", is_primary=False, tensorboard=True)
     assert isinstance(writer, metrics.MetricWriter)
+    writer.write_hparams({"seed": 0})
     writer.write(1, {"loss": 1.0})
     writer.flush()
     writer.close()
@@ -256,9 +284,10 @@ def test_non_primary_writes_nothing(tmp_path):
 def test_primary_writes_jsonl_and_tensorboard(tmp_path):
     workdir = tmp_path / "run"
     writer = metrics.make_writers(workdir, is_primary=True, tensorboard=True)
+    writer.write_hparams({"seed": 0})  # TensorBoard only: config.json already has them
     writer.write(1, {"loss": 3.0})
     writer.close()
-    assert read_jsonl(workdir / "metrics.jsonl") == [{"step": 1, "loss": 3.0}]
+    assert read_jsonl(workdir / "metrics.jsonl") == [{"step": 1, "loss": 3.0}]  # flat names
     assert glob.glob(str(workdir / "events.out.tfevents*"))
 
     jsonl_only = tmp_path / "run2"

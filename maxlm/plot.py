@@ -1,0 +1,130 @@
+"""Training curves of one or more runs: `python -m maxlm.plot DIR [DIR ...] --out=curves.png`.
+
+Reads each `DIR/metrics.jsonl` (local or `gs://`, through maxlm/paths.py) and draws a 2 x 2 grid:
+train loss, eval loss, learning rate and tokens/s against the step, one line per run (the legend
+is the run directory's name). A resumed run repeats some steps in its file; the last row written
+for a step is the one drawn, as for every reader of metrics.jsonl. Rendering uses matplotlib's
+Agg backend, so no display is needed. A DIR without `metrics.jsonl` ends with one line on stderr
+and exit status 2.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+
+from maxlm import paths
+
+# (panel title, metrics.jsonl key), row by row
+PANELS = (("train loss", "loss"), ("eval loss", "eval_loss"),
+          ("learning rate", "lr"), ("tokens/s", "tokens_per_sec"))
+
+
+class PlotError(ValueError):
+    """A run directory that cannot be plotted (exit 2)."""
+
+
+def read_metrics(workdir) -> list[dict]:
+    """The rows of `workdir/metrics.jsonl`; a line cut short by a killed run is skipped."""
+    path = paths.workdir_path(workdir) / "metrics.jsonl"
+    if not path.exists():
+        raise PlotError(f"no metrics.jsonl in {paths.workdir_path(workdir)} "
+                        "(is it a training run's workdir?)")
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    return rows
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of `key`, sorted by step, the last row of a repeated step winning;
+    "nan"/"inf" strings (how metrics.jsonl writes non-finite floats) become floats."""
+    by_step = {int(row["step"]): float(row[key]) for row in rows if key in row}
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def run_labels(workdirs: list[str]) -> list[str]:
+    """Each run's directory name, or the path as given where two names are the same."""
+    names = [paths.workdir_path(d).name for d in workdirs]
+    return [name if names.count(name) == 1 else str(d) for name, d in zip(names, workdirs)]
+
+
+def plot_runs(workdirs: list[str], out: str) -> None:
+    """Draws the runs' curves into the PNG `out` (local or a URL)."""
+    runs = [(label, read_metrics(d)) for label, d in zip(run_labels(workdirs), workdirs)]
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), layout="constrained")
+    for ax, (title, key) in zip(axes.flat, PANELS):
+        drawn = False
+        for i, (label, rows) in enumerate(runs):
+            steps, values = series(rows, key)
+            if steps:
+                ax.plot(steps, values, label=label, color=f"C{i}",
+                        marker="o" if len(steps) < 30 else None, markersize=3)
+                drawn = drawn or any(math.isfinite(v) for v in values)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        if drawn:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, f"no {key} in metrics.jsonl", ha="center", va="center",
+                    transform=ax.transAxes, color="gray")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    target = paths.workdir_path(out)
+    if not paths.is_remote(out):
+        target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(buffer.getvalue())
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv) -> None:
+    from absl import flags
+
+    from maxlm import cli
+
+    cli.setup_logging()  # quiets matplotlib's INFO lines through absl's handler
+    workdirs = argv[1:]
+    if not workdirs:
+        _error("give one or more run directories: python -m maxlm.plot DIR [DIR ...] --out=curves.png")
+    try:
+        plot_runs(workdirs, flags.FLAGS.out)
+    except PlotError as e:
+        _error(str(e))
+    print(f"wrote {paths.workdir_path(flags.FLAGS.out)}")
+
+
+def _error(message: str) -> None:
+    print(f"maxlm: plot: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def define_flags() -> None:
+    from absl import flags
+
+    flags.DEFINE_string("out", "curves.png", "The PNG to write (local path or gs:// URL).")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    from maxlm import cli
+
+    define_flags()
+    app.run(main, flags_parser=cli._parse_flags)

@@ -1,0 +1,254 @@
+"""What a run shows: grouped TensorBoard scalars and hparams, console lines (ETA, the compile),
+the update/parameter ratio, device memory, the profiler trace and `python -m maxlm.plot`.
+
+One short training run (module-scoped) serves the TensorBoard, console, profile and plot checks.
+"""
+
+import glob
+import json
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from maxlm import config as config_lib, mesh as mesh_lib, metrics, optim, plot, train
+from tests.helpers import ROOT, load_config, packed_batch, with_overrides
+
+STEPS = 8
+
+
+def tiny(**overrides):
+    return config_lib.resolve(with_overrides(load_config("tiny"), overrides), jax.device_count())
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, data_dirs):
+    """8 steps of tiny.py: rows every 2 steps, eval every 4, steps 5-6 profiled; its log lines."""
+    workdir = tmp_path_factory.mktemp("observed")
+    cfg = tiny(**data_dirs, steps=STEPS, log_every_steps=2, **{
+        "eval.every_steps": 4, "checkpoint.every_steps": STEPS, "profile.start_step": 5,
+        "profile.num_steps": 2})
+    logger, handler = logging.getLogger("maxlm"), _Lines()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        train.train_and_evaluate(cfg, str(workdir))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return types.SimpleNamespace(cfg=cfg, workdir=workdir, rows=rows, log=handler.lines)
+
+
+def event_accumulator(logdir):
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(str(logdir), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+    acc.Reload()
+    return acc
+
+
+# --- TensorBoard --------------------------------------------------------------
+
+
+def test_tensorboard_holds_the_jsonl_values_under_groups(run):
+    acc = event_accumulator(run.workdir)
+    tags = set(acc.Tags()["scalars"])
+    expected = {"train/loss", "train/lr", "train/grad_norm", "train/param_norm",
+                "train/update_ratio", "train/skipped_steps", "eval/loss", "eval/perplexity",
+                "perf/tokens_per_sec", "perf/step_time_sec", "perf/mfu", "perf/compile_sec"}
+    assert expected <= tags, sorted(tags)
+    assert not any(tag.startswith("memory/") for tag in tags)  # CPU reports no memory: omitted
+    assert not any(tag in tags for tag in ("loss", "eval_loss", "tokens_per_sec"))  # flat names
+
+    jsonl = {}  # TensorBoard tag -> {step: value}, from metrics.jsonl
+    for row in run.rows:
+        for name, value in row.items():
+            if name != "step":
+                jsonl.setdefault(metrics.tensorboard_tag(name), {})[row["step"]] = value
+    assert sorted(jsonl["train/loss"]) == [2, 4, 6, 8] and sorted(jsonl["eval/loss"]) == [4, 8]
+    assert set(jsonl) == tags
+    for tag in tags:
+        events = {e.step: e.value for e in acc.Scalars(tag)}
+        assert events == pytest.approx(jsonl[tag], rel=1e-6), tag  # event files hold float32
+
+
+def test_hyperparameters_are_recorded(run):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = event_accumulator(run.workdir).PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(
+        content["_hparams_/session_start_info"]).session_start_info
+    hparams = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
+    assert hparams == pytest.approx(metrics.flatten_config(run.cfg.to_dict()))
+    assert hparams["optim.lr"] == pytest.approx(3e-3) and hparams["steps"] == STEPS
+    assert hparams["model.dtype"] == "float32" and hparams["model.scan_layers"] is True
+    assert json.loads(hparams["mesh.rules"])[0] == ["batch", ["data", "fsdp"]]
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(
+        content["_hparams_/experiment"]).experiment
+    assert "optim.lr" in {info.name for info in experiment.hparam_infos}
+    assert "eval/loss" in {info.name.tag for info in experiment.metric_infos}
+
+
+def test_flatten_config():
+    flat = metrics.flatten_config({"a": 1, "b": {"c": "x", "d": {"e": True}}, "r": (("x", None),),
+                                   "n": None, "f": 0.5})
+    assert flat == {"a": 1, "b.c": "x", "b.d.e": True, "r": '[["x", null]]', "n": "null", "f": 0.5}
+
+
+# --- rows and console ---------------------------------------------------------
+
+
+def test_rows_carry_the_monitored_quantities(run):
+    train_rows = [r for r in run.rows if "loss" in r]
+    for row in train_rows:
+        assert {"param_norm", "update_ratio", "skipped_steps", "tokens_per_sec", "step_time_sec",
+                "mfu"} <= set(row)
+        assert 0 < row["update_ratio"] < 1 and row["param_norm"] > 0
+        assert not any(k.startswith("memory_") for k in row)  # CPU: memory_stats() is None
+    # the compile is reported once, on the first training row after it
+    assert [r["step"] for r in run.rows if "compile_sec" in r] == [2]
+    assert train_rows[0]["compile_sec"] > 0
+    for row in (r for r in run.rows if "eval_loss" in r):
+        assert row["eval_perplexity"] == pytest.approx(math.exp(row["eval_loss"]))
+
+
+def test_console_announces_the_compile_and_carries_eta(run):
+    compiled = [line for line in run.log if line.startswith("compiled the train step in")]
+    assert len(compiled) == 1 and re.fullmatch(r"compiled the train step in \d+\.\d s", compiled[0])
+    seconds = float(compiled[0].split()[-2])
+    first_row = next(r for r in run.rows if "compile_sec" in r)
+    assert seconds == pytest.approx(first_row["compile_sec"], abs=0.051)
+    step_lines = [line for line in run.log if re.match(r"step +\d+ \| loss ", line)]
+    assert len(step_lines) == 4
+    for line in step_lines:
+        assert re.search(r"\| tokens/s [\d,]+ \| mfu \d+\.\d% \| eta (\d+h\d\dm|\d+m\d\ds|\d+s)$", line), line
+    assert step_lines[-1].endswith("eta 0s")  # nothing left after the last step
+    assert any(re.match(r"step +4 \| eval_loss \d\.\d{4} \| eval_ppl ", line) for line in run.log)
+
+
+def test_eta_format():
+    assert metrics.format_eta(3720) == "1h02m"
+    assert metrics.format_eta(3600 * 30) == "30h00m"
+    assert metrics.format_eta(125.4) == "2m05s"
+    assert metrics.format_eta(45) == "45s"
+    assert metrics.format_eta(0) == metrics.format_eta(-3) == "0s"
+    line = train._format(100, {"loss": 2.34567, "tokens_per_sec": 41000.0, "mfu": 0.165},
+                         eta_sec=3725)
+    assert line == "step    100 | loss 2.3457 | tokens/s 41,000 | mfu 16.5% | eta 1h02m"
+
+
+def test_device_memory_only_where_reported():
+    assert metrics.device_memory(jax.local_devices()[0]) == {}  # CPU: memory_stats() is None
+    gpu = types.SimpleNamespace(memory_stats=lambda: {"bytes_in_use": 7, "peak_bytes_in_use": 9,
+                                                      "bytes_limit": 100})
+    assert metrics.device_memory(gpu) == {"memory_bytes_in_use": 7, "memory_peak_bytes_in_use": 9}
+    assert metrics.device_memory(types.SimpleNamespace(memory_stats=lambda: None)) == {}
+
+
+# --- the update/parameter ratio ------------------------------------------------
+
+
+def test_update_ratio_is_the_applied_update_over_the_params():
+    """||params after - params before|| / ||params before||, in float64 by hand; 0 when skipped."""
+    cfg = tiny(**{"optim.warmup_steps": 0})  # a nonzero lr at step 0
+    rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
+    tx = optim.make_optimizer(cfg.optim)
+    state, shardings = train.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(0))
+    train_fn, _ = train.compile_steps(cfg, tx, mesh, rules, shardings, inject_nan=True)
+    batch = train.global_batch(packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size),
+                               mesh, rules)
+    norm = lambda tree: math.sqrt(sum(float(np.sum(np.square(x, dtype=np.float64)))  # noqa: E731
+                                      for x in jax.tree.leaves(tree)))
+    with mesh_lib.activate(mesh, rules):
+        before = jax.device_get(state["params"])  # the state is donated
+        state, applied = train_fn(state, batch, np.bool_(False))
+        after = jax.device_get(state["params"])
+        state, skipped = train_fn(state, batch, np.bool_(True))  # NaN gradients: not applied
+        unchanged = jax.device_get(state["params"])
+    update = jax.tree.map(lambda a, b: a.astype(np.float64) - b, after, before)
+    expected = norm(update) / norm(before)
+    print(float(applied["update_ratio"]), expected)
+    assert 1e-4 < expected < 1
+    assert float(applied["update_ratio"]) == pytest.approx(expected, rel=1e-4)
+    assert int(skipped["skipped_steps"]) == 1 and float(skipped["update_ratio"]) == 0.0
+    assert norm(jax.tree.map(lambda a, b: a - b, unchanged, after)) == 0
+
+
+# --- profiler -------------------------------------------------------------------
+
+
+def test_profile_trace_is_written(run):
+    profile = run.workdir / "profile" / "plugins" / "profile"
+    xplanes = glob.glob(str(profile / "*" / "*.xplane.pb"))
+    traces = glob.glob(str(profile / "*" / "*.trace.json.gz"))
+    assert len(xplanes) == 1 and os.path.getsize(xplanes[0]) > 0
+    assert traces and all(os.path.getsize(t) > 0 for t in traces)
+    assert any(line.startswith("profiling steps 5 to 6 into ") for line in run.log)
+
+
+@pytest.mark.parametrize("key, value", [("start_step", -1), ("num_steps", -2), ("num_steps", 1.5),
+                                        ("num_steps", True), ("start_step", "5")])
+def test_profile_config_is_validated(key, value):
+    raw = load_config("tiny").to_dict()  # a JSON-like config, as config.json holds (no type checks)
+    raw["profile"][key] = value
+    with pytest.raises(config_lib.ConfigError, match=f"profile.{key} must be an int >= 0"):
+        config_lib.resolve(config_lib.ml_collections.ConfigDict(raw), jax.device_count())
+
+
+def test_profile_is_off_by_default():
+    cfg = config_lib.defaults()
+    assert (cfg.profile.start_step, cfg.profile.num_steps) == (5, 0)
+
+
+# --- plots ------------------------------------------------------------------------
+
+
+def test_plot_of_two_runs_is_a_png(run, tmp_path):
+    other = tmp_path / "other_run"  # a second run's metrics: the first's, shifted
+    writer = metrics.JsonlWriter(other / "metrics.jsonl")
+    for row in run.rows:
+        writer.write(row["step"], {k: (v * 1.1 if k in ("loss", "eval_loss") else v)
+                                   for k, v in row.items() if k != "step"})
+    writer.close()
+    out = tmp_path / "plots" / "curves.png"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    done = subprocess.run([sys.executable, "-m", "maxlm.plot", str(run.workdir), str(other),
+                           f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+    assert plot.run_labels([str(run.workdir), str(other)]) == [run.workdir.name, "other_run"]
+
+    missing = subprocess.run([sys.executable, "-m", "maxlm.plot", str(run.workdir),
+                              str(tmp_path / "nowhere"), f"--out={tmp_path / 'x.png'}"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [
+        f"maxlm: plot: no metrics.jsonl in {tmp_path / 'nowhere'} (is it a training run's workdir?)"]
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_series_keeps_the_last_row_of_a_step():
+    rows = [{"step": 2, "loss": 3.0}, {"step": 1, "loss": "nan"}, {"step": 2, "loss": 2.0},
+            {"step": 2, "eval_loss": 9.0}]
+    steps, values = plot.series(rows, "loss")
+    assert steps == [1, 2] and math.isnan(values[0]) and values[1] == 2.0
