@@ -73,8 +73,10 @@ def test_grad_accum_equals_the_large_batch_step(reference):
     assert counts[0] != counts[1]  # the microbatches really carry different token counts
     losses, state = run(tiny((2, 2, 2), grad_accum_steps=2), STEPS)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+    # atol: Adam divides by sqrt(v), so a coordinate whose gradient is ~0 turns float32 rounding
+    # differences of the summation order into update differences of up to ~lr·1e-4 (3e-7 here).
     for a, b in zip(jax.tree.leaves(reference[1]), jax.tree.leaves(state)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
 
 
 def test_grad_accum_gradients_directly():
