@@ -1,0 +1,59 @@
+"""Export a run's checkpoint for Hugging Face transformers:
+`python -m maxlm.export --workdir=DIR --out=HFDIR [--step=N] [--dtype=float32|bfloat16]
+[--max_shard_mb=5120]`.
+
+Loads the run like `python -m maxlm.eval` (DIR/config.json, one checkpoint's parameters sharded by
+the config's mesh rules; default the newest complete checkpoint) and writes into HFDIR what
+`transformers.LlamaForCausalLM.from_pretrained(HFDIR)` and `AutoTokenizer.from_pretrained(HFDIR)`
+load with no custom code: `config.json`, `generation_config.json`, `model.safetensors` (or shards
+and an index past --max_shard_mb) and the tokenizer files. The mapping is in `maxlm/hf.py`; the
+way back is the config key `checkpoint.init_from_hf=HFDIR`. Prints one JSON object: out, step,
+dtype, files, checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+
+from maxlm import cli, distributed, evaluate as evaluate_lib, hf
+
+
+def main(argv) -> None:
+    from absl import flags
+
+    if len(argv) > 1:
+        cli.config_error(f"unexpected arguments {argv[1:]}")
+    cli.setup_logging()
+    f = flags.FLAGS
+    if not f.workdir or not f.out:
+        cli.config_error("--workdir=DIR and --out=HFDIR are required")
+    if f.dtype not in hf.DTYPES:
+        cli.config_error(f"--dtype={f.dtype!r}: expected one of {', '.join(hf.DTYPES)}")
+    if f.max_shard_mb < 1:
+        cli.config_error(f"--max_shard_mb={f.max_shard_mb} must be >= 1")
+    distributed.initialize()
+    try:
+        run = evaluate_lib.load_run(f.workdir, f.step)
+        files = hf.export(run["params"], run["config"], f.out, f.dtype, f.max_shard_mb * 2**20)
+    except ValueError as e:  # RunError, ConfigError, a missing tokenizer file
+        cli.config_error(str(e))
+    if jax.process_index() == 0:
+        print(json.dumps({"out": f.out, "step": run["step"], "dtype": f.dtype, "files": files,
+                          "checkpoint": run["path"]}), flush=True)
+
+
+def define_flags() -> None:
+    from absl import flags
+
+    flags.DEFINE_string("workdir", None, "A training run's workdir (config.json, checkpoints/).")
+    flags.DEFINE_string("out", None, "Local directory to write the Hugging Face model into.")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest complete one).")
+    flags.DEFINE_string("dtype", "float32", "Weights' dtype in the export: float32 or bfloat16.")
+    flags.DEFINE_integer("max_shard_mb", hf.DEFAULT_MAX_SHARD_BYTES // 2**20,
+                         "Split the weights into files of at most this many MiB.")
+
+
+if __name__ == "__main__":
+    evaluate_lib.run(main, define_flags)
