@@ -51,6 +51,7 @@ from maxlm import config as config_lib, paths  # noqa: E402  (after the path fix
 
 COLUMNS = ("point", "mesh", "batch_size", "overrides", "status", "memory_per_device_mib",
            "tokens_per_sec", "mfu", "step_sec_median", "model_tflops_per_sec", "reason")
+SWEEP_MESH_AXES = ("data", "fsdp", "tensor")  # a grid's 3-tuple "mesh" and the csv's mesh column
 WARMUP_STEPS = 2  # untimed steps first (the first one compiles), as `maxlm.bench --warmup_steps`
 
 
@@ -69,14 +70,18 @@ def load_base(path: str):
 
 
 def expand(grid) -> list[dict]:
-    """Every combination of the grid's values, with "mesh" split into its three axes."""
+    """Every combination of the grid's values, with "mesh" split into its axes: a 3-tuple is
+    (data, fsdp, tensor), a 4-tuple (data, fsdp, sequence, tensor), a 5-tuple (stage, data, fsdp,
+    sequence, tensor); "mesh.sequence", "mesh.stage" may also be grid keys of their own."""
     keys = list(grid)
     points = []
     for values in itertools.product(*(grid[k] for k in keys)):
         point = {}
         for key, value in zip(keys, values):
             if key == "mesh":
-                point.update(zip(("mesh.data", "mesh.fsdp", "mesh.tensor"), value))
+                axes = {3: SWEEP_MESH_AXES, 4: ("data", "fsdp", "sequence", "tensor")}.get(
+                    len(value), config_lib.MESH_AXES)
+                point.update(zip((f"mesh.{a}" for a in axes), value))
             else:
                 point[key] = value
         points.append(point)
@@ -251,11 +256,13 @@ def main(argv: list[str]) -> int:
     rows, todo = [], []
     for index, point in enumerate(expand(sweep['grid'])):
         overrides = {**sweep['overrides'], **point}
+        # "mesh" is data x fsdp x tensor; mesh.sequence, mesh.stage go with the overrides
         row = {"point": f"{index:03d}",
-               "mesh": "x".join(str(overrides.get(f"mesh.{a}", "?")) for a in config_lib.MESH_AXES),
+               "mesh": "x".join(str(overrides.get(f"mesh.{a}", "?")) for a in SWEEP_MESH_AXES),
                "batch_size": overrides.get("batch_size", ""),
                "overrides": " ".join(f"{k}={v}" for k, v in point.items()
-                                     if not k.startswith("mesh.") and k != "batch_size")}
+                                     if k not in {f"mesh.{a}" for a in SWEEP_MESH_AXES}
+                                     and k != "batch_size")}
         reason = validate(sweep['base'], overrides, sweep['devices'])
         if reason:
             row.update(status="skipped", reason=reason)

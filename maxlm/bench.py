@@ -85,6 +85,8 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "")
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),
         "mesh": {axis: cfg.mesh[axis] for axis in config_lib.MESH_AXES},
+        "pipeline_microbatches": cfg.model.pipeline_microbatches,
+        "pipeline_bubble_fraction": model.bubble_fraction(cfg.mesh.stage, cfg.model.pipeline_microbatches),
         "params": model.count_params(cfg.model),
         "training_flops_per_token": flops_per_token,
         "batch_size": cfg.batch_size,

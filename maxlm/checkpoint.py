@@ -435,7 +435,7 @@ def bench_checkpoint(cfg, repeats: int = 2) -> dict:
     """Blocking part of an async save, full save time and restore time for `cfg`'s train state."""
     import tempfile
 
-    from maxlm import mesh as mesh_lib, model, optim, train
+    from maxlm import config as config_lib, mesh as mesh_lib, model, optim, train
 
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -466,7 +466,7 @@ def bench_checkpoint(cfg, repeats: int = 2) -> dict:
         "params": model.count_params(cfg.model),
         "state_bytes": nbytes,
         "device_count": jax.device_count(),
-        "mesh": {axis: cfg.mesh[axis] for axis in ("data", "fsdp", "tensor")},
+        "mesh": {axis: cfg.mesh.get(axis, 1) for axis in config_lib.MESH_AXES},
         "save_blocking_sec": min(blocking),
         "save_full_sec": min(full),
         "restore_sec": min(restore),

@@ -18,6 +18,8 @@ import ml_collections
 #   batch    : activations' batch dim      → data parallel and fully-sharded data parallel
 #   embed    : the d_model dim of weights  → fsdp (ZeRO-3: weights, grads and Adam state sharded)
 #   heads/kv_heads/mlp/vocab               → tensor (Megatron-style column/row splits)
+#   layers   : the scanned layers' axis    → pipeline stages (each stage holds its layers)
+#   length   : activations' sequence dim   → sequence parallelism (attention gathers keys/values)
 #   act_embed: the d_model dim of activations stays replicated: sharding it would add collectives
 DEFAULT_RULES = (
     ("batch", ("data", "fsdp")),
@@ -27,12 +29,12 @@ DEFAULT_RULES = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("head_dim", None),
-    ("layers", None),
-    ("length", None),
+    ("layers", "stage"),
+    ("length", "sequence"),
     ("act_embed", None),
 )
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "sequence", "tensor")  # outermost (slowest links) first
 DCN_AXES = ("data", "fsdp")  # axes that may span granules: mesh.dcn_data, mesh.dcn_fsdp
 DTYPES = ("float32", "bfloat16", "float16")  # model.dtype: compute; float16 turns on loss scaling
 MU_DTYPES = ("float32", "bfloat16")  # optim.mu_dtype
@@ -56,8 +58,10 @@ def defaults() -> ml_collections.ConfigDict:
     c.log_every_steps = 10
 
     c.mesh = ml_collections.ConfigDict()
+    c.mesh.stage = 1  # pipeline parallelism: layers split over this many stages (GPipe)
     c.mesh.data = 1
     c.mesh.fsdp = -1  # -1: all devices left after the other axes
+    c.mesh.sequence = 1  # sequence parallelism: activations split along the length dimension
     c.mesh.tensor = 1
     # Multi-slice / multi-node: how many granules (TPU slices; GPU/CPU processes) the data and
     # fsdp axes are split across, over DCN/the network; the rest of each axis is within a granule.
@@ -79,6 +83,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # compute dtype; parameters are always float32
     c.model.init_std = 0.02
     c.model.scan_layers = True  # one compiled layer body (compile time flat in depth)
+    c.model.pipeline_microbatches = 1  # with mesh.stage > 1: microbatches per step in the pipeline
     c.model.remat = "none"  # activation rematerialisation policy, one of REMAT
     c.model.attention = "auto"  # one of ATTENTION; the log says which one ran
     c.model.fp8 = False  # layer weight matmuls with float8 operands (maxlm/fp8.py)
@@ -172,8 +177,9 @@ def _get(c, key):
 
 
 def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
-    """Fills the one optional -1 so that data × fsdp × tensor == num_devices."""
-    sizes = {axis: mesh_cfg[axis] for axis in MESH_AXES}
+    """Fills the one optional -1 so that stage × data × fsdp × sequence × tensor == num_devices.
+    (A config saved before `mesh.sequence` existed lacks it: 1.)"""
+    sizes = {axis: mesh_cfg.get(axis, 1) for axis in MESH_AXES}
     for axis, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
             raise ConfigError(f"mesh.{axis} must be a positive int or -1, got {size!r}")
@@ -316,6 +322,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
             f"mesh.fsdp = {accum} x {mesh['data']} x {mesh['fsdp']} = {accum * batch_shards} "
             "(each microbatch is split evenly over the data-parallel devices)"
         )
+    _check_sequence(c, mesh["sequence"])
+    _check_pipeline(c, mesh)
     tensor = mesh["tensor"]
     for key in ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
         if m[key] % tensor:
@@ -329,6 +337,56 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
     _check_rules(c.mesh.rules)
     _check_data(c)
     return c
+
+
+def _check_sequence(c, sequence: int):
+    """Sequence parallelism (`mesh.sequence` > 1): each device holds seq_len / sequence positions of
+    every activation; attention all-gathers keys and values, which only the XLA backend does."""
+    if sequence == 1:
+        return
+    if c.seq_len % sequence:
+        raise ConfigError(
+            f"seq_len={c.seq_len} must be divisible by mesh.sequence={sequence} (each device holds "
+            f"seq_len / mesh.sequence positions)"
+        )
+    if c.model.attention in ("cudnn", "splash"):
+        raise ConfigError(
+            f"model.attention={c.model.attention!r} does not support mesh.sequence={sequence} > 1 "
+            "(its kernel needs the whole sequence on each device); use model.attention='xla' or 'auto'"
+        )
+    c.model.attention = "xla"  # what "auto" means under sequence parallelism
+
+
+def _check_pipeline(c, mesh):
+    """Pipeline parallelism (`mesh.stage` > 1): N/S layers per stage, a GPipe schedule over
+    `model.pipeline_microbatches` microbatches of each (accumulation) microbatch."""
+    m, stages = c.model, mesh["stage"]
+    micro = m.pipeline_microbatches
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+        raise ConfigError(f"model.pipeline_microbatches must be a positive int, got {micro!r}")
+    if stages == 1:
+        return
+    if m.num_layers % stages:
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} must be divisible by mesh.stage={stages} "
+            "(each pipeline stage holds the same number of layers)"
+        )
+    if not m.scan_layers:
+        raise ConfigError(f"mesh.stage={stages} > 1 needs model.scan_layers=True (stages split the scanned layers)")
+    if m.attention in ("cudnn", "splash"):
+        raise ConfigError(
+            f"model.attention={m.attention!r} is not supported with mesh.stage={stages} > 1 (the "
+            "pipeline runs the stages under vmap); use model.attention='xla' or 'auto'"
+        )
+    m.attention = "xla"  # what "auto" means in the pipeline
+    shards = c.optim.grad_accum_steps * micro * mesh["data"] * mesh["fsdp"]
+    if c.batch_size % shards:
+        raise ConfigError(
+            f"batch_size={c.batch_size} must be divisible by optim.grad_accum_steps x "
+            f"model.pipeline_microbatches x mesh.data x mesh.fsdp = {c.optim.grad_accum_steps} x "
+            f"{micro} x {mesh['data']} x {mesh['fsdp']} = {shards} (each pipeline microbatch is "
+            "split evenly over the data-parallel devices)"
+        )
 
 
 def _check_loss_scale(o):

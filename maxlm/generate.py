@@ -202,9 +202,10 @@ def generate_tokens(model_cfg, params, prompt_BP, lengths_B, settings: dict, *, 
 
 
 def decode_rules(rules) -> tuple:
-    """The config's rules with `batch` replicated: a handful of prompts is not split over the data
-    axes (their sizes need not divide it); parameters (no batch axis) keep their shardings."""
-    return tuple((name, None if name == "batch" else axes) for name, axes in rules)
+    """The config's rules with `batch` and `length` replicated: a handful of prompts is not split
+    over the data axes (their sizes need not divide it), nor one new token over `sequence`;
+    parameters (neither axis) keep their shardings."""
+    return tuple((name, None if name in ("batch", "length") else axes) for name, axes in rules)
 
 
 def make_generate_fn(cfg, mesh=None, rules=None, *, max_new_tokens: int):

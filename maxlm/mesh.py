@@ -1,11 +1,14 @@
 """The device mesh and the logical-axis → mesh-axis mapping.
 
 Every parameter and main activation carries *logical* axis names (`batch`, `embed`, `heads`, ...).
-The config's `mesh.rules` maps them onto the three mesh axes:
+The config's `mesh.rules` maps them onto the five mesh axes:
 
-  data   : pure data parallelism (parameters replicated)
-  fsdp   : data parallelism with parameters, gradients and optimizer state sharded (ZeRO-3)
-  tensor : Megatron-style splits of heads, MLP hidden units and vocabulary
+  stage    : pipeline parallelism: the scanned layers split into stages (`model.pipelined_hidden_states`)
+  data     : pure data parallelism (parameters replicated)
+  fsdp     : data parallelism with parameters, gradients and optimizer state sharded (ZeRO-3)
+  sequence : sequence parallelism: activations split along their length, keys/values all-gathered
+             for attention (must lie within one process: see `check_sequence_local`)
+  tensor   : Megatron-style splits of heads, MLP hidden units and vocabulary
 
 so a mesh sweep edits config only. On several TPU slices or GPU nodes, `mesh.dcn_data` and
 `mesh.dcn_fsdp` split `data` / `fsdp` across them (a hybrid mesh: see `hybrid_device_grid`).
@@ -23,7 +26,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from maxlm.config import DCN_AXES, MESH_AXES, check_dcn
+from maxlm.config import DCN_AXES, MESH_AXES, ConfigError, check_dcn
 
 
 def _granule_key(devices) -> str:
@@ -42,17 +45,17 @@ def num_granules(devices=None) -> int:
 
 
 def dcn_shape(mesh_cfg) -> tuple[int, ...]:
-    """Granules along each mesh axis (`mesh.dcn_data`, `mesh.dcn_fsdp`; 1 for `tensor`)."""
+    """Granules along each mesh axis (`mesh.dcn_data`, `mesh.dcn_fsdp`; 1 for the others)."""
     return tuple(int(mesh_cfg.get(f"dcn_{axis}", 1)) if axis in DCN_AXES else 1 for axis in MESH_AXES)
 
 
 def hybrid_device_grid(mesh_cfg, devices) -> np.ndarray:
-    """The devices as a [data, fsdp, tensor] array whose `data` and `fsdp` axes are split
+    """The devices as a [data, fsdp, sequence, tensor] array whose `data` and `fsdp` axes are split
     `dcn_data` and `dcn_fsdp` ways across granules: the mesh is a grid of granules, each granule a
-    contiguous [data/dcn_data, fsdp/dcn_fsdp, tensor] block (arranged for ICI inside a slice), so
+    contiguous [data/dcn_data, fsdp/dcn_fsdp, sequence, tensor] block (arranged for ICI inside a slice), so
     only the collectives of the dcn-split axes cross granules."""
     dcn = dcn_shape(mesh_cfg)
-    ici = tuple(int(mesh_cfg[axis]) // n for axis, n in zip(MESH_AXES, dcn))
+    ici = tuple(int(mesh_cfg.get(axis, 1)) // n for axis, n in zip(MESH_AXES, dcn))
     return mesh_utils.create_hybrid_device_mesh(
         ici, dcn, devices, process_is_granule=_granule_key(devices) == "process_index"
     )
@@ -62,18 +65,42 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     """A Mesh over `devices` (default: all) shaped by the resolved `mesh_cfg`.
 
     `jax.make_mesh` orders devices to follow the physical topology (ICI rings on TPU), so the
-    innermost axis (`tensor`) gets the fastest links. With `mesh.dcn_data` or `mesh.dcn_fsdp`
-    > 1, a hybrid mesh (`hybrid_device_grid`) puts those axes' outer splits across granules.
-    Raises ConfigError when the dcn factors do not match the granules.
+    innermost axes (`tensor`, then `sequence`) get the fastest links. With `mesh.dcn_data` or
+    `mesh.dcn_fsdp` > 1, a hybrid mesh (`hybrid_device_grid`) puts those axes' outer splits across
+    granules. Raises ConfigError when the dcn factors do not match the granules, or when the
+    `sequence` axis spans processes (`check_sequence_local`).
     """
-    shape = tuple(int(mesh_cfg[axis]) for axis in MESH_AXES)
+    shape = tuple(int(mesh_cfg.get(axis, 1)) for axis in MESH_AXES)
     devices = jax.devices() if devices is None else devices
     # Auto axes: GSPMD propagates shardings from the jit in/out shardings and our constraints.
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if math.prod(dcn_shape(mesh_cfg)) == 1:
-        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
-    check_dcn(mesh_cfg, num_granules(devices))
-    return Mesh(hybrid_device_grid(mesh_cfg, devices), MESH_AXES, axis_types=axis_types)
+        mesh = jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    else:
+        check_dcn(mesh_cfg, num_granules(devices))
+        mesh = Mesh(hybrid_device_grid(mesh_cfg, devices), MESH_AXES, axis_types=axis_types)
+    check_sequence_local(mesh.devices, MESH_AXES)
+    return mesh
+
+
+def check_sequence_local(grid: np.ndarray, axis_names, length_axes=("sequence",)) -> None:
+    """Raises ConfigError unless the devices that split one row's length (along `length_axes`) all
+    belong to one process. Each process then reads whole rows (`batch_parts`), as without sequence
+    parallelism; in practice: mesh.sequence x mesh.tensor divides the devices per process."""
+    names = list(axis_names)
+    axes = [names.index(a) for a in length_axes if a in names]
+    size = math.prod(grid.shape[a] for a in axes)
+    if size == 1:
+        return
+    owner = np.vectorize(lambda d: d.process_index, otypes=[int])(grid)
+    rest = [a for a in range(grid.ndim) if a not in axes]
+    owner = owner.transpose(rest + axes).reshape(-1, size)
+    if (owner != owner[:, :1]).any():
+        raise ConfigError(
+            f"mesh.sequence={size} spans processes: the devices splitting one sequence must belong "
+            f"to one process ({grid.size // len(set(owner.flat))} devices each here); make "
+            "mesh.sequence (x mesh.tensor) divide the devices per process"
+        )
 
 
 def rules_of(mesh_cfg) -> tuple:

@@ -80,11 +80,15 @@ def rope(x_BLHDh, positions_BL, theta: float):
 
 
 def attention_mask(segment_ids_BL):
-    """[B, 1, L, S] booleans: causal, and only within the same document (segment)."""
+    """[B, 1, L, S] booleans: causal, and only within the same document (segment).
+
+    Under sequence parallelism the rows (queries) are split like the tokens and the columns (keys)
+    are whole: each device compares its own tokens' segment ids with all of the row's."""
     length = segment_ids_BL.shape[1]
     causal_LS = jnp.tril(jnp.ones((length, length), dtype=bool))
-    same_doc_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
-    return (causal_LS[None] & same_doc_BLS)[:, None]
+    segment_ids_BS = _constrain(segment_ids_BL, ("batch", None))  # the keys' ids, gathered
+    same_doc_BLS = segment_ids_BL[:, :, None] == segment_ids_BS[:, None, :]
+    return _constrain((causal_LS[None] & same_doc_BLS)[:, None], ("batch", None, "length", None))
 
 
 def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS):
@@ -175,7 +179,12 @@ class Attention(nn.Module):
         k_BSKDh = checkpoint_name(_matmul(cfg, "bsd,dhk->bshk", x_BLD, wk_DKDh, dtype), "k_proj")
         v_BSKDh = checkpoint_name(_matmul(cfg, "bsd,dhk->bshk", x_BLD, wv_DKDh, dtype), "v_proj")
         q_BLHDh = _constrain(rope(q_BLHDh, positions_BL, cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
-        k_BSKDh = _constrain(rope(k_BSKDh, positions_BL, cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
+        # Sequence parallelism, the all-gather strategy: queries stay split along the length (mesh
+        # axis `sequence`), keys and values are gathered whole (length None), so each device
+        # attends its query rows to every key. RoPE ran before the gather, on each token's own
+        # position. Without a sequence axis these constraints change nothing.
+        k_BSKDh = _constrain(rope(k_BSKDh, positions_BL, cfg.rope_theta), ("batch", None, "kv_heads", "head_dim"))
+        v_BSKDh = _constrain(v_BSKDh, ("batch", None, "kv_heads", "head_dim"))
 
         # Init only needs the parameters' shapes, from a 1 x 8 dummy batch that a splash kernel
         # could neither tile nor split over the mesh: the plain path traces the same parameters.
@@ -271,10 +280,96 @@ def param_logical_specs(model_cfg):
 
 
 def hidden_states(model_cfg, params, batch: Batch) -> jax.Array:
-    """The final-normed hidden states [B, L, D] (compute dtype) of a packed batch."""
+    """The final-normed hidden states [B, L, D] (compute dtype) of a packed batch; pipelined over
+    the mesh's `stage` axis when it has one of size > 1 (same numbers)."""
+    if pipeline_stages() > 1:
+        return pipelined_hidden_states(model_cfg, params, batch, pipeline_stages())
     return Transformer(model_cfg).apply(
         {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"]
     )
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
+
+
+def pipeline_stages() -> int:
+    """The size of the active mesh's `stage` axis (1 without a mesh or without that axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or "stage" not in mesh.axis_names else mesh.shape["stage"]
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """The share of a GPipe step each stage idles: (S - 1) / (M + S - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def pipelined_hidden_states(model_cfg, params, batch: Batch, stages: int) -> jax.Array:
+    """`hidden_states` with the layers split over `stages` pipeline stages, a GPipe schedule.
+
+    The SPMD form (MaxText's/praxis' pipeline): the scanned layers' params [N, ...] become
+    [S, N/S, ...], stage s holding layers s·N/S ... (s+1)·N/S - 1 (the `layers` rule puts the
+    leading axis on the `stage` mesh axis). A state buffer [S, b, L, D] holds each stage's current
+    microbatch; each of the M + S - 1 iterations runs every stage on its slot at once (vmap over
+    the stage axis, which GSPMD splits over `stage`), then shifts the buffer one stage on
+    (jnp.roll: a collective permute), feeding microbatch t into stage 0 and collecting the one
+    leaving the last stage. Slots before a microbatch arrives or after it left compute on zeros
+    and are dropped (the bubble). Microbatches are strided rows, as `train._microbatches`.
+    The backward pass is autodiff's: the same schedule reversed.
+    """
+    cfg = model_cfg
+    dtype = _DTYPES[cfg.dtype]
+    M = cfg.get("pipeline_microbatches", 1)
+    S, N = stages, cfg.num_layers
+    tokens_BL, segment_ids_BL, positions_BL = batch["inputs"], batch["segment_ids"], batch["positions"]
+    B, L = tokens_BL.shape
+    table_VD = _constrain(params["embed"], ("vocab", "act_embed"))
+    x_BLD = _constrain(jnp.take(table_VD, tokens_BL, axis=0).astype(dtype), ("batch", "length", "act_embed"))
+    mask_B1LS = attention_mask(segment_ids_BL)
+
+    def split(x, axes):  # [B, ...] → [M, B/M, ...], microbatch m = rows m, m + M, ...
+        x = x.reshape(B // M, M, *x.shape[1:]).swapaxes(0, 1)
+        return _constrain(x, (None, *axes))
+
+    x_MbLD = split(x_BLD, ("batch", "length", "act_embed"))
+    positions_MbL = split(positions_BL, ("batch", "length"))
+    segment_ids_MbL = split(segment_ids_BL, ("batch", "length"))
+    mask_Mb1LS = split(mask_B1LS, ("batch", None, "length", None))
+
+    specs = param_logical_specs(cfg)["layers"]
+    stage_params = jax.tree.map(
+        lambda w, spec: _constrain(w.reshape(S, N // S, *w.shape[1:]), (spec[0], None, *spec[1:])),
+        params["layers"], specs, is_leaf=lambda x: not isinstance(x, dict),
+    )
+
+    def layer(x_bLD, p, positions_bL, mask_b1LS, segment_ids_bL):
+        return Block(cfg).apply({"params": p}, x_bLD, positions_bL, mask_b1LS, segment_ids_bL)[0]
+
+    if REMAT_POLICIES[cfg.remat] is not None:
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
+
+    def stage(p, x_bLD, positions_bL, mask_b1LS, segment_ids_bL):  # one stage's N/S layers
+        body = lambda x, p_layer: (layer(x, p_layer, positions_bL, mask_b1LS, segment_ids_bL), None)
+        return jax.lax.scan(body, x_bLD, p)[0]
+
+    stage_axis = nn.logical_to_mesh_axes(("layers",))[0]
+    run_stages = jax.vmap(stage, spmd_axis_name=stage_axis)
+    state_axes = ("layers", "batch", "length", "act_embed")
+    stage_ids_S = jnp.arange(S)
+
+    def iteration(state_SbLD, t):
+        feed_bLD = x_MbLD[jnp.minimum(t, M - 1)] * (t < M).astype(dtype)
+        state_SbLD = _constrain(state_SbLD.at[0].set(feed_bLD), state_axes)
+        m_S = jnp.clip(t - stage_ids_S, 0, M - 1)  # the microbatch each stage works on
+        out_SbLD = run_stages(stage_params, state_SbLD, positions_MbL[m_S], mask_Mb1LS[m_S], segment_ids_MbL[m_S])
+        out_SbLD = _constrain(out_SbLD, state_axes)
+        return _constrain(jnp.roll(out_SbLD, 1, axis=0), state_axes), out_SbLD[S - 1]
+
+    b = B // M
+    state_SbLD = _constrain(jnp.zeros((S, b, L, cfg.d_model), dtype), state_axes)
+    _, done_TbLD = jax.lax.scan(iteration, state_SbLD, jnp.arange(M + S - 1))
+    x_BLD = done_TbLD[S - 1:].swapaxes(0, 1).reshape(B, L, cfg.d_model)
+    x_BLD = _constrain(x_BLD, ("batch", "length", "act_embed"))
+    return RMSNorm(cfg.norm_eps, dtype).apply({"params": params["final_norm"]}, x_BLD)
 
 
 def head_weights(model_cfg, params) -> jax.Array:

@@ -405,6 +405,12 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
              model.attention_backend(cfg.model.attention, cfg.model.dtype, cfg.seq_len),
              "scanned" if cfg.model.scan_layers else "unrolled", cfg.model.remat, cfg.model.dtype,
              "on" if cfg.model.fp8 else "off")
+    if cfg.mesh.get("stage", 1) > 1 or cfg.mesh.get("sequence", 1) > 1:
+        stages, micro = cfg.mesh.get("stage", 1), cfg.model.pipeline_microbatches
+        log.info("parallelism: sequence %d; pipeline %d stages x %d layers, %d microbatches, "
+                 "bubble %.1f%% (GPipe: (stages - 1) / (microbatches + stages - 1))",
+                 cfg.mesh.get("sequence", 1), stages, cfg.model.num_layers // stages, micro,
+                 100 * model.bubble_fraction(stages, micro))
     if cfg.model.fp8 and not fp8.is_native(jax.devices()[0]):
         _warning(f"model.fp8 is emulated on {jax.devices()[0].device_kind}: float8-rounded operands, "
                  "not faster (float8 GEMMs need an NVIDIA GPU of compute capability >= 8.9)")

@@ -46,15 +46,15 @@ def test_state_is_sharded_as_the_rules_say():
     specs = mesh_lib.describe(state)
     wq = "['layers']['attn']['wq']"
     # params: embed dim over fsdp (ZeRO-3), heads over tensor (Megatron); data replicates;
-    # the scanned `layers` axis is not sharded.
-    assert specs[f"['params']{wq}"] == "P(None, 'fsdp', 'tensor', None)"
-    assert specs["['params']['layers']['mlp']['w_down']"] == "P(None, 'tensor', 'fsdp')"
+    # the scanned `layers` axis is split over pipeline stages (`stage`, size 1 here).
+    assert specs[f"['params']{wq}"] == "P('stage', 'fsdp', 'tensor', None)"
+    assert specs["['params']['layers']['mlp']['w_down']"] == "P('stage', 'tensor', 'fsdp')"
     assert specs["['params']['embed']"] == "P('tensor', 'fsdp')"
     assert specs["['params']['final_norm']['scale']"] == "P('fsdp',)"
     # Adam's moments follow their parameter, so optimizer state is sharded the same way.
     moment_specs = {k: v for k, v in specs.items() if k.endswith(f".mu{wq}") or k.endswith(f".nu{wq}")}
     assert len(moment_specs) == 2
-    assert set(moment_specs.values()) == {"P(None, 'fsdp', 'tensor', None)"}
+    assert set(moment_specs.values()) == {"P('stage', 'fsdp', 'tensor', None)"}
     # And each device really holds only its shard: 1/(fsdp*tensor) of the matrix.
     wq_array = state["params"]["layers"]["attn"]["wq"]
     shard = wq_array.addressable_shards[0].data
@@ -70,7 +70,7 @@ def test_rules_are_config_data():
     )
     cfg = config_lib.resolve(cfg, jax.device_count())
     _, state = run(cfg, steps=1)
-    assert mesh_lib.describe(state)["['params']['layers']['mlp']['w_up']"] == "P(None, None, 'tensor')"
+    assert mesh_lib.describe(state)["['params']['layers']['mlp']['w_up']"] == "P('stage', None, 'tensor')"
 
 
 def test_bitwise_deterministic():
@@ -113,20 +113,20 @@ def hybrid(devices, **mesh):
 def test_hybrid_mesh_puts_each_process_in_one_contiguous_block_of_data():
     # 2 processes x 4 devices, data=2 across them (dcn_data=2), fsdp=4 inside each
     owner, parts = hybrid(fake_devices(2, 4), data=2, dcn_data=2, fsdp=4)
-    assert owner.shape == (2, 4, 1)
-    assert (owner[0] == 0).all() and (owner[1] == 1).all()  # process p = data row p, whole
+    assert owner.shape == (1, 2, 4, 1, 1)  # (stage, data, fsdp, sequence, tensor)
+    assert (owner[0, 0] == 0).all() and (owner[0, 1] == 1).all()  # process p = data row p, whole
     assert parts == [((0,), 2), ((1,), 2)]  # so it reads rows [p*B/2, (p+1)*B/2)
     # 4 processes x 2 devices on a 2 x 2 grid of granules: each a contiguous [1, 2] block
     owner, parts = hybrid(fake_devices(4, 2), data=2, dcn_data=2, fsdp=4, dcn_fsdp=2)
-    np.testing.assert_array_equal(owner[..., 0], [[0, 0, 1, 1], [2, 2, 3, 3]])
+    np.testing.assert_array_equal(owner[0, ..., 0, 0], [[0, 0, 1, 1], [2, 2, 3, 3]])
     assert parts == [((p,), 4) for p in range(4)]
     # fsdp split across processes under an in-process data axis: each process holds two
     # separate quarters of the batch, and reads exactly those
     owner, parts = hybrid(fake_devices(2, 4), data=2, fsdp=4, dcn_fsdp=2)
-    np.testing.assert_array_equal(owner[..., 0], [[0, 0, 1, 1], [0, 0, 1, 1]])
+    np.testing.assert_array_equal(owner[0, ..., 0, 0], [[0, 0, 1, 1], [0, 0, 1, 1]])
     assert parts == [((0, 2), 4), ((1, 3), 4)]
     # a plain mesh with tensor across both processes: each holds (and reads) every row
-    grid = np.array(fake_devices(2, 4), dtype=object).reshape(1, 1, 8)
+    grid = np.array(fake_devices(2, 4), dtype=object).reshape(1, 1, 1, 1, 8)
     assert mesh_lib.grid_batch_parts(grid, config_lib.MESH_AXES, ("data", "fsdp"), 1) == ((0,), 1)
 
 

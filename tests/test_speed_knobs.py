@@ -114,8 +114,8 @@ def test_zero1_shards_moments_over_data_and_keeps_the_numbers(reference):
     # every moment gains `data`: on its embed dim when it divides (wq: D=64 over fsdp×data = 4)
     assert all("data" in v for v in moments.values()), moments
     wq = "['layers']['attn']['wq']"
-    assert specs[f"['params']{wq}"] == "P(None, 'fsdp', 'tensor', None)"
-    assert {v for k, v in moments.items() if k.endswith(wq)} == {"P(None, ('fsdp', 'data'), 'tensor', None)"}
+    assert specs[f"['params']{wq}"] == "P('stage', 'fsdp', 'tensor', None)"
+    assert {v for k, v in moments.items() if k.endswith(wq)} == {"P('stage', ('fsdp', 'data'), 'tensor', None)"}
 
 
 def test_zero1_falls_back_to_another_dim():
@@ -162,7 +162,7 @@ def test_plan_reports_memory():
     none, full, zero1 = plan("none"), plan("full"), plan("none", shard_state_over_data=True)
     assert {"params", "opt_state", "batch", "temp", "peak"} <= set(none["bytes_per_device"])
     assert {"remat", "mesh", "dtype", "fits", "device_memory_bytes"} <= set(none)
-    assert none["remat"] == "none" and none["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert none["remat"] == "none" and none["mesh"] == {"stage": 1, "data": 8, "fsdp": 1, "sequence": 1, "tensor": 1}
     cfg = config_lib.resolve(load_config("tiny"), 8)
     n_params = train.model.count_params(cfg.model)
     assert none["bytes_per_device"]["params"] == 4 * n_params  # replicated over data
