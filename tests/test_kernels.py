@@ -55,7 +55,7 @@ def _compare_with_xla(q, k, v, cotangent, segment_ids, splash_fn):
     online softmax rescales per 128-key block), so they agree to a few float32 ulps of the
     accumulated sums: 2e-5 of the largest value (measured: ~1e-6).
     """
-    mask = model.attention_mask(segment_ids)
+    mask = jax.jit(model.attention_mask)(segment_ids)  # jitted: its sharding constraints need a trace under a mesh
     expected = _outputs_and_grads(lambda q, k, v: model.xla_attention(q, k, v, mask), q, k, v, cotangent)
     run = jax.jit(lambda *a: _outputs_and_grads(splash_fn, *a))
     for name, a, e in zip(("output", "dq", "dk", "dv"), run(q, k, v, cotangent), expected):
