@@ -38,6 +38,13 @@ def train_losses(cfg, steps: int, batch_for_step):
     return np.array(losses), state
 
 
+def synthetic_losses(cfg, steps: int):
+    """`train_losses` on the fixed synthetic packed batches `packed_batch(..., seed=step)`."""
+    return train_losses(
+        cfg, steps, lambda step: packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, seed=step)
+    )
+
+
 def packed_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int = 0, docs_per_row: int = 3):
     """Random tokens packed as `docs_per_row` documents per row (positions restart per document)."""
     rng = np.random.default_rng(seed)

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from maxlm import config as config_lib, mesh as mesh_lib, model, train
-from tests.helpers import load_config, packed_batch, train_losses
+from tests.helpers import load_config, packed_batch, synthetic_losses
 
 STEPS = 3
 
@@ -25,9 +25,8 @@ def mesh_config(data, fsdp, sequence, tensor, stage=1, **overrides):
 
 
 def run(cfg, steps=STEPS):
-    return train_losses(
-        cfg, steps, lambda step: packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, seed=step)
-    )
+    """Losses of `steps` train steps on fixed synthetic batches; also returns the final state."""
+    return synthetic_losses(cfg, steps)
 
 
 @pytest.fixture(scope="module")

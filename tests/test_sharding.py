@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, mesh as mesh_lib
-from tests.helpers import load_config, packed_batch, train_losses
+from tests.helpers import load_config, synthetic_losses
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4)]
 STEPS = 10
@@ -23,9 +23,7 @@ def mesh_config(data, fsdp, tensor):
 
 def run(cfg, steps=STEPS):
     """Losses of `steps` train steps on fixed synthetic batches; also returns the final state."""
-    return train_losses(
-        cfg, steps, lambda step: packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, seed=step)
-    )
+    return synthetic_losses(cfg, steps)
 
 
 @pytest.fixture(scope="module")
