@@ -47,7 +47,7 @@ sys.path.insert(0, ROOT)
 
 from etils import epath  # noqa: E402
 
-from maxlm import config as config_lib, paths  # noqa: E402  (after the path fix-up above)
+from maxlm import config as config_lib, metrics, paths  # noqa: E402  (after the path fix-up above)
 
 COLUMNS = ("point", "mesh", "batch_size", "overrides", "status", "memory_per_device_mib",
            "tokens_per_sec", "mfu", "step_sec_median", "model_tflops_per_sec", "reason")
@@ -165,28 +165,22 @@ def collect(sweep, overrides: dict, point_dir: str) -> dict:
     """A point's results from its `metrics.jsonl`: medians over the steps after the warm-up."""
     path = epath.Path(point_dir) / "metrics.jsonl"
     try:
-        lines = path.read_text().splitlines() if path.exists() else []
+        written = metrics.read_metrics(path) if path.exists() else []
     except OSError as e:
         return {"status": "failed", "reason": f"{path}: {e}"}
-    rows = {}
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a killed run
-        if "tokens_per_sec" in row and row["step"] > WARMUP_STEPS:
-            rows[row["step"]] = row  # a rerun's row for a step replaces the earlier one
+    # a rerun's row for a step replaces the earlier one
+    rows = {r["step"]: r for r in written if "tokens_per_sec" in r and r["step"] > WARMUP_STEPS}
     if not rows:
         return {"status": "failed", "reason": f"no training steps after the warm-up in {path}"}
     median = lambda key: statistics.median(r[key] for r in rows.values())  # noqa: E731
-    from maxlm import metrics  # imports jax: only here
+    from maxlm import flops  # imports jax: only here
 
     cfg = config_lib.resolve(config_lib.apply_overrides(load_base(sweep["base"]), overrides),
                              sweep["devices"])
-    flops = metrics.flops_per_token(cfg.model, cfg.seq_len)
+    per_token = flops.flops_per_token(cfg.model, cfg.seq_len)
     return {"status": "ok", "tokens_per_sec": median("tokens_per_sec"), "mfu": median("mfu"),
             "step_sec_median": median("step_time_sec"),
-            "model_tflops_per_sec": median("tokens_per_sec") * flops / 1e12}
+            "model_tflops_per_sec": median("tokens_per_sec") * per_token / 1e12}
 
 
 def run_remote(args, launcher_args: list[str], sweep, overrides: dict, point: str,

@@ -1,8 +1,14 @@
-"""Splash attention: the Pallas flash-attention kernel for TPUs (`model.attention="splash"`).
+"""Attention: the packed causal mask and the three backends `model.attention` chooses from.
 
-    out_BLHDh = splash_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL)
+    out_BLHDh = attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL)
 
-Same semantics as `model.xla_attention` with `model.attention_mask`: causal, only within a document
+  xla    `xla_attention`: einsums over grouped-query heads, softmax in float32; runs anywhere and
+         is the only one partitioned along the sequence (sequence parallelism) or in a pipeline.
+  cudnn  `jax.nn.dot_product_attention`'s fused cuDNN kernel (NVIDIA GPUs, 16-bit compute).
+  splash the Pallas splash-attention kernel for TPUs (`splash_attention`, below).
+`attention_backend` resolves "auto" from the platform and dtype.
+
+Splash has the same semantics as `xla_attention` with `attention_mask`: causal, only within a document
 (`segment_ids`; 0 = padding, which attends to earlier padding, so no softmax row is ever empty),
 grouped-query heads, softmax in float32. Splash ("sparse flash") attention
 (`jax.experimental.pallas.ops.tpu.splash_attention`) never writes the [L, S] scores to HBM and
@@ -38,6 +44,82 @@ from jax.sharding import PartitionSpec
 
 LANES = 128  # a splash block is a multiple of this
 BLOCK_SIZES = (512, 256, 128)  # tried largest first; 512 is MaxText's default on v5e/v5p
+
+
+def attention_mask(segment_ids_BL):
+    """[B, 1, L, S] booleans: causal, and only within the same document (segment).
+
+    Under sequence parallelism the rows (queries) are split like the tokens and the columns (keys)
+    are whole: each device compares its own tokens' segment ids with all of the row's."""
+    length = segment_ids_BL.shape[1]
+    causal_LS = jnp.tril(jnp.ones((length, length), dtype=bool))
+    segment_ids_BS = nn.with_logical_constraint(segment_ids_BL, ("batch", None))  # the keys' ids, gathered
+    same_doc_BLS = segment_ids_BL[:, :, None] == segment_ids_BS[:, None, :]
+    return nn.with_logical_constraint((causal_LS[None] & same_doc_BLS)[:, None],
+                                      ("batch", None, "length", None))
+
+
+def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS):
+    """Plain einsum attention with grouped-query heads; softmax in float32.
+
+    q is scaled before the matmul ([B, L, H, Dh] is far smaller than the [.., L, S] scores), and
+    the small q/k/v arrays are put heads-major first, so every [.., L, S] array comes out of its
+    matmul in the order softmax and the next matmul read it: no transpose copy of an L×S array
+    (on CPU those copies took a fifth of the step at seq 1024).
+    """
+    B, L, H, Dh = q_BLHDh.shape
+    K = k_BSKDh.shape[2]
+    q_BLHDh = q_BLHDh * jnp.asarray(1 / math.sqrt(Dh), q_BLHDh.dtype)
+    q_BKGLDh = q_BLHDh.reshape(B, L, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
+    k_BKSDh, v_BKSDh = k_BSKDh.transpose(0, 2, 1, 3), v_BSKDh.transpose(0, 2, 1, 3)
+    scores_BKGLS = jnp.einsum("bkgld,bksd->bkgls", q_BKGLDh, k_BKSDh).astype(jnp.float32)
+    # Every row keeps at least its diagonal, so the softmax never sees an all-masked row.
+    scores_BKGLS = jnp.where(mask_B1LS[:, :, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
+    probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(q_BLHDh.dtype)
+    out_BKGLDh = jnp.einsum("bkgls,bksd->bkgld", probs_BKGLS, v_BKSDh)
+    return out_BKGLDh.transpose(0, 3, 1, 2, 4).reshape(B, L, H, Dh)
+
+
+# Tests only, never in config.ATTENTION: the splash kernel run by the Pallas interpreter on any
+# backend (slow), so the model's splash path can be checked on CPU.
+SPLASH_INTERPRET = "splash_interpret"
+SPLASH = ("splash", SPLASH_INTERPRET)
+
+
+def attention_backend(name: str, dtype, seq_len: int | None = None) -> str:
+    """Resolves `model.attention`: "auto" is the Pallas splash kernel on TPUs (when `seq_len`, if
+    given, suits it: a multiple of 128), cuDNN's fused attention on NVIDIA GPUs with 16-bit
+    compute (it has no float32 kernel), the plain XLA path otherwise."""
+    platform = jax.default_backend()
+    if name == "auto":
+        if platform == "tpu":
+            return "splash" if seq_len is None or seq_len % LANES == 0 else "xla"
+        return "cudnn" if platform == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
+    if name == "cudnn" and platform != "gpu":
+        raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, not {platform}")
+    if name == "splash" and platform != "tpu":
+        raise ValueError(f"model.attention='splash' needs a TPU, not {platform}")
+    return name
+
+
+def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=None):
+    """Attention with the named backend. Splash takes the documents as `segment_ids_BL` (its own
+    causal mask, and'ed with same-segment) instead of `mask_B1LS`."""
+    backend = attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1])
+    if backend == "cudnn":
+        return jax.nn.dot_product_attention(
+            q_BLHDh, k_BSKDh, v_BSKDh, mask=mask_B1LS, implementation="cudnn"
+        )
+    if backend in SPLASH:
+        if segment_ids_BL is None:
+            raise ValueError("splash attention needs segment_ids_BL")
+        return splash_attention(
+            q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, interpret=backend == SPLASH_INTERPRET
+        )
+    return xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
+
+
+# ----------------------------------------------------------------------------- splash
 
 
 def block_size(seq_len: int) -> int:

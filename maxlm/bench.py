@@ -21,19 +21,28 @@ import time
 import jax
 import numpy as np
 
-from maxlm import cli, config as config_lib, mesh as mesh_lib, metrics, model, optim, train
+from maxlm import cli, config as config_lib, flops, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib
 
 
-def synthetic_batch(cfg, rng: np.random.Generator) -> dict:
-    """Random tokens, one document per row: the shape and cost of a real packed batch."""
-    B, L = cfg.batch_size, cfg.seq_len
-    tokens = rng.integers(3, cfg.model.vocab_size, size=(B, L + 1), dtype=np.int32)
-    return {
-        "inputs": tokens[:, :-1],
-        "targets": tokens[:, 1:],
-        "segment_ids": np.ones((B, L), np.int32),
-        "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy(),
-    }
+class SyntheticData:
+    """Random tokens, one document per row: the shape and cost of a real packed batch, served like
+    `data.TokenDataset.batch` (every step the same global batch; a process gets its rows)."""
+
+    def __init__(self, cfg):
+        B, L = cfg.batch_size, cfg.seq_len
+        tokens = np.random.default_rng(cfg.seed).integers(3, cfg.model.vocab_size, size=(B, L + 1), dtype=np.int32)
+        self.rows = {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "segment_ids": np.ones((B, L), np.int32),
+            "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy(),
+        }
+
+    def batch(self, step: int, parts, count: int) -> dict:
+        parts = (parts,) if isinstance(parts, int) else parts
+        size = len(self.rows["inputs"]) // count
+        rows = np.concatenate([np.arange(p * size, (p + 1) * size) for p in parts])
+        return {k: v[rows] for k, v in self.rows.items()}
 
 
 def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "") -> dict:
@@ -42,14 +51,9 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "")
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim)
-    state, shardings = train.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
-    train_fn, _ = train.compile_steps(cfg, tx, mesh, rules, shardings)
-    rng = np.random.default_rng(cfg.seed)
-    host_batch = synthetic_batch(cfg, rng)
-    parts, count = mesh_lib.batch_parts(mesh, rules)  # the rows this process's devices hold
-    size = cfg.batch_size // count
-    rows = np.concatenate([np.arange(p * size, (p + 1) * size) for p in parts])
-    batch = train.global_batch({k: v[rows] for k, v in host_batch.items()}, mesh, rules)
+    state, shardings = state_lib.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
+    train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings)
+    batch = mesh_lib.read_batch(SyntheticData(cfg), 0, mesh, rules)
 
     times = []
     with mesh_lib.activate(mesh, rules):
@@ -71,14 +75,14 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "")
     step_sec = statistics.median(times)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     tokens_per_sec = tokens_per_step / step_sec
-    flops_per_token = metrics.flops_per_token(cfg.model, cfg.seq_len)
-    peak = metrics.peak_flops(jax.devices(), cfg.model.dtype)
+    flops_per_token = flops.flops_per_token(cfg.model, cfg.seq_len)
+    peak = flops.peak_flops(jax.devices(), cfg.model.dtype)
     return {
         "benchmark": "train_step",
         "config": cfg.name,
         "tokens_per_sec": tokens_per_sec,
         "model_tflops_per_sec": tokens_per_sec * flops_per_token / 1e12,
-        "mfu": metrics.mfu(tokens_per_sec, flops_per_token, peak["total_flops_per_sec"]),
+        "mfu": flops.mfu(tokens_per_sec, flops_per_token, peak["total_flops_per_sec"]),
         "peak_tflops_per_sec": peak["total_flops_per_sec"] / 1e12,
         "peak_source": peak["source"],
         "device_kind": peak["device_kind"],
@@ -121,13 +125,12 @@ def plan(cfg) -> dict:
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim)
-    shapes = train.abstract_shapes(cfg, tx)
-    shardings = train.state_shardings(cfg, tx, mesh, rules, shapes)
-    state = train.abstract_state(cfg, tx, shardings)
+    shardings = state_lib.shardings(cfg, tx, mesh, rules, state_lib.abstract_state(cfg, tx))
+    state = state_lib.abstract_state(cfg, tx, shardings)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=batch_sharding)
              for k in ("inputs", "targets", "segment_ids", "positions")}
-    train_fn, _ = train.compile_steps(cfg, tx, mesh, rules, shardings)
+    train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings)
     start = time.perf_counter()
     with mesh_lib.activate(mesh, rules):
         compiled = train_fn.lower(state, batch).compile()
@@ -177,6 +180,52 @@ def plan(cfg) -> dict:
     }
 
 
+def bench_checkpoint(cfg, repeats: int = 2) -> dict:
+    """Blocking part of an async save, full save time and restore time for `cfg`'s train state."""
+    import tempfile
+
+    from maxlm import checkpoint
+
+    rules = mesh_lib.rules_of(cfg.mesh)
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    tx = optim.make_optimizer(cfg.optim)
+    state, shardings = state_lib.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
+    jax.block_until_ready(state)
+    abstract = state_lib.abstract_state(cfg, tx, shardings)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    blocking, full, restore = [], [], []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("MAXLM_BENCH_DIR")) as workdir:
+        ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint)
+        for i in range(repeats):
+            ckpt.wait()
+            start = time.perf_counter()
+            ckpt.save(i + 1, state, {"seed": cfg.seed}, cfg.to_dict())
+            blocking.append(time.perf_counter() - start)
+            ckpt.wait()
+            full.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            restored, _ = checkpoint.restore_state(os.path.join(ckpt.directory, str(i + 1)), abstract)
+            jax.block_until_ready(restored)
+            restore.append(time.perf_counter() - start)
+            del restored
+        ckpt.close()
+    return {
+        "benchmark": "checkpoint",
+        "config": cfg.name,
+        "params": model.count_params(cfg.model),
+        "state_bytes": nbytes,
+        "device_count": jax.device_count(),
+        "mesh": {axis: cfg.mesh[axis] for axis in config_lib.MESH_AXES},
+        "save_blocking_sec": min(blocking),
+        "save_full_sec": min(full),
+        "restore_sec": min(restore),
+        "blocking_fraction": min(blocking) / min(full),
+        "save_gb_per_sec": nbytes / min(full) / 1e9,
+        "repeats": repeats,
+        "all": {"blocking": blocking, "full": full, "restore": restore},
+    }
+
+
 def bench_data(cfg) -> dict:
     """Data-pipeline tokens/s per core: packed reading, tokenize+pack vs raw sentencepiece."""
     from maxlm.data import throughput
@@ -193,9 +242,7 @@ def main(argv) -> None:
     cli.setup_logging()
     cfg = cli.resolved_config(jax.device_count())
     if what == "checkpoint":  # blocking part of an async save, full save, restore
-        from maxlm import checkpoint
-
-        print(json.dumps(checkpoint.bench_checkpoint(cfg), indent=2))
+        print(json.dumps(bench_checkpoint(cfg), indent=2))
         return
     if what == "plan":  # per-device memory, compiled ahead of time; nothing executes
         print(json.dumps(plan(cfg), indent=2))

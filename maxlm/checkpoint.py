@@ -28,17 +28,15 @@ import json
 import logging
 import os
 import re
-import signal
 import sys
 import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
-from maxlm import loss_scale, paths
+from maxlm import cli, config as config_lib, loss_scale, optim, paths, state as state_lib
 
 log = logging.getLogger("maxlm")
 
@@ -53,12 +51,6 @@ DAMAGED_SUFFIX = ".damaged"
 def checkpoint_dir(workdir: str) -> str:
     """WORKDIR/checkpoints: absolute for a local workdir, the URL itself for gs:// and the like."""
     return os.fspath(paths.workdir_path(workdir) / "checkpoints")
-
-
-def _warn(message: str) -> None:
-    """One line on stderr (also when logging is not set up), from process 0 only."""
-    if jax.process_index() == 0:
-        print(f"maxlm: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _sync(name: str) -> None:
@@ -110,12 +102,8 @@ def file_problem(path: str) -> str | None:
     return None
 
 
-def all_finite(tree) -> bool:
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(leaves))
-
-
-def _short(e: Exception) -> str:
+def short(e: Exception) -> str:
+    """An exception as one short line, for messages."""
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:160]}"
 
@@ -137,7 +125,7 @@ class Checkpointer:
         epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
         found = step_dirs(self.directory)
         for step, path in found["incomplete"]:
-            _warn(f"ignoring incomplete checkpoint {path} (interrupted write; removed)")
+            cli.warn(f"ignoring incomplete checkpoint {path} (interrupted write; removed)")
         for step, path in found["complete"]:  # checked before orbax reads (and logs about) them
             if (problem := file_problem(path)) is not None:
                 self._quarantine(path, problem)
@@ -156,7 +144,7 @@ class Checkpointer:
         while epath.Path(target).exists():
             n += 1
             target = f"{path}{DAMAGED_SUFFIX}{n}"
-        _warn(f"skipping damaged checkpoint {path}: {problem}; kept as {target}")
+        cli.warn(f"skipping damaged checkpoint {path}: {problem}; kept as {target}")
         if jax.process_index() == 0:
             epath.Path(path).rename(target)
 
@@ -228,11 +216,11 @@ class Checkpointer:
                 try:
                     restored = restore_state(path, abstract_state)
                 except Exception as e:  # noqa: BLE001 - any failure to read is damage
-                    problem = f"does not restore ({_short(e)})"
+                    problem = f"does not restore ({short(e)})"
             if problem is None:
                 if int(restored[0]["step"]) != step:
                     problem = f"holds step {int(restored[0]['step'])}"
-                elif not all_finite(restored[0]):
+                elif not bool(jax.jit(state_lib.all_finite)(restored[0])):
                     problem = "holds non-finite values"
             if problem is None:
                 return restored
@@ -248,7 +236,7 @@ def restore_state(path: str, abstract_state, params_only: bool = False):
 
     Only the OPTIONAL_STATE entries (the loss scale) may differ from `abstract_state`: those the
     checkpoint lacks are missing from the state returned (the caller keeps its own, see
-    `train.with_missing_from`), those the target lacks are not read. Any other difference fails.
+    `state.with_missing_from`), those the target lacks are not read. Any other difference fails.
     """
     handler = ocp.PyTreeCheckpointer()
     directory = os.path.join(path, "state")
@@ -271,60 +259,21 @@ def _saved_tree(handler, directory: str):
     return saved.item_metadata.tree if hasattr(saved, "item_metadata") else saved.tree
 
 
+def complete_steps(directory: str) -> list[tuple[int, str]]:
+    """[(step, path)] of the checkpoints in `directory` that are complete by their files, by step."""
+    return [(s, p) for s, p in step_dirs(directory)["complete"] if file_problem(p) is None]
+
+
 def resolve_restore_from(path: str) -> str:
     """A checkpoint step directory from PATH: a step dir, a `checkpoints/` dir or a workdir."""
     path = path if paths.is_remote(path) else os.path.abspath(os.path.expanduser(path))
     if epath.Path(path, "state").is_dir():
         return path
     for candidate in (os.path.join(path, "checkpoints"), path):
-        steps = [(s, p) for s, p in step_dirs(candidate)["complete"] if file_problem(p) is None]
+        steps = complete_steps(candidate)
         if steps:
             return steps[-1][1]
     raise ValueError(f"checkpoint.restore_from={path} holds no complete checkpoint")
-
-
-# ----------------------------------------------------------------------------- preemption
-
-
-class Preempted(Exception):
-    """SIGTERM arrived; a checkpoint of `step` has been committed."""
-
-    def __init__(self, step: int):
-        super().__init__(step)
-        self.step = step
-
-
-class PreemptionWatcher:
-    """Has a preemption notice (SIGTERM) arrived? Every process gets the same answer per step.
-
-    Multi-process: JAX's preemption sync point (the coordination service catches SIGTERM and
-    all processes agree on the first step at which to stop). Single process: our own handler.
-    """
-
-    def __init__(self):
-        self.flag = False
-        self.multi = jax.process_count() > 1
-        self._previous = None
-
-    def __enter__(self):
-        if not self.multi:
-            with contextlib.suppress(ValueError):  # not the main thread: no handler
-                self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.flag = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-
-    def reached(self, step: int) -> bool:
-        if self.multi:
-            from jax.experimental import multihost_utils
-
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.flag
 
 
 # ----------------------------------------------------------------------------- list / verify
@@ -351,17 +300,12 @@ def _entries(directory: str):
     return sorted(rows, key=lambda r: (r[0], r[2]))
 
 
-def _expected_abstract(config_dict: dict):
-    """The state's shapes for a config (on one device): what a checkpoint of it must hold."""
-    import ml_collections
-
-    from maxlm import optim, train
-
-    cfg = ml_collections.ConfigDict(config_dict)
+def expected_state(config_dict: dict):
+    """The state's ShapeDtypeStructs (on one device) for a recorded config: what a checkpoint of
+    it must hold, and the target to restore it into."""
+    cfg = config_lib.from_recorded(config_dict)
     tx = optim.make_optimizer(cfg.optim)
-    shapes = train.abstract_shapes(cfg, tx)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
+    return state_lib.abstract_state(cfg, tx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
 def verify_one(path: str, config_dict: dict | None = None) -> str | None:
@@ -370,7 +314,7 @@ def verify_one(path: str, config_dict: dict | None = None) -> str | None:
     if (problem := file_problem(path)) is not None:
         return problem
     try:
-        expected = _expected_abstract(config_dict or read_json(path, "config"))
+        expected = expected_state(config_dict or read_json(path, "config"))
         saved_tree = _saved_tree(ocp.PyTreeCheckpointer(), os.path.join(path, "state"))
         # orbax's metadata has lists where optax has namedtuples: compare leaves in order
         saved_shapes = [tuple(m.shape) for m in jax.tree.leaves(saved_tree)]
@@ -380,8 +324,8 @@ def verify_one(path: str, config_dict: dict | None = None) -> str | None:
                     f"{len(expected_shapes)} expected)")
         state, meta = restore_state(path, expected)
     except Exception as e:  # noqa: BLE001
-        return f"does not restore ({_short(e)})"
-    if not all_finite(state):
+        return f"does not restore ({short(e)})"
+    if not bool(jax.jit(state_lib.all_finite)(state)):
         return "holds non-finite values"
     if int(state["step"]) != int(os.path.basename(path)) or meta.get("step") != int(state["step"]):
         return f"step mismatch (state {int(state['step'])}, meta {meta.get('step')})"
@@ -426,55 +370,6 @@ def cli_main(argv: list[str]) -> int:
         print("all ok" if not bad else f"{bad} problem(s)")
         return 1 if bad else 0
     return 0
-
-
-# ----------------------------------------------------------------------------- benchmark
-
-
-def bench_checkpoint(cfg, repeats: int = 2) -> dict:
-    """Blocking part of an async save, full save time and restore time for `cfg`'s train state."""
-    import tempfile
-
-    from maxlm import config as config_lib, mesh as mesh_lib, model, optim, train
-
-    rules = mesh_lib.rules_of(cfg.mesh)
-    mesh = mesh_lib.make_mesh(cfg.mesh)
-    tx = optim.make_optimizer(cfg.optim)
-    state, shardings = train.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
-    jax.block_until_ready(state)
-    abstract = train.abstract_state(cfg, tx, shardings)
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    blocking, full, restore = [], [], []
-    with tempfile.TemporaryDirectory(dir=os.environ.get("MAXLM_BENCH_DIR")) as workdir:
-        ckpt = Checkpointer(workdir, cfg.checkpoint)
-        for i in range(repeats):
-            ckpt.wait()
-            start = time.perf_counter()
-            ckpt.save(i + 1, state, {"seed": cfg.seed}, cfg.to_dict())
-            blocking.append(time.perf_counter() - start)
-            ckpt.wait()
-            full.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            restored, _ = restore_state(os.path.join(ckpt.directory, str(i + 1)), abstract)
-            jax.block_until_ready(restored)
-            restore.append(time.perf_counter() - start)
-            del restored
-        ckpt.close()
-    return {
-        "benchmark": "checkpoint",
-        "config": cfg.name,
-        "params": model.count_params(cfg.model),
-        "state_bytes": nbytes,
-        "device_count": jax.device_count(),
-        "mesh": {axis: cfg.mesh.get(axis, 1) for axis in config_lib.MESH_AXES},
-        "save_blocking_sec": min(blocking),
-        "save_full_sec": min(full),
-        "restore_sec": min(restore),
-        "blocking_fraction": min(blocking) / min(full),
-        "save_gb_per_sec": nbytes / min(full) / 1e9,
-        "repeats": repeats,
-        "all": {"blocking": blocking, "full": full, "restore": restore},
-    }
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 Every user error — a bad flag, an unknown `--config.KEY`, a config file that does not load, a
 value that fails validation — ends the same way: one line on stderr and exit status 2, no traceback.
+Warnings are one line on stderr too (`warn`), from process 0 only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ def config_error(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
+def warn(message: str) -> None:
+    """`maxlm: warning: ...` on stderr (also when logging is not set up), from process 0 only."""
+    import jax
+
+    if jax.process_index() == 0:
+        print(f"maxlm: warning: {message}", file=sys.stderr, flush=True)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parser, every failure turned into `config_error`."""
     from absl import flags
 
     try:
@@ -42,14 +52,32 @@ def setup_logging() -> None:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" noise
 
 
-def run(main: Callable[[list[str]], None], define_flags: Callable[[], None]) -> None:
-    """Defines `--config` plus `define_flags()`'s flags, parses them, and runs `main(argv)`."""
+def run(main: Callable[[list[str]], None], define_flags: Callable[[], None],
+        config_file: bool = True) -> None:
+    """Defines `--config` (unless not `config_file`) plus `define_flags()`'s flags, parses them,
+    and runs `main(argv)`."""
     from absl import app
-    from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
+    if config_file:
+        from ml_collections import config_flags
+
+        config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
     define_flags()
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=parse_flags)
+
+
+def start(argv: list[str], required: tuple[str, ...] = ()):
+    """The start of every command's `main`: no stray positional arguments, short log lines, the
+    `required` flags given (else exit 2). Returns the parsed flags."""
+    from absl import flags
+
+    if len(argv) > 1:
+        config_error(f"unexpected arguments {argv[1:]}")
+    setup_logging()
+    missing = [f"--{name}" for name in required if not flags.FLAGS[name].value]
+    if missing:
+        config_error(" and ".join(missing) + (" is" if len(missing) == 1 else " are") + " required")
+    return flags.FLAGS
 
 
 def resolved_config(num_devices: int, num_granules: int | None = None):

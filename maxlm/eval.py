@@ -1,10 +1,10 @@
 """`python -m maxlm.eval --workdir=DIR [--split=validation] [--step=N] [--eval_steps=N]`.
 
-The command the issue names; the logic lives in `maxlm/evaluate.py` (importable, since `eval` is
+The logic lives in `maxlm/evaluate.py` (importable, since `eval` is
 also a Python builtin's name).
 """
 
-from maxlm import evaluate
+from maxlm import cli, evaluate
 
 if __name__ == "__main__":
-    evaluate.run(evaluate.main, evaluate.define_flags)
+    cli.run(evaluate.main, evaluate.define_flags, config_file=False)

@@ -6,7 +6,7 @@ Loads the run like `python -m maxlm.eval` (DIR/config.json, one checkpoint's par
 the config's mesh rules; default the newest complete checkpoint) and writes into HFDIR what
 `transformers.LlamaForCausalLM.from_pretrained(HFDIR)` and `AutoTokenizer.from_pretrained(HFDIR)`
 load with no custom code: `config.json`, `generation_config.json`, `model.safetensors` (or shards
-and an index past --max_shard_mb) and the tokenizer files. The mapping is in `maxlm/hf.py`; the
+and an index past --max_shard_mb) and the tokenizer files. The mapping is in `maxlm/hf_mapping.py`, the files in `maxlm/hf.py`; the
 way back is the config key `checkpoint.init_from_hf=HFDIR`. Prints one JSON object: out, step,
 dtype, files, checkpoint.
 """
@@ -17,25 +17,18 @@ import json
 
 import jax
 
-from maxlm import cli, distributed, evaluate as evaluate_lib, hf
+from maxlm import cli, distributed, hf, runs
 
 
 def main(argv) -> None:
-    from absl import flags
-
-    if len(argv) > 1:
-        cli.config_error(f"unexpected arguments {argv[1:]}")
-    cli.setup_logging()
-    f = flags.FLAGS
-    if not f.workdir or not f.out:
-        cli.config_error("--workdir=DIR and --out=HFDIR are required")
+    f = cli.start(argv, required=("workdir", "out"))
     if f.dtype not in hf.DTYPES:
         cli.config_error(f"--dtype={f.dtype!r}: expected one of {', '.join(hf.DTYPES)}")
     if f.max_shard_mb < 1:
         cli.config_error(f"--max_shard_mb={f.max_shard_mb} must be >= 1")
     distributed.initialize()
     try:
-        run = evaluate_lib.load_run(f.workdir, f.step)
+        run = runs.load_run(f.workdir, f.step)
         files = hf.export(run["params"], run["config"], f.out, f.dtype, f.max_shard_mb * 2**20)
     except ValueError as e:  # RunError, ConfigError, a missing tokenizer file
         cli.config_error(str(e))
@@ -56,4 +49,4 @@ def define_flags() -> None:
 
 
 if __name__ == "__main__":
-    evaluate_lib.run(main, define_flags)
+    cli.run(main, define_flags, config_file=False)

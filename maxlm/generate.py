@@ -12,9 +12,9 @@ tokens_per_sec (generation only, compilation excluded), compile_sec.
 
 The cached forward is a functional twin of `model.apply` over the same parameter pytree (scanned
 `layers` with a leading layer axis, or unrolled `layer_i`): it calls model.py's own pieces (the
-RMSNorm and SwiGLU modules, `rope`, `xla_attention`, the weight matmuls, the logits) and only
-replaces where keys and values come from, so the two cannot drift apart; the tests check its logits
-against `model.apply`'s at every position.
+RMSNorm and SwiGLU modules, `rope`, `embed`, the weight matmuls, the logits) and attention.py's
+`xla_attention`, and only replaces where keys and values come from, so the two cannot drift apart;
+the tests check its logits against `model.apply`'s at every position.
 
 Shape suffixes as in model.py, plus T (new tokens this call), P (prompt), N (new tokens), NL (layers).
 """
@@ -23,45 +23,39 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxlm import cli, distributed, mesh as mesh_lib, model
-from maxlm import evaluate as evaluate_lib
+from maxlm import attention, cli, distributed, mesh as mesh_lib, model, runs, state as state_lib
 
 # ----------------------------------------------------------------------------- the cached forward
 
 Cache = dict  # {"k", "v"}: [NL, B, S, K, Dh] when scanned; unrolled: a list of per-layer dicts
 
 
-def _dtype(model_cfg):
-    return model._DTYPES[model_cfg.dtype]
-
-
 def init_cache(model_cfg, params, batch_size: int, max_len: int) -> Cache | list:
     """Zeroed keys/values for `max_len` positions, in the parameters' layer layout."""
     shape = (batch_size, max_len, model_cfg.num_kv_heads, model_cfg.head_dim)
-    zeros = lambda *lead: jnp.zeros((*lead, *shape), _dtype(model_cfg))
+    zeros = lambda *lead: jnp.zeros((*lead, *shape), model.compute_dtype(model_cfg))
     if "layers" in params:
         return {"k": zeros(model_cfg.num_layers), "v": zeros(model_cfg.num_layers)}
     return [{"k": zeros(), "v": zeros()} for _ in range(model_cfg.num_layers)]
 
 
 def _rms_norm(model_cfg, norm_params, x_BTD):
-    return model.RMSNorm(model_cfg.norm_eps, _dtype(model_cfg)).apply({"params": norm_params}, x_BTD)
+    return model.RMSNorm(model_cfg.norm_eps, model.compute_dtype(model_cfg)).apply({"params": norm_params}, x_BTD)
 
 
 def _attention(model_cfg, p, x_BTD, positions_BT, cache):
     """model.Attention for T new tokens whose keys/values go into the cache at slot = position;
     each attends to the cache's slots up to its own position."""
-    cfg, dtype = model_cfg, _dtype(model_cfg)
-    q_BTHDh = model._matmul(cfg, "bld,dhk->blhk", x_BTD, p["wq"], dtype)
-    k_BTKDh = model._matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wk"], dtype)
-    v_BTKDh = model._matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wv"], dtype)
+    cfg, dtype = model_cfg, model.compute_dtype(model_cfg)
+    q_BTHDh = model.weight_matmul(cfg, "bld,dhk->blhk", x_BTD, p["wq"], dtype)
+    k_BTKDh = model.weight_matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wk"], dtype)
+    v_BTKDh = model.weight_matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wv"], dtype)
     q_BTHDh = model.rope(q_BTHDh, positions_BT, cfg.rope_theta)
     k_BTKDh = model.rope(k_BTKDh, positions_BT, cfg.rope_theta)
     rows_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[0])[:, None], positions_BT.shape)
@@ -69,8 +63,8 @@ def _attention(model_cfg, p, x_BTD, positions_BT, cache):
     v_BSKDh = cache["v"].at[rows_BT, positions_BT].set(v_BTKDh)
     slots_S = jnp.arange(k_BSKDh.shape[1])
     mask_B1TS = (slots_S[None, None, :] <= positions_BT[:, :, None])[:, None]
-    out_BTHDh = model.xla_attention(q_BTHDh, k_BSKDh, v_BSKDh, mask_B1TS)
-    out_BTD = model._matmul(cfg, "blhk,hkd->bld", out_BTHDh, p["wo"], dtype)
+    out_BTHDh = attention.xla_attention(q_BTHDh, k_BSKDh, v_BSKDh, mask_B1TS)
+    out_BTD = model.weight_matmul(cfg, "blhk,hkd->bld", out_BTHDh, p["wo"], dtype)
     return out_BTD, {"k": k_BSKDh, "v": v_BSKDh}
 
 
@@ -86,7 +80,7 @@ def _block(model_cfg, p, x_BTD, positions_BT, cache):
 def forward(model_cfg, params, tokens_BT, positions_BT, cache):
     """Float32 logits [B, T, V] of T new tokens at `positions_BT` (one document per row, its
     earlier tokens in the cache), and the cache with their keys and values added."""
-    x_BTD = jnp.take(params["embed"], tokens_BT, axis=0).astype(_dtype(model_cfg))
+    x_BTD = model.embed(params["embed"], tokens_BT, model.compute_dtype(model_cfg))
     if "layers" in params:  # the scanned layout: one layer body over the leading layer axis
 
         def body(x_BTD, layer):
@@ -101,7 +95,7 @@ def forward(model_cfg, params, tokens_BT, positions_BT, cache):
             new_cache.append(layer_cache)
         cache = new_cache
     x_BTD = _rms_norm(model_cfg, params["final_norm"], x_BTD)
-    return model._logits(model_cfg, x_BTD, model.head_weights(model_cfg, params)), cache
+    return model.output_logits(model_cfg, x_BTD, model.head_weights(model_cfg, params)), cache
 
 
 def prefill(model_cfg, params, prompt_BP, max_len: int):
@@ -225,7 +219,7 @@ def _generate_fn(model_json: str, mesh, rules, max_new_tokens: int):
     fn = functools.partial(generate_tokens, model_cfg, max_new_tokens=max_new_tokens)
     if mesh is None:
         return jax.jit(fn)
-    shardings = evaluate_lib.param_shardings(ml_collections.ConfigDict({"model": model_cfg}), mesh, rules)
+    shardings = state_lib.param_shardings(model_cfg, mesh, rules)
     replicated = mesh_lib.replicated(mesh)
     return jax.jit(fn, in_shardings=(shardings,) + (replicated,) * 3, out_shardings=replicated)
 
@@ -277,29 +271,21 @@ def _check_flags(f) -> None:
 
 
 def main(argv) -> None:
-    from absl import flags
-
     from maxlm.data.tokenizer import load_tokenizer
 
-    if len(argv) > 1:
-        cli.config_error(f"unexpected arguments {argv[1:]}")
-    cli.setup_logging()
-    f = flags.FLAGS
-    if not f.workdir:
-        cli.config_error("--workdir=DIR is required")
+    f = cli.start(argv, required=("workdir",))
     _check_flags(f)
     distributed.initialize()
     try:
-        run = evaluate_lib.load_run(f.workdir, f.step)
+        run = runs.load_run(f.workdir, f.step)
         cfg = run["config"]
         tokenizer = load_tokenizer(cfg.data.tokenizer)
     except ValueError as e:  # RunError, a missing tokenizer file
         cli.config_error(str(e))
     prompt_ids = [tokenizer.bos_id, *tokenizer.encode(f.prompt).tolist()]
-    if len(prompt_ids) + f.max_new_tokens > cfg.seq_len and jax.process_index() == 0:
-        print(f"maxlm: warning: prompt ({len(prompt_ids)} tokens) + --max_new_tokens="
-              f"{f.max_new_tokens} is longer than the run's seq_len={cfg.seq_len}: positions past "
-              "it were never trained", file=sys.stderr)
+    if len(prompt_ids) + f.max_new_tokens > cfg.seq_len:
+        cli.warn(f"prompt ({len(prompt_ids)} tokens) + --max_new_tokens={f.max_new_tokens} is "
+                 f"longer than the run's seq_len={cfg.seq_len}: positions past it were never trained")
     mesh, rules = run["mesh"], run["rules"]
     prompt_BP, lengths_B = pad_prompts([prompt_ids], tokenizer.pad_id)
     fn = make_generate_fn(cfg, mesh, rules, max_new_tokens=f.max_new_tokens)
@@ -344,4 +330,4 @@ def define_flags() -> None:
 
 
 if __name__ == "__main__":
-    evaluate_lib.run(main, define_flags)
+    cli.run(main, define_flags, config_file=False)

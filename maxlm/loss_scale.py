@@ -5,7 +5,7 @@ float16 keeps 11 significant bits (bfloat16 8, float32 24) but only 5 exponent b
 language model's backward pass carries small values (the loss is a mean over every token of the
 batch), so unscaled float16 gradients lose their tail to zero. The step therefore differentiates
 `objective × loss_scale` (each microbatch's, with gradient accumulation), which lifts the float16
-cotangents by the scale, and divides the float32 gradients by it again (`train.loss_and_grads`).
+cotangents by the scale, and divides the float32 gradients by it again (`step.loss_and_grads`).
 
 The scale adapts: a step whose gradients come back non-finite overflowed. Its update is skipped
 (parameters and optimizer state unchanged), the scale halves (not below `optim.loss_scale_min`)

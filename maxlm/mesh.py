@@ -26,7 +26,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from maxlm.config import DCN_AXES, MESH_AXES, ConfigError, check_dcn
+from maxlm.axes import DCN_AXES, MESH_AXES, check_dcn
+from maxlm.errors import ConfigError
 
 
 def _granule_key(devices) -> str:
@@ -46,7 +47,7 @@ def num_granules(devices=None) -> int:
 
 def dcn_shape(mesh_cfg) -> tuple[int, ...]:
     """Granules along each mesh axis (`mesh.dcn_data`, `mesh.dcn_fsdp`; 1 for the others)."""
-    return tuple(int(mesh_cfg.get(f"dcn_{axis}", 1)) if axis in DCN_AXES else 1 for axis in MESH_AXES)
+    return tuple(int(mesh_cfg[f"dcn_{axis}"]) if axis in DCN_AXES else 1 for axis in MESH_AXES)
 
 
 def hybrid_device_grid(mesh_cfg, devices) -> np.ndarray:
@@ -55,7 +56,7 @@ def hybrid_device_grid(mesh_cfg, devices) -> np.ndarray:
     contiguous [data/dcn_data, fsdp/dcn_fsdp, sequence, tensor] block (arranged for ICI inside a slice), so
     only the collectives of the dcn-split axes cross granules."""
     dcn = dcn_shape(mesh_cfg)
-    ici = tuple(int(mesh_cfg.get(axis, 1)) // n for axis, n in zip(MESH_AXES, dcn))
+    ici = tuple(int(mesh_cfg[axis]) // n for axis, n in zip(MESH_AXES, dcn))
     return mesh_utils.create_hybrid_device_mesh(
         ici, dcn, devices, process_is_granule=_granule_key(devices) == "process_index"
     )
@@ -70,7 +71,7 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     granules. Raises ConfigError when the dcn factors do not match the granules, or when the
     `sequence` axis spans processes (`check_sequence_local`).
     """
-    shape = tuple(int(mesh_cfg.get(axis, 1)) for axis in MESH_AXES)
+    shape = tuple(int(mesh_cfg[axis]) for axis in MESH_AXES)
     devices = jax.devices() if devices is None else devices
     # Auto axes: GSPMD propagates shardings from the jit in/out shardings and our constraints.
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
@@ -155,6 +156,21 @@ def grid_batch_parts(grid: np.ndarray, axis_names, batch_axes, process_index: in
         if len(merged) * group == len(held):  # every part of each merged group is held
             return tuple(sorted(merged)), count // group
     raise AssertionError("unreachable: groups of 1 always merge")
+
+
+def global_batch(numpy_batch: dict, mesh: Mesh, rules) -> dict:
+    """This process's rows → one global jax.Array per key, sharded over (data, fsdp)."""
+    sharding = batch_sharding(mesh, rules)
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+            for k, v in numpy_batch.items()}
+
+
+def read_batch(dataset, step: int, mesh: Mesh, rules) -> dict:
+    """Global batch `step` of `dataset` (a `data.TokenDataset` or anything with its
+    `batch(step, parts, count)`), each process reading only the rows its devices hold
+    (`batch_parts`), so the global batch is the same on any mesh and process count."""
+    parts, count = batch_parts(mesh, rules)
+    return global_batch(dataset.batch(step, parts[0] if len(parts) == 1 else parts, count), mesh, rules)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -23,14 +23,20 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm import attention as attention_lib, fp8
+from maxlm import attention, fp8
 
 Batch = dict[str, jax.Array]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def compute_dtype(model_cfg):
+    """`model.dtype` as a jnp dtype: what activations and matmuls run in (params stay float32)."""
+    return _DTYPES[model_cfg.dtype]
 
 
 def _normal(std: float):
@@ -43,6 +49,26 @@ def _param(module: nn.Module, name: str, init, shape, axes):
 
 def _constrain(x, axes):
     return nn.with_logical_constraint(x, axes)
+
+
+def embed(embed_VD, tokens_BL, dtype):
+    """Token embeddings [B, L, D] in `dtype`. Rows are gathered from a table whose embed dim is
+    whole (ZeRO-3 all-gathers it as it would any weight): a gather out of an fsdp-sharded dim has
+    no efficient SPMD partitioning."""
+    table_VD = _constrain(embed_VD, ("vocab", "act_embed"))
+    return _constrain(jnp.take(table_VD, tokens_BL, axis=0).astype(dtype), ("batch", "length", "act_embed"))
+
+
+def microbatches(x, n: int, axes):
+    """[B, ...] → [n, B/n, ...], microbatch i = rows i, i+n, i+2n, ... (`axes`: x's logical axes).
+
+    Strided rather than contiguous rows: with the batch sharded over (data, fsdp) in contiguous
+    blocks, every device then holds B/(n·devices) rows of *every* microbatch, so slicing one out
+    moves no data (config.resolve checks that B divides accordingly). Gradient accumulation and
+    the pipeline's microbatches both split this way.
+    """
+    x = _constrain(x.reshape(x.shape[0] // n, n, *x.shape[1:]), (axes[0], None, *axes[1:]))
+    return _constrain(x.swapaxes(0, 1), (None, *axes))
 
 
 # What the backward pass may keep instead of recomputing (`model.remat`). The names are the
@@ -79,84 +105,9 @@ def rope(x_BLHDh, positions_BL, theta: float):
     return out.astype(x_BLHDh.dtype)
 
 
-def attention_mask(segment_ids_BL):
-    """[B, 1, L, S] booleans: causal, and only within the same document (segment).
-
-    Under sequence parallelism the rows (queries) are split like the tokens and the columns (keys)
-    are whole: each device compares its own tokens' segment ids with all of the row's."""
-    length = segment_ids_BL.shape[1]
-    causal_LS = jnp.tril(jnp.ones((length, length), dtype=bool))
-    segment_ids_BS = _constrain(segment_ids_BL, ("batch", None))  # the keys' ids, gathered
-    same_doc_BLS = segment_ids_BL[:, :, None] == segment_ids_BS[:, None, :]
-    return _constrain((causal_LS[None] & same_doc_BLS)[:, None], ("batch", None, "length", None))
-
-
-def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS):
-    """Plain einsum attention with grouped-query heads; softmax in float32.
-
-    q is scaled before the matmul ([B, L, H, Dh] is far smaller than the [.., L, S] scores), and
-    the small q/k/v arrays are put heads-major first, so every [.., L, S] array comes out of its
-    matmul in the order softmax and the next matmul read it: no transpose copy of an L×S array
-    (on CPU those copies took a fifth of the step at seq 1024).
-    """
-    B, L, H, Dh = q_BLHDh.shape
-    K = k_BSKDh.shape[2]
-    q_BLHDh = q_BLHDh * jnp.asarray(1 / math.sqrt(Dh), q_BLHDh.dtype)
-    q_BKGLDh = q_BLHDh.reshape(B, L, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
-    k_BKSDh, v_BKSDh = k_BSKDh.transpose(0, 2, 1, 3), v_BSKDh.transpose(0, 2, 1, 3)
-    scores_BKGLS = jnp.einsum("bkgld,bksd->bkgls", q_BKGLDh, k_BKSDh).astype(jnp.float32)
-    # Every row keeps at least its diagonal, so the softmax never sees an all-masked row.
-    scores_BKGLS = jnp.where(mask_B1LS[:, :, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
-    probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(q_BLHDh.dtype)
-    out_BKGLDh = jnp.einsum("bkgls,bksd->bkgld", probs_BKGLS, v_BKSDh)
-    return out_BKGLDh.transpose(0, 3, 1, 2, 4).reshape(B, L, H, Dh)
-
-
-# Tests only, never in config.ATTENTION: the splash kernel run by the Pallas interpreter on any
-# backend (slow), so the model's splash path can be checked on CPU.
-SPLASH_INTERPRET = "splash_interpret"
-_SPLASH = ("splash", SPLASH_INTERPRET)
-
-
-def attention_backend(name: str, dtype, seq_len: int | None = None) -> str:
-    """Resolves `model.attention`: "auto" is the Pallas splash kernel on TPUs (when `seq_len`, if
-    given, suits it: a multiple of 128), cuDNN's fused attention on NVIDIA GPUs with 16-bit
-    compute (it has no float32 kernel), the plain XLA path otherwise."""
-    platform = jax.default_backend()
-    if name == "auto":
-        if platform == "tpu":
-            return "splash" if seq_len is None or seq_len % attention_lib.LANES == 0 else "xla"
-        return "cudnn" if platform == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
-    if name == "cudnn" and platform != "gpu":
-        raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, not {platform}")
-    if name == "splash" and platform != "tpu":
-        raise ValueError(f"model.attention='splash' needs a TPU, not {platform}")
-    return name
-
-
-def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=None):
-    """Attention with the named backend. Splash takes the documents as `segment_ids_BL` (its own
-    causal mask, and'ed with same-segment) instead of `mask_B1LS`."""
-    backend = attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1])
-    if backend == "cudnn":
-        return jax.nn.dot_product_attention(
-            q_BLHDh, k_BSKDh, v_BSKDh, mask=mask_B1LS, implementation="cudnn"
-        )
-    if backend in _SPLASH:
-        if segment_ids_BL is None:
-            raise ValueError("splash attention needs segment_ids_BL")
-        return attention_lib.splash_attention(
-            q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, interpret=backend == SPLASH_INTERPRET
-        )
-    return xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
-
-
-def _matmul(cfg, spec: str, x, w, dtype):
-    """A layer's weight matmul: float8 operands with `model.fp8` (see maxlm/fp8.py), else `dtype`.
-
-    `get`: configs saved before `model.fp8` existed (checkpoint verify reads them) lack the key.
-    """
-    if cfg.get("fp8", False):
+def weight_matmul(cfg, spec: str, x, w, dtype):
+    """A layer's weight matmul: float8 operands with `model.fp8` (see maxlm/fp8.py), else `dtype`."""
+    if cfg.fp8:
         return fp8.fp8_einsum(spec, x, w, dtype)
     return jnp.einsum(spec, x, w.astype(dtype))
 
@@ -167,7 +118,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_BLD, positions_BL, mask_B1LS, segment_ids_BL):
         cfg = self.cfg
-        dtype = _DTYPES[cfg.dtype]
+        dtype = compute_dtype(cfg)
         D, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)  # GPT-2: residual writes shrink with depth
         wq_DHDh = _param(self, "wq", _normal(cfg.init_std), (D, H, Dh), ("embed", "heads", "head_dim"))
@@ -175,9 +126,9 @@ class Attention(nn.Module):
         wv_DKDh = _param(self, "wv", _normal(cfg.init_std), (D, K, Dh), ("embed", "kv_heads", "head_dim"))
         wo_HDhD = _param(self, "wo", _normal(out_std), (H, Dh, D), ("heads", "head_dim", "embed"))
 
-        q_BLHDh = checkpoint_name(_matmul(cfg, "bld,dhk->blhk", x_BLD, wq_DHDh, dtype), "q_proj")
-        k_BSKDh = checkpoint_name(_matmul(cfg, "bsd,dhk->bshk", x_BLD, wk_DKDh, dtype), "k_proj")
-        v_BSKDh = checkpoint_name(_matmul(cfg, "bsd,dhk->bshk", x_BLD, wv_DKDh, dtype), "v_proj")
+        q_BLHDh = checkpoint_name(weight_matmul(cfg, "bld,dhk->blhk", x_BLD, wq_DHDh, dtype), "q_proj")
+        k_BSKDh = checkpoint_name(weight_matmul(cfg, "bsd,dhk->bshk", x_BLD, wk_DKDh, dtype), "k_proj")
+        v_BSKDh = checkpoint_name(weight_matmul(cfg, "bsd,dhk->bshk", x_BLD, wv_DKDh, dtype), "v_proj")
         q_BLHDh = _constrain(rope(q_BLHDh, positions_BL, cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
         # Sequence parallelism, the all-gather strategy: queries stay split along the length (mesh
         # axis `sequence`), keys and values are gathered whole (length None), so each device
@@ -189,8 +140,8 @@ class Attention(nn.Module):
         # Init only needs the parameters' shapes, from a 1 x 8 dummy batch that a splash kernel
         # could neither tile nor split over the mesh: the plain path traces the same parameters.
         backend = "xla" if self.is_initializing() else cfg.attention
-        out_BLHDh = attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL)
-        return checkpoint_name(_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
+        out_BLHDh = attention.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL)
+        return checkpoint_name(weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
 
 
 class SwiGLU(nn.Module):
@@ -199,16 +150,16 @@ class SwiGLU(nn.Module):
     @nn.compact
     def __call__(self, x_BLD):
         cfg = self.cfg
-        dtype = _DTYPES[cfg.dtype]
+        dtype = compute_dtype(cfg)
         D, F = cfg.d_model, cfg.mlp_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         w_gate_DF = _param(self, "w_gate", _normal(cfg.init_std), (D, F), ("embed", "mlp"))
         w_up_DF = _param(self, "w_up", _normal(cfg.init_std), (D, F), ("embed", "mlp"))
         w_down_FD = _param(self, "w_down", _normal(out_std), (F, D), ("mlp", "embed"))
-        gate_BLF = _matmul(cfg, "bld,df->blf", x_BLD, w_gate_DF, dtype)
-        up_BLF = _matmul(cfg, "bld,df->blf", x_BLD, w_up_DF, dtype)
+        gate_BLF = weight_matmul(cfg, "bld,df->blf", x_BLD, w_gate_DF, dtype)
+        up_BLF = weight_matmul(cfg, "bld,df->blf", x_BLD, w_up_DF, dtype)
         hidden_BLF = _constrain(nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
-        return checkpoint_name(_matmul(cfg, "blf,fd->bld", hidden_BLF, w_down_FD, dtype), "mlp_out")
+        return checkpoint_name(weight_matmul(cfg, "blf,fd->bld", hidden_BLF, w_down_FD, dtype), "mlp_out")
 
 
 class Block(nn.Module):
@@ -217,7 +168,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x_BLD, positions_BL, mask_B1LS, segment_ids_BL):
         cfg = self.cfg
-        dtype = _DTYPES[cfg.dtype]
+        dtype = compute_dtype(cfg)
         h_BLD = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_BLD)
         x_BLD = x_BLD + Attention(cfg, name="attn")(h_BLD, positions_BL, mask_B1LS, segment_ids_BL)
         h_BLD = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_BLD)
@@ -231,16 +182,13 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens_BL, segment_ids_BL, positions_BL):
         cfg = self.cfg
-        dtype = _DTYPES[cfg.dtype]
+        dtype = compute_dtype(cfg)
         embed_VD = _param(self, "embed", _normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        # Gather rows from a table whose embed dim is whole (ZeRO-3 all-gathers it as it would any
-        # weight): a gather out of an fsdp-sharded dim has no efficient SPMD partitioning.
-        table_VD = _constrain(embed_VD, ("vocab", "act_embed"))
-        x_BLD = _constrain(jnp.take(table_VD, tokens_BL, axis=0).astype(dtype), ("batch", "length", "act_embed"))
+        x_BLD = embed(embed_VD, tokens_BL, dtype)
         # Splash masks inside its kernel, from the segment ids: no [B, 1, L, L] mask then.
-        splash = not self.is_initializing() and attention_backend(
-            cfg.attention, dtype, tokens_BL.shape[1]) in _SPLASH
-        mask_B1LS = None if splash else attention_mask(segment_ids_BL)
+        splash = not self.is_initializing() and attention.attention_backend(
+            cfg.attention, dtype, tokens_BL.shape[1]) in attention.SPLASH
+        mask_B1LS = None if splash else attention.attention_mask(segment_ids_BL)
         block = Block
         if REMAT_POLICIES[cfg.remat] is not None:
             # prevent_cse only matters outside scan, where XLA could merge the recomputation away.
@@ -268,15 +216,35 @@ def _dummy_inputs(length: int = 8):
     return ids, jnp.ones_like(ids), jnp.arange(length, dtype=jnp.int32)[None]
 
 
+def _scanned(model_cfg):
+    """`model_cfg` with the scanned layer layout (itself when it has it)."""
+    if model_cfg.scan_layers:
+        return model_cfg
+    scanned = ml_collections.ConfigDict(model_cfg.to_dict())
+    scanned.scan_layers = True
+    return scanned
+
+
 def init_params(model_cfg, rng: jax.Array):
-    """Float32 parameters as a plain pytree (logical-axis boxes removed)."""
-    return nn.unbox(Transformer(model_cfg).init(rng, *_dummy_inputs())["params"])
+    """Float32 parameters as a plain pytree (logical-axis boxes removed).
+
+    Both layer layouts start from the same numbers: the scanned tree is initialised, and for
+    `scan_layers=False` its stacked layers are split into `layer_0`, `layer_1`, ... So flipping the
+    layout to debug changes nothing but the compiled program.
+    """
+    params = nn.unbox(Transformer(_scanned(model_cfg)).init(rng, *_dummy_inputs())["params"])
+    return params if model_cfg.scan_layers else unstack_layers(params)
 
 
 def param_logical_specs(model_cfg):
     """A pytree of PartitionSpecs of logical axis names, matching `init_params`'s output."""
-    boxed = jax.eval_shape(lambda: Transformer(model_cfg).init(jax.random.key(0), *_dummy_inputs()))
-    return nn.get_partition_spec(boxed["params"])
+    boxed = jax.eval_shape(lambda: Transformer(_scanned(model_cfg)).init(jax.random.key(0), *_dummy_inputs()))
+    specs = nn.get_partition_spec(boxed["params"])
+    if model_cfg.scan_layers:
+        return specs
+    # an unrolled layer's spec is the stacked one without its leading `layers` axis
+    layer_specs = jax.tree.map(lambda spec: PartitionSpec(*spec[1:]), specs["layers"], is_leaf=is_spec)
+    return unstack_layers({**specs, "layers": layer_specs}, num_layers=model_cfg.num_layers, stacked=False)
 
 
 def hidden_states(model_cfg, params, batch: Batch) -> jax.Array:
@@ -298,9 +266,9 @@ def pipeline_stages() -> int:
     return 1 if mesh.empty or "stage" not in mesh.axis_names else mesh.shape["stage"]
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
+def bubble_fraction(stages: int, num_microbatches: int) -> float:
     """The share of a GPipe step each stage idles: (S - 1) / (M + S - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+    return (stages - 1) / (num_microbatches + stages - 1)
 
 
 def pipelined_hidden_states(model_cfg, params, batch: Batch, stages: int) -> jax.Array:
@@ -313,27 +281,21 @@ def pipelined_hidden_states(model_cfg, params, batch: Batch, stages: int) -> jax
     the stage axis, which GSPMD splits over `stage`), then shifts the buffer one stage on
     (jnp.roll: a collective permute), feeding microbatch t into stage 0 and collecting the one
     leaving the last stage. Slots before a microbatch arrives or after it left compute on zeros
-    and are dropped (the bubble). Microbatches are strided rows, as `train._microbatches`.
+    and are dropped (the bubble). Microbatches are strided rows (`microbatches`).
     The backward pass is autodiff's: the same schedule reversed.
     """
     cfg = model_cfg
-    dtype = _DTYPES[cfg.dtype]
-    M = cfg.get("pipeline_microbatches", 1)
+    dtype = compute_dtype(cfg)
+    M = cfg.pipeline_microbatches
     S, N = stages, cfg.num_layers
     tokens_BL, segment_ids_BL, positions_BL = batch["inputs"], batch["segment_ids"], batch["positions"]
     B, L = tokens_BL.shape
-    table_VD = _constrain(params["embed"], ("vocab", "act_embed"))
-    x_BLD = _constrain(jnp.take(table_VD, tokens_BL, axis=0).astype(dtype), ("batch", "length", "act_embed"))
-    mask_B1LS = attention_mask(segment_ids_BL)
-
-    def split(x, axes):  # [B, ...] → [M, B/M, ...], microbatch m = rows m, m + M, ...
-        x = x.reshape(B // M, M, *x.shape[1:]).swapaxes(0, 1)
-        return _constrain(x, (None, *axes))
-
-    x_MbLD = split(x_BLD, ("batch", "length", "act_embed"))
-    positions_MbL = split(positions_BL, ("batch", "length"))
-    segment_ids_MbL = split(segment_ids_BL, ("batch", "length"))
-    mask_Mb1LS = split(mask_B1LS, ("batch", None, "length", None))
+    x_BLD = embed(params["embed"], tokens_BL, dtype)
+    mask_B1LS = attention.attention_mask(segment_ids_BL)
+    x_MbLD = microbatches(x_BLD, M, ("batch", "length", "act_embed"))
+    positions_MbL = microbatches(positions_BL, M, ("batch", "length"))
+    segment_ids_MbL = microbatches(segment_ids_BL, M, ("batch", "length"))
+    mask_Mb1LS = microbatches(mask_B1LS, M, ("batch", None, "length", None))
 
     specs = param_logical_specs(cfg)["layers"]
     stage_params = jax.tree.map(
@@ -377,23 +339,26 @@ def head_weights(model_cfg, params) -> jax.Array:
     return params["embed"].T if model_cfg.tie_embeddings else params["head"]
 
 
-def _logits(model_cfg, x_BLD, head_DV):
+def output_logits(model_cfg, x_BLD, head_DV):
+    """Float32 logits [B, L, V] of final hidden states."""
     logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, head_DV.astype(x_BLD.dtype))
     return _constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
 def apply(model_cfg, params, batch: Batch) -> jax.Array:
     """Float32 logits [B, L, V] for a packed batch {inputs, segment_ids, positions}."""
-    return _logits(model_cfg, hidden_states(model_cfg, params, batch), head_weights(model_cfg, params))
+    return output_logits(model_cfg, hidden_states(model_cfg, params, batch), head_weights(model_cfg, params))
 
 
-def _token_losses(model_cfg, x_BLD, head_DV, targets_BL):
-    """(objective, cross-entropy) per token, float32 [B, L].
+def _token_losses(model_cfg, x_BLD, head_DV, targets_BL) -> dict:
+    """{"objective", "cross_entropy", "correct"} per token, float32 [B, L].
 
     The objective adds label smoothing (cross-entropy against a mix of the target and the uniform
-    distribution) and z-loss (PaLM: z_loss · log²Z keeps the softmax normaliser near 1).
+    distribution) and z-loss (PaLM: z_loss · log²Z keeps the softmax normaliser near 1). `correct`
+    is 1 where the argmax prediction is the target (evaluation reads it; a training step never
+    does, so XLA drops it there).
     """
-    logits_BLV = _logits(model_cfg, x_BLD, head_DV)
+    logits_BLV = output_logits(model_cfg, x_BLD, head_DV)
     log_z_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
     target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
     cross_entropy_BL = log_z_BL - target_logit_BL
@@ -403,10 +368,11 @@ def _token_losses(model_cfg, x_BLD, head_DV, targets_BL):
         objective_BL = (1 - model_cfg.label_smoothing) * cross_entropy_BL + model_cfg.label_smoothing * uniform_BL
     if model_cfg.z_loss:
         objective_BL = objective_BL + model_cfg.z_loss * jnp.square(log_z_BL)
-    return objective_BL, cross_entropy_BL
+    correct_BL = (jnp.argmax(logits_BLV, axis=-1) == targets_BL).astype(jnp.float32)
+    return {"objective": objective_BL, "cross_entropy": cross_entropy_BL, "correct": correct_BL}
 
 
-def _chunked_token_losses(model_cfg, x_BLD, head_DV, targets_BL):
+def _chunked_token_losses(model_cfg, x_BLD, head_DV, targets_BL) -> dict:
     """`_token_losses` one length-chunk at a time, so [B, L, V] float32 logits never exist.
 
     Each chunk is rematerialised in the backward pass too (jax.checkpoint), so its logits are
@@ -421,23 +387,31 @@ def _chunked_token_losses(model_cfg, x_BLD, head_DV, targets_BL):
     def body(carry, chunk):
         return carry, chunk_losses(chunk[0], head_DV, chunk[1])
 
-    _, (objective_NBC, cross_entropy_NBC) = jax.lax.scan(body, None, (x_NBCD, targets_NBC))
-    unchunk = lambda a: a.swapaxes(0, 1).reshape(B, L)
-    return unchunk(objective_NBC), unchunk(cross_entropy_NBC)
+    _, per_token_NBC = jax.lax.scan(body, None, (x_NBCD, targets_NBC))
+    return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(B, L), per_token_NBC)
+
+
+def token_losses(model_cfg, params, batch: Batch) -> dict:
+    """{"objective", "cross_entropy", "correct"} per token [B, L] (see `_token_losses`), and
+    "weights": 1 for real tokens, 0 for padding. Logits are computed `model.logits_chunk_size`
+    positions at a time when that is set."""
+    x_BLD = hidden_states(model_cfg, params, batch)
+    head_DV = head_weights(model_cfg, params)
+    chunk = model_cfg.logits_chunk_size
+    per_token = _chunked_token_losses if chunk and chunk < x_BLD.shape[1] else _token_losses
+    return {**per_token(model_cfg, x_BLD, head_DV, batch["targets"]),
+            "weights": (batch["segment_ids"] > 0).astype(jnp.float32)}
 
 
 def loss_fn(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict]:
     """The training objective averaged over real (non-padding) tokens, and
     {"num_tokens", "cross_entropy"} (the plain next-token loss, what `loss` reports)."""
-    x_BLD = hidden_states(model_cfg, params, batch)
-    head_DV = head_weights(model_cfg, params)
-    chunk = model_cfg.logits_chunk_size
-    per_token = _chunked_token_losses if chunk and chunk < x_BLD.shape[1] else _token_losses
-    objective_BL, cross_entropy_BL = per_token(model_cfg, x_BLD, head_DV, batch["targets"])
-    weights_BL = (batch["segment_ids"] > 0).astype(jnp.float32)
+    per_token = token_losses(model_cfg, params, batch)
+    weights_BL = per_token["weights"]
     num_tokens = weights_BL.sum()
     mean = lambda v_BL: (v_BL * weights_BL).sum() / jnp.maximum(num_tokens, 1.0)
-    return mean(objective_BL), {"num_tokens": num_tokens, "cross_entropy": mean(cross_entropy_BL)}
+    return mean(per_token["objective"]), {"num_tokens": num_tokens,
+                                          "cross_entropy": mean(per_token["cross_entropy"])}
 
 
 def count_params(model_cfg) -> int:
@@ -454,6 +428,21 @@ def stack_layers(params):
     names = sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k[6:]))
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[k] for k in names))
     return {**{k: v for k, v in params.items() if k not in names}, "layers": stacked}
+
+
+def unstack_layers(params, num_layers: int | None = None, stacked: bool = True):
+    """The scanned layout (`layers`, leading axis) → unrolled params (`layer_0`, `layer_1`, ...).
+
+    With `stacked=False`, `params["layers"]` is one layer's tree, repeated `num_layers` times
+    (for trees without a layer axis, such as PartitionSpecs)."""
+    layers = params["layers"]
+    if stacked:
+        num_layers = jax.tree.leaves(layers)[0].shape[0]
+        per_layer = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(num_layers)]
+    else:
+        per_layer = [layers] * num_layers
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    return {**rest, **{f"layer_{i}": layer for i, layer in enumerate(per_layer)}}
 
 
 def is_spec(x) -> bool:

@@ -1,7 +1,7 @@
 """The optimizer: global-norm clipping → AdamW on a warmup + cosine schedule.
 
-Gradient accumulation (`optim.grad_accum_steps`) lives in `maxlm.train.train_step` (it needs the
-loss function): a scan over microbatches inside the jitted step, then one update of this chain.
+Gradient accumulation (`optim.grad_accum_steps`) lives in `maxlm/step.py` (it needs the loss
+function): a scan over microbatches inside the jitted step, then one update of this chain.
 
 Weight decay applies to matrices only: norm scales (and biases, should a model grow them) are
 1-D and decaying them towards zero only hurts.
@@ -51,7 +51,7 @@ def make_optimizer(optim_cfg) -> optax.GradientTransformation:
         mask=weight_decay_mask,
         # bfloat16 halves the first moment's memory; the second moment (whose square root divides
         # the update, and which spans a wide range) stays float32.
-        mu_dtype=jnp.bfloat16 if optim_cfg.get("mu_dtype", "float32") == "bfloat16" else None,
+        mu_dtype=jnp.bfloat16 if optim_cfg.mu_dtype == "bfloat16" else None,
     )
     if optim_cfg.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(optim_cfg.clip_norm), adamw)

@@ -11,11 +11,10 @@ and exit status 2.
 from __future__ import annotations
 
 import io
-import json
 import math
 import sys
 
-from maxlm import paths
+from maxlm import cli, metrics, paths
 
 # (panel title, metrics.jsonl key), row by row
 PANELS = (("train loss", "loss"), ("eval loss", "eval_loss"),
@@ -24,23 +23,6 @@ PANELS = (("train loss", "loss"), ("eval loss", "eval_loss"),
 
 class PlotError(ValueError):
     """A run directory that cannot be plotted (exit 2)."""
-
-
-def read_metrics(workdir) -> list[dict]:
-    """The rows of `workdir/metrics.jsonl`; a line cut short by a killed run is skipped."""
-    path = paths.workdir_path(workdir) / "metrics.jsonl"
-    if not path.exists():
-        raise PlotError(f"no metrics.jsonl in {paths.workdir_path(workdir)} "
-                        "(is it a training run's workdir?)")
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and "step" in row:
-            rows.append(row)
-    return rows
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -59,7 +41,10 @@ def run_labels(workdirs: list[str]) -> list[str]:
 
 def plot_runs(workdirs: list[str], out: str) -> None:
     """Draws the runs' curves into the PNG `out` (local or a URL)."""
-    runs = [(label, read_metrics(d)) for label, d in zip(run_labels(workdirs), workdirs)]
+    try:
+        runs = [(label, metrics.read_metrics(d)) for label, d in zip(run_labels(workdirs), workdirs)]
+    except FileNotFoundError as e:
+        raise PlotError(f"{e} (is it a training run's workdir?)") from None
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -97,8 +82,6 @@ def plot_runs(workdirs: list[str], out: str) -> None:
 def main(argv) -> None:
     from absl import flags
 
-    from maxlm import cli
-
     cli.setup_logging()  # quiets matplotlib's INFO lines through absl's handler
     workdirs = argv[1:]
     if not workdirs:
@@ -122,9 +105,4 @@ def define_flags() -> None:
 
 
 if __name__ == "__main__":
-    from absl import app
-
-    from maxlm import cli
-
-    define_flags()
-    app.run(main, flags_parser=cli._parse_flags)
+    cli.run(main, define_flags, config_file=False)

@@ -1,12 +1,13 @@
 """Shared test helpers: loading configs/*.py and building synthetic packed batches."""
 
 import importlib.util
+import os
 import pathlib
 
 import jax
 import numpy as np
 
-from maxlm import config as config_lib, mesh as mesh_lib, optim, train
+from maxlm import config as config_lib, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -16,6 +17,17 @@ def load_config(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
+
+
+def command_env(home, devices: int | None = 8, **extra) -> dict:
+    """The environment of a maxlm command a test starts: PATH, the CPU platform, `devices` fake CPU
+    devices (None: one), `home` as HOME, and the run's JAX compilation cache (tests/conftest.py)."""
+    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(home)}
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env.update({k: v for k, v in os.environ.items()
+                if k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))})
+    return {**env, **extra}
 
 
 def with_overrides(cfg, overrides: dict):
@@ -28,12 +40,12 @@ def train_losses(cfg, steps: int, batch_for_step):
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim)
-    state, shardings = train.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
-    train_fn, _ = train.compile_steps(cfg, tx, mesh, rules, shardings)
+    state, shardings = state_lib.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
+    train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings)
     losses = []
     with mesh_lib.activate(mesh, rules):
         for step in range(steps):
-            state, step_metrics = train_fn(state, train.global_batch(batch_for_step(step), mesh, rules))
+            state, step_metrics = train_fn(state, mesh_lib.global_batch(batch_for_step(step), mesh, rules))
             losses.append(float(step_metrics["loss"]))
     return np.array(losses), state
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from maxlm import checkpoint, config as config_lib, train
+from maxlm import checkpoint, config as config_lib, faults, train
 from tests.helpers import load_config, with_overrides
 
 BASE = {"eval.every_steps": 0, "log_every_steps": 1, "metrics.tensorboard": False,
@@ -39,7 +39,7 @@ def steps_in(workdir):
 
 def params_of(workdir, step):
     meta = checkpoint.read_json(str(workdir / "checkpoints" / str(step)), "config")
-    expected = checkpoint._expected_abstract(meta)
+    expected = checkpoint.expected_state(meta)
     state, _ = checkpoint.restore_state(str(workdir / "checkpoints" / str(step)), expected)
     return state
 
@@ -98,7 +98,7 @@ def test_bad_streak_restores_last_good_checkpoint(tmp_path, data_dirs, clean_run
 def test_persistent_nan_stops_and_keeps_last_good(tmp_path, data_dirs):
     cfg = tiny(data_dirs, **{"debug.nan_at_step": 11, "debug.nan_steps": 3,
                              "debug.nan_transient": False, "checkpoint.max_to_keep": 1})
-    with pytest.raises(train.NonFiniteLossError, match=r"still after 2 restore\(s\).*step 10"):
+    with pytest.raises(faults.NonFiniteLossError, match=r"still after 2 restore\(s\).*step 10"):
         train.train_and_evaluate(cfg, str(tmp_path))
     assert steps_in(tmp_path) == [10]  # the only good one, kept whatever max_to_keep says
     assert checkpoint.cli_main(["verify", str(tmp_path)]) == 0

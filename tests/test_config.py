@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from maxlm import config as config_lib
-from tests.helpers import ROOT, load_config, with_overrides
+from tests.helpers import ROOT, command_env, load_config, with_overrides
 
 
 def resolve(num_devices=8, **overrides):
@@ -88,7 +88,7 @@ def test_cli_config_error_exits_2_without_traceback(tmp_path, flag, expected):
     result = subprocess.run(
         [sys.executable, "-m", "maxlm.train", f"--workdir={tmp_path / 'run'}", *config, flag],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)},
+        env=command_env(tmp_path, devices=None),
     )
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr
@@ -102,8 +102,7 @@ def test_cli_dcn_split_without_the_granules_exits_2(tmp_path):
         [sys.executable, "-m", "maxlm.train", f"--workdir={tmp_path / 'run'}", "--config=configs/tiny.py",
          "--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.dcn_data=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path),
-             "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        env=command_env(tmp_path, devices=2),
     )
     assert result.returncode == 2, result.stderr
     assert "mesh.dcn_data x mesh.dcn_fsdp = 2 x 1 = 2 must equal the number of granules, 1" in result.stderr

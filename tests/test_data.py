@@ -90,19 +90,13 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def make_config(tfds_dir, cache_dir, **overrides) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
+    c = config_lib.defaults()
     c.seed = 0
     c.batch_size = BATCH
     c.seq_len = SEQ_LEN
-    c.model = ml_collections.ConfigDict({"vocab_size": 384})
-    c.data = ml_collections.ConfigDict(
-        {
-            "source": "tfds:python_stdlib",
-            "tfds_dir": str(tfds_dir),
-            "cache_dir": str(cache_dir),
-            "tokenizer": "byte",
-        }
-    )
+    c.model.vocab_size = 384
+    c.data.update(source="tfds:python_stdlib", tfds_dir=str(tfds_dir), cache_dir=str(cache_dir),
+                  tokenizer="byte")
     return config_lib.apply_overrides(c, overrides)
 
 

@@ -390,7 +390,7 @@ def test_chunked_prepare_is_bitwise_the_in_memory_one(tmp_path, monkeypatch, tok
     for split in sources.SPLITS:
         # The reference: the whole split in memory, as before streaming.
         cfg = make_config(src, tmp_path / "ref", **overrides)
-        tok = pipeline._checked_tokenizer(cfg)
+        tok = pipeline.checked_tokenizer(cfg)
         texts = pipeline.read_clean_documents(cfg.data, split, __import__("collections").Counter())
         ref = PackedStream.from_documents(tok.encode_batch(texts), SEQ_LEN, tok.bos_id, tok.eos_id,
                                           tok.pad_id, dtype=pipeline.token_dtype(tok.vocab_size))  # fmt: skip
@@ -440,7 +440,7 @@ c.seq_len, c.batch_size = 2048, 8
 c.data.source, c.data.cache_dir = sys.argv[1], sys.argv[2]
 c.data.tokenizer, c.data.validation_percent = "byte", 0.0
 pipeline.CHUNK_CHARS = int(sys.argv[3])
-tok = pipeline._checked_tokenizer(c)
+tok = pipeline.checked_tokenizer(c)
 pipeline.cache_path(c, "train", tok)  # fingerprints the source
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 _, info = pipeline.prepare(c, "train", tok)

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, evaluate as evaluate_lib, generate as gen
+from maxlm import config as config_lib, evaluate as evaluate_lib, generate as gen, runs, state as state_lib
 from maxlm import mesh as mesh_lib, model, train
 from maxlm.data import make_dataset
 from maxlm.data.tokenizer import ByteTokenizer
-from tests.helpers import ROOT, load_config, with_overrides
+from tests.helpers import ROOT, command_env, load_config, with_overrides
 
 # ----------------------------------------------------------------------------- a trained run
 
@@ -37,16 +37,9 @@ def run(tmp_path_factory, data_dirs):
     return cfg, workdir, eval_losses
 
 
-def _env(devices: int) -> dict:
-    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": os.environ.get("HOME", "/tmp")}
-    if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return env
-
-
 def _cli(module: str, *args: str, devices: int = 1):
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env=_env(devices))
+                          text=True, timeout=300, env=command_env(os.environ.get("HOME", "/tmp"), devices))
 
 
 def test_eval_equals_the_training_loops_eval(run):
@@ -70,13 +63,13 @@ def test_eval_on_another_mesh_and_device_count(run):
     a config recorded for 8 devices re-resolves for 4 or 1."""
     cfg, workdir, eval_losses = run
     for devices in (4, 1):
-        mesh_cfg = evaluate_lib.read_config(str(workdir), devices).mesh
+        mesh_cfg = runs.read_config(str(workdir), devices).mesh
         assert (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor) == (1, devices, 1)
-    other = with_overrides(evaluate_lib.read_config(str(workdir)),
+    other = with_overrides(runs.read_config(str(workdir)),
                            {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     other = config_lib.resolve(other, jax.device_count())
     rules, mesh = mesh_lib.rules_of(other.mesh), mesh_lib.make_mesh(other.mesh)
-    params, _ = evaluate_lib.restore_params(evaluate_lib.checkpoint_path(str(workdir)), other, mesh, rules)
+    params, _ = runs.restore_params(runs.checkpoint_path(str(workdir)), other, mesh, rules)
     assert tuple(params["layers"]["attn"]["wq"].sharding.spec)[1:3] == ("fsdp", "tensor")
     result = evaluate_lib.evaluate(other, params, make_dataset(other, "validation"), mesh, rules, 2)
     assert result["loss"] == pytest.approx(eval_losses[10], rel=1e-5)
@@ -84,14 +77,14 @@ def test_eval_on_another_mesh_and_device_count(run):
 
 def test_eval_errors(run, tmp_path):
     cfg, workdir, _ = run
-    with pytest.raises(evaluate_lib.RunError, match="no config.json in"):
+    with pytest.raises(runs.RunError, match="no config.json in"):
         evaluate_lib.evaluate_run(str(tmp_path))
     (tmp_path / "config.json").write_text((workdir / "config.json").read_text())
-    with pytest.raises(evaluate_lib.RunError, match="no complete checkpoint in"):
+    with pytest.raises(runs.RunError, match="no complete checkpoint in"):
         evaluate_lib.evaluate_run(str(tmp_path))
-    with pytest.raises(evaluate_lib.RunError, match=r"--step=7: .*\(steps: 5, 10\)"):
+    with pytest.raises(runs.RunError, match=r"--step=7: .*\(steps: 5, 10\)"):
         evaluate_lib.evaluate_run(str(workdir), step=7)
-    with pytest.raises(evaluate_lib.RunError, match="--split='test': expected one of train, validation"):
+    with pytest.raises(runs.RunError, match="--split='test': expected one of train, validation"):
         evaluate_lib.evaluate_run(str(workdir), split="test")
 
 
@@ -172,7 +165,7 @@ def test_greedy_with_cache_equals_without(scan):
     """Grouped-query attention, sharded (fsdp=4 x tensor=2), jitted, two ragged prompts in one batch."""
     cfg, params = small(scan)
     rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
-    params = jax.device_put(params, evaluate_lib.param_shardings(cfg, mesh, rules))
+    params = jax.device_put(params, state_lib.param_shardings(cfg.model, mesh, rules))
     prompts = [[1, 10, 20, 30, 40], [1, 7, 8]]
     got = gen.generate(cfg, params, prompts, mesh=mesh, rules=rules, max_new_tokens=10)
     assert got == [greedy_without_cache(cfg, params, p, 10) for p in prompts]
@@ -229,7 +222,7 @@ def test_generate_cli(run):
     """Greedy from the trained run: the CLI (8 devices, the run's mesh) prints the tokens that
     generate() gives in this process, and decodes them with the run's byte tokenizer."""
     cfg, workdir, _ = run
-    loaded = evaluate_lib.load_run(str(workdir))
+    loaded = runs.load_run(str(workdir))
     tokenizer = ByteTokenizer()
     prompt = "def main("
     prompt_ids = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from maxlm import checkpoint
-from tests.helpers import ROOT
+from tests.helpers import ROOT, command_env
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +34,7 @@ def command(workdir, data_dirs, *extra):
 
 
 def env(tmp_path, devices=8, **extra):
-    return {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path),
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+    return command_env(tmp_path, devices, **extra)
 
 
 def rows(workdir):
@@ -56,7 +55,7 @@ def rows(workdir):
 
 def final_state(workdir, step):
     path = str(workdir / "checkpoints" / str(step))
-    expected = checkpoint._expected_abstract(checkpoint.read_json(path, "config"))
+    expected = checkpoint.expected_state(checkpoint.read_json(path, "config"))
     state, _ = checkpoint.restore_state(path, expected)
     return jax.tree.map(np.asarray, state)
 

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, evaluate as evaluate_lib, hf, mesh as mesh_lib, model, train
+from maxlm import config as config_lib, hf, hf_mapping, mesh as mesh_lib, model, runs, state as state_lib, train
 from maxlm.data import make_dataset
 from maxlm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer
-from tests.helpers import ROOT, load_config, with_overrides
+from tests.helpers import ROOT, command_env, load_config, with_overrides
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -72,9 +72,9 @@ def _assert_bitwise_equal(got, want):
         np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=jax.tree_util.keystr(path))
 
 
-def _shardings(cfg):
+def _abstract(cfg):
     rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
-    return evaluate_lib.param_shardings(cfg, mesh, rules)
+    return state_lib.abstract_params(cfg.model, state_lib.param_shardings(cfg.model, mesh, rules))
 
 
 # ----------------------------------------------------------------------------- export
@@ -113,16 +113,15 @@ def test_import_round_trip_is_exact_and_sharded(tmp_path, monkeypatch, mesh):
     params = _random_params(cfg.model, seed=3)
     hf.export(params, cfg, str(tmp_path))
     reads = []
-    read_block = hf._read_block
+    read_block = hf.read_block
 
     def recording(hf_slice, t, index):
         block = read_block(hf_slice, t, index)
         reads.append((t.hf_shape, block.size))
         return block
 
-    monkeypatch.setattr(hf, "_read_block", recording)
-    shardings = _shardings(cfg)
-    loaded = hf.load_params(str(tmp_path), cfg.model, shardings)
+    monkeypatch.setattr(hf, "read_block", recording)
+    loaded = hf.load_params(str(tmp_path), cfg.model, _abstract(cfg))
     _assert_bitwise_equal(loaded, params)
     for leaf, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
         shard_shape = leaf.sharding.shard_shape(leaf.shape)
@@ -145,16 +144,16 @@ def test_import_from_sharded_files_bfloat16_and_unrolled(tmp_path):
     shards = sorted(f for f in os.listdir(tmp_path / "split") if f.endswith(".safetensors"))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert hf.INDEX in files and "model.safetensors" not in files
-    _assert_bitwise_equal(hf.load_params(str(tmp_path / "split"), cfg.model, _shardings(cfg)), stacked)
+    _assert_bitwise_equal(hf.load_params(str(tmp_path / "split"), cfg.model, _abstract(cfg)), stacked)
     # scanned → unrolled
     hf.export(stacked, cfg, str(tmp_path / "one"))
     _assert_bitwise_equal(
-        hf.load_params(str(tmp_path / "one"), unrolled_cfg.model, _shardings(unrolled_cfg)), unrolled)
+        hf.load_params(str(tmp_path / "one"), unrolled_cfg.model, _abstract(unrolled_cfg)), unrolled)
     # bfloat16 weights: the parameters rounded to bfloat16 (and float32 again on import)
     hf.export(stacked, cfg, str(tmp_path / "bf16"), dtype="bfloat16")
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), stacked)
-    _assert_bitwise_equal(hf.load_params(str(tmp_path / "bf16"), cfg.model, _shardings(cfg)), rounded)
+    _assert_bitwise_equal(hf.load_params(str(tmp_path / "bf16"), cfg.model, _abstract(cfg)), rounded)
     with pytest.raises(config_lib.ConfigError, match="already holds an export"):
         hf.export(stacked, cfg, str(tmp_path / "one"))
 
@@ -164,7 +163,7 @@ def test_mismatches_are_one_clear_error(tmp_path):
     hf.export(_random_params(cfg.model), cfg, str(tmp_path))
     other = _cfg({"model.num_kv_heads": 4, "model.mlp_dim": 256, "model.tie_embeddings": True})
     with pytest.raises(config_lib.ConfigError) as e:
-        hf.load_params(str(tmp_path), other.model, _shardings(other))
+        hf.load_params(str(tmp_path), other.model, _abstract(other))
     message = str(e.value)
     for part in ("model.num_kv_heads=4 but the checkpoint has 2",
                  "model.mlp_dim=256 but the checkpoint has 128",
@@ -176,10 +175,10 @@ def test_mismatches_are_one_clear_error(tmp_path):
     scaled = dict(hf_cfg, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0},
                   attention_bias=True, model_type="mistral")
     with pytest.raises(config_lib.ConfigError, match="rope type 'llama3'.*attention_bias=true") as e:
-        hf.check_config(scaled, cfg.model, "X")
+        hf_mapping.check_config(scaled, cfg.model, "X")
     assert "mistral" in str(e.value)
     with pytest.raises(config_lib.ConfigError, match="config.json lacks num_hidden_layers"):
-        hf.check_config({"model_type": "llama"}, cfg.model, "X")
+        hf_mapping.check_config({"model_type": "llama"}, cfg.model, "X")
     # weights that do not fit the config they came with
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -189,12 +188,12 @@ def test_mismatches_are_one_clear_error(tmp_path):
     save_file({"model.embed_tokens.weight": np.zeros((264, 32), np.float32)}, str(bad / hf.WEIGHTS))
     with pytest.raises(config_lib.ConfigError, match=r"embed_tokens.weight has shape \[264, 32\], "
                        r"expected \[264, 64\]; model.layers.0.input_layernorm.weight missing"):
-        hf.load_params(str(bad), cfg.model, _shardings(cfg))
+        hf.load_params(str(bad), cfg.model, _abstract(cfg))
     with pytest.raises(config_lib.ConfigError, match="no config.json"):
         hf.read_dir(str(tmp_path / "nowhere"))
     both = _cfg({"checkpoint.init_from_hf": str(tmp_path), "checkpoint.restore_from": str(tmp_path)})
     with pytest.raises(config_lib.ConfigError, match="both set"):
-        hf.check_init_from_hf(both, str(tmp_path / "run"))
+        hf.check_init_from_hf(both)
 
 
 def test_sentencepiece_tokenizer_files_load_in_transformers(tmp_path):
@@ -224,15 +223,9 @@ def test_sentencepiece_tokenizer_files_load_in_transformers(tmp_path):
 # ----------------------------------------------------------------------------- a real run, the CLIs
 
 
-def _env(devices):
-    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": os.environ.get("HOME", "/tmp")}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return env
-
-
 def _cli(*args, devices=8):
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=_env(devices))
+                          timeout=300, env=command_env(os.environ.get("HOME", "/tmp"), devices))
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +244,7 @@ def test_export_cli(exported):
     workdir, out, printed = exported
     assert printed["step"] == 6 and printed["dtype"] == "float32"
     assert sorted(os.listdir(out)) == sorted(printed["files"])
-    run = evaluate_lib.load_run(str(workdir))
+    run = runs.load_run(str(workdir))
     batch = _sequence(64, 259, seed=1)
     ours = np.asarray(jax.jit(functools.partial(model.apply, run["config"].model))(run["params"], batch))
     np.testing.assert_allclose(_hf_logits(str(out), batch["inputs"]), ours, atol=1e-4, rtol=0)
@@ -275,19 +268,19 @@ def test_training_starts_from_the_export(exported, tmp_path, data_dirs):
     overrides = {**data_dirs, "steps": 2, "optim.warmup_steps": 1, "checkpoint.every_steps": 2,
                  "seed": 7, "checkpoint.init_from_hf": str(out)}
     cfg = _cfg(overrides)
-    run = evaluate_lib.load_run(str(source))
+    run = runs.load_run(str(source))
     rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
     dataset = make_dataset(cfg, "train")
     initial = model.init_params(cfg.model, jax.random.key(cfg.seed))
     with mesh_lib.activate(mesh, rules):
-        batch = train.global_batch(train._host_batch(dataset, 0, mesh, rules), mesh, rules)
+        batch = mesh_lib.read_batch(dataset, 0, mesh, rules)
         loss_of = jax.jit(lambda p: model.loss_fn(cfg.model, p, batch)[1]["cross_entropy"])
         expected, fresh = float(loss_of(run["params"])), float(loss_of(initial))
     assert abs(expected - fresh) > 0.05  # the run learned something: the check can tell them apart
     last = train.train_and_evaluate(cfg, str(tmp_path))
     assert last["first_loss"] == pytest.approx(expected, rel=1e-5)
     gone = _cfg({**overrides, "checkpoint.init_from_hf": str(tmp_path / "deleted")})
-    hf.check_init_from_hf(gone, str(tmp_path))  # skipped: the workdir has its own checkpoint
+    train.check_start(gone, str(tmp_path))  # init_from_hf not read: the workdir has its own checkpoint
     assert train.train_and_evaluate(gone, str(tmp_path)) == {}  # resumed at step 2: nothing to do
 
 

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from maxlm import attention, config as config_lib, fp8, mesh as mesh_lib, model, optim, train
+from maxlm import attention, config as config_lib, fp8, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib
 from tests.helpers import load_config, packed_batch
 
 
@@ -48,15 +48,15 @@ def _outputs_and_grads(attend_fn, q, k, v, cotangent):
 
 
 def _compare_with_xla(q, k, v, cotangent, segment_ids, splash_fn):
-    """Splash's output and (q, k, v) gradients against `model.xla_attention` with the model's mask;
+    """Splash's output and (q, k, v) gradients against `attention.xla_attention` with the model's mask;
     returns the jitted splash function (output, dq, dk, dv).
 
     Both compute in float32 with a float32 softmax; they differ only in summation order (splash's
     online softmax rescales per 128-key block), so they agree to a few float32 ulps of the
     accumulated sums: 2e-5 of the largest value (measured: ~1e-6).
     """
-    mask = jax.jit(model.attention_mask)(segment_ids)  # jitted: its sharding constraints need a trace under a mesh
-    expected = _outputs_and_grads(lambda q, k, v: model.xla_attention(q, k, v, mask), q, k, v, cotangent)
+    mask = jax.jit(attention.attention_mask)(segment_ids)  # jitted: its sharding constraints need a trace under a mesh
+    expected = _outputs_and_grads(lambda q, k, v: attention.xla_attention(q, k, v, mask), q, k, v, cotangent)
     run = jax.jit(lambda *a: _outputs_and_grads(splash_fn, *a))
     for name, a, e in zip(("output", "dq", "dk", "dv"), run(q, k, v, cotangent), expected):
         assert_close(a, e, 2e-5, name)  # also: every value finite, padding rows included
@@ -103,7 +103,7 @@ def test_splash_sharded_over_mesh_matches_xla():
 def tiny():
     """configs/tiny.py resolved for one device, and its initial train state (shared: init is slow)."""
     cfg = config_lib.resolve(load_config("tiny"), 1)
-    init = functools.partial(train.init_state, cfg, optim.make_optimizer(cfg.optim))
+    init = functools.partial(state_lib.init_state, cfg, optim.make_optimizer(cfg.optim))
     return cfg, jax.jit(init)(jax.random.key(cfg.seed))
 
 
@@ -119,7 +119,7 @@ def test_model_with_splash_matches_xla(tiny):
     batch = packed_batch(2, 128, cfg.model.vocab_size, docs_per_row=4)
     batch["segment_ids"][0, 100:] = 0  # padding
     splash_cfg = _copy(cfg.model)
-    splash_cfg.attention = model.SPLASH_INTERPRET
+    splash_cfg.attention = attention.SPLASH_INTERPRET
     splash_shapes = jax.eval_shape(lambda: model.init_params(splash_cfg, jax.random.key(0)))
     assert jax.tree.map(lambda a: a.shape, splash_shapes) == jax.tree.map(lambda a: a.shape, state["params"])
     loss = lambda model_cfg: float(jax.jit(lambda p: model.loss_fn(model_cfg, p, batch)[0])(state["params"]))
@@ -134,17 +134,17 @@ def test_block_size():
 
 
 def test_attention_backend_choice(monkeypatch):
-    assert model.attention_backend("auto", jnp.bfloat16, 256) == "xla"  # CPU
+    assert attention.attention_backend("auto", jnp.bfloat16, 256) == "xla"  # CPU
     with pytest.raises(ValueError, match="model.attention='splash' needs a TPU, not cpu"):
-        model.attention_backend("splash", jnp.bfloat16)
+        attention.attention_backend("splash", jnp.bfloat16)
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert model.attention_backend("auto", jnp.bfloat16, 256) == "splash"
-    assert model.attention_backend("auto", jnp.float32) == "splash"
-    assert model.attention_backend("auto", jnp.bfloat16, 100) == "xla"  # no 128-multiple tiling
-    assert model.attention_backend("splash", jnp.bfloat16) == "splash"
+    assert attention.attention_backend("auto", jnp.bfloat16, 256) == "splash"
+    assert attention.attention_backend("auto", jnp.float32) == "splash"
+    assert attention.attention_backend("auto", jnp.bfloat16, 100) == "xla"  # no 128-multiple tiling
+    assert attention.attention_backend("splash", jnp.bfloat16) == "splash"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert model.attention_backend("auto", jnp.bfloat16, 256) == "cudnn"
-    assert model.attention_backend("auto", jnp.float32, 256) == "xla"
+    assert attention.attention_backend("auto", jnp.bfloat16, 256) == "cudnn"
+    assert attention.attention_backend("auto", jnp.float32, 256) == "xla"
 
 
 @pytest.mark.parametrize(
@@ -314,9 +314,9 @@ def test_fp8_keeps_remat_policies(capsys):
 
 
 def _train_losses_one_device(cfg, state, steps, batch):
-    """`steps` of `train.train_step` (jitted, one device) from `state` on the same batch: the losses."""
+    """`steps` of `step_lib.train_step` (jitted, one device) from `state` on the same batch: the losses."""
     tx = optim.make_optimizer(cfg.optim)
-    step_fn = jax.jit(functools.partial(train.train_step, cfg, tx, optim.learning_rate_schedule(cfg.optim)))
+    step_fn = jax.jit(functools.partial(step_lib.train_step, cfg, tx, optim.learning_rate_schedule(cfg.optim)))
     losses = []
     for _ in range(steps):
         state, step_metrics = step_fn(state, batch)

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, command_env
 
 pytestmark = pytest.mark.slow
 LAUNCH = [sys.executable, str(ROOT / "launch" / "local.py")]
@@ -24,8 +24,7 @@ def train_args(workdir, data_dirs, *extra):
 
 
 def env(tmp_path, **extra):
-    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "JAX_PLATFORMS": "cpu"}
-    return {**base, **extra}
+    return command_env(tmp_path, devices=None, **extra)
 
 
 def losses(workdir, partial=False):

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from maxlm import checkpoint, config as config_lib, loss_scale, mesh as mesh_lib, model, optim, train
+from maxlm import attention, checkpoint, config as config_lib, loss_scale, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib, train
 from maxlm.data import make_dataset
 from tests.helpers import load_config, packed_batch, train_losses, with_overrides
 
@@ -58,13 +58,13 @@ def test_loss_scale_is_in_the_state_only_with_float16():
     other scalars; float32 and bfloat16 states (and so their checkpoints) are unchanged."""
     for dtype in ("float32", "bfloat16"):
         cfg = tiny(**{"model.dtype": dtype})
-        assert set(train.abstract_shapes(cfg, optim.make_optimizer(cfg.optim))) == {
+        assert set(state_lib.abstract_state(cfg, optim.make_optimizer(cfg.optim))) == {
             "step", "params", "opt_state", "skipped_steps", "bad_streak"}
     cfg = tiny((2, 2, 2), **FP16)
     tx = optim.make_optimizer(cfg.optim)
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    shapes = train.abstract_shapes(cfg, tx)
-    shardings = train.state_shardings(cfg, tx, mesh, mesh_lib.rules_of(cfg.mesh), shapes)
+    shapes = state_lib.abstract_state(cfg, tx)
+    shardings = state_lib.shardings(cfg, tx, mesh, mesh_lib.rules_of(cfg.mesh), shapes)
     dtypes = {"loss_scale": jnp.float32, "good_steps": jnp.int32, "overflow_steps": jnp.int32}
     for key, dtype in dtypes.items():
         assert shapes[key].shape == () and shapes[key].dtype == dtype
@@ -95,12 +95,12 @@ def test_float16_attention_masks_with_a_float32_fill():
     position leaves the output unchanged, and every output is finite."""
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 2, 16)), jnp.float16) for _ in range(3))
-    mask = model.attention_mask(jnp.ones((1, 8), jnp.int32))
-    out = model.xla_attention(q, k, v, mask)
+    mask = attention.attention_mask(jnp.ones((1, 8), jnp.int32))
+    out = attention.xla_attention(q, k, v, mask)
     assert out.dtype == jnp.float16 and bool(jnp.isfinite(out).all())
-    poisoned = model.xla_attention(q, k, v.at[:, 7].set(60000.0), mask)
+    poisoned = attention.xla_attention(q, k, v.at[:, 7].set(60000.0), mask)
     np.testing.assert_array_equal(np.asarray(poisoned[:, :7]), np.asarray(out[:, :7]))
-    ref = model.xla_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
+    ref = attention.xla_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=5e-3)
 
 
@@ -116,9 +116,9 @@ def test_scaling_keeps_float16_gradients_and_accumulation_matches():
     accum = tiny((1, 1, 1), **FP16, **{"optim.grad_accum_steps": 4})
     batch = {k: jnp.asarray(v) for k, v in packed_batch(8, 64, 264, seed=1).items()}
     params = model.init_params(cfg32.model, jax.random.key(0))
-    (loss32, _), want = jax.jit(lambda p, b: train.loss_and_grads(cfg32, p, b))(params, batch)
-    grads16 = jax.jit(lambda p, b, s: train.loss_and_grads(cfg16, p, b, s))
-    grads_accum = jax.jit(lambda p, b, s: train.loss_and_grads(accum, p, b, s))
+    (loss32, _), want = jax.jit(lambda p, b: step_lib.loss_and_grads(cfg32, p, b))(params, batch)
+    grads16 = jax.jit(lambda p, b, s: step_lib.loss_and_grads(cfg16, p, b, s))
+    grads_accum = jax.jit(lambda p, b, s: step_lib.loss_and_grads(accum, p, b, s))
 
     def err(got, ref):
         return max(float(jnp.abs(a - b).max() / jnp.abs(b).max())
@@ -148,14 +148,14 @@ def test_overflow_skips_halves_and_only_the_minimum_counts_as_bad():
     cfg = tiny(**FP16, **{"optim.loss_scale_growth_interval": 2, "optim.loss_scale_min": 2.0**13})
     rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim)
-    state, shardings = train.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(0))
-    train_fn, _ = train.compile_steps(cfg, tx, mesh, rules, shardings, inject_nan=True)
+    state, shardings = state_lib.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(0))
+    train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings, inject_nan=True)
     counters = ("loss_scale", "good_steps", "overflow_steps", "bad_streak", "skipped_steps")
 
     def step(overflow: bool):
         nonlocal state
         before = host(state)  # the step donates `state`
-        batch = train.global_batch(packed_batch(8, 64, 264, seed=int(before["step"])), mesh, rules)
+        batch = mesh_lib.global_batch(packed_batch(8, 64, 264, seed=int(before["step"])), mesh, rules)
         with mesh_lib.activate(mesh, rules):
             state, metrics = train_fn(state, batch, np.bool_(overflow))
         after = host(state)
@@ -236,11 +236,11 @@ def test_checkpoints_without_the_loss_scale_restore_both_ways(tmp_path, capsys):
     run's state is a float16 run's without the loss-scale entries: parameters are float32 in both.)"""
     cfg = tiny(**FP16, **{"optim.loss_scale_init": 512.0})
     tx, mesh = optim.make_optimizer(cfg.optim), mesh_lib.make_mesh(cfg.mesh)
-    state16, shardings = train.create_sharded_state(cfg, tx, mesh, mesh_lib.rules_of(cfg.mesh), jax.random.key(1))
-    abstract16 = train.abstract_state(cfg, tx, shardings)
+    state16, shardings = state_lib.create_sharded_state(cfg, tx, mesh, mesh_lib.rules_of(cfg.mesh), jax.random.key(1))
+    abstract16 = state_lib.abstract_state(cfg, tx, shardings)
     no_scale = lambda tree: {k: v for k, v in tree.items() if k not in loss_scale.STATE_KEYS}
     state32, abstract32 = no_scale(state16), no_scale(abstract16)
-    assert set(state32) == set(train.abstract_shapes(tiny(), tx))
+    assert set(state32) == set(state_lib.abstract_state(tiny(), tx))
     for name, state in (("f32", state32), ("f16", state16)):
         ckpt = checkpoint.Checkpointer(str(tmp_path / name), cfg.checkpoint)
         ckpt.save(0, state, {"seed": 1}, cfg.to_dict())
@@ -249,7 +249,7 @@ def test_checkpoints_without_the_loss_scale_restore_both_ways(tmp_path, capsys):
     restored, _ = checkpoint.Checkpointer(str(tmp_path / "f32"), cfg.checkpoint).restore_latest(abstract16)
     assert set(restored) == set(state32)
     fresh = {**jax.tree.map(jnp.zeros_like, state32), **{k: state16[k] for k in loss_scale.STATE_KEYS}}
-    merged = train.with_missing_from(restored, fresh, "DIR")
+    merged = state_lib.with_missing_from(restored, fresh, "DIR")
     assert "the checkpoint of step 0 in DIR has no loss scale (written without float16 compute): " \
            "using 512" in capsys.readouterr().err
     assert set(merged) == set(state16) and float(merged["loss_scale"]) == 512.0
@@ -278,7 +278,7 @@ def last_rows(workdir):
 
 def saved_state(workdir, step):
     path = str(workdir / "checkpoints" / str(step))
-    state, _ = checkpoint.restore_state(path, checkpoint._expected_abstract(checkpoint.read_json(path, "config")))
+    state, _ = checkpoint.restore_state(path, checkpoint.expected_state(checkpoint.read_json(path, "config")))
     return host(state)
 
 

@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from maxlm import metrics
+from maxlm import flops, metrics
 
 
 def model_cfg(**overrides):
@@ -40,16 +40,16 @@ def test_tiny_config_matches_hand_formula():
                  + 3 * 2 * d * F         # gate, up, down
                  + 2 * 2 * T * H * Dh / 2)  # QK^T + AV, causal half
     forward = L * per_layer + 2 * d * V
-    parts = metrics.forward_flops_breakdown(model_cfg(), T)
+    parts = flops.forward_flops_breakdown(model_cfg(), T)
     print(parts)
     assert parts["total"] == forward
     assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
-    assert metrics.flops_per_token(model_cfg(), T) == 3 * forward
+    assert flops.flops_per_token(model_cfg(), T) == 3 * forward
 
 
 def test_head_dim_zero_means_d_model_over_heads():
-    explicit = metrics.forward_flops_breakdown(model_cfg(head_dim=16), 32)
-    derived = metrics.forward_flops_breakdown(model_cfg(head_dim=0), 32)
+    explicit = flops.forward_flops_breakdown(model_cfg(head_dim=16), 32)
+    derived = flops.forward_flops_breakdown(model_cfg(head_dim=0), 32)
     assert explicit == derived
 
 
@@ -61,36 +61,36 @@ def test_llama2_7b_non_attention_is_six_times_matmul_params():
     matmul_params = LLAMA2_7B_PARAMS - V * d - (2 * L + 1) * d
     assert matmul_params == 6_607_077_376
     T = 4096
-    parts = metrics.forward_flops_breakdown(cfg, T)
+    parts = flops.forward_flops_breakdown(cfg, T)
     print(parts)
     assert 3 * (parts["total"] - parts["attention"]) == 6 * matmul_params
     # PaLM appendix B: 6N + 12*L*H*Dh*T (attention unhalved); we count half of it.
     palm = 6 * matmul_params + 12 * L * cfg.num_heads * 128 * T
-    assert metrics.flops_per_token(cfg, T) == palm - 6 * L * cfg.num_heads * 128 * T
-    assert metrics.flops_per_token(cfg, T) == pytest.approx(42.9e9, rel=1e-3)
+    assert flops.flops_per_token(cfg, T) == palm - 6 * L * cfg.num_heads * 128 * T
+    assert flops.flops_per_token(cfg, T) == pytest.approx(42.9e9, rel=1e-3)
 
 
 def test_tied_embeddings_do_not_change_flops():
-    assert (metrics.flops_per_token(model_cfg(tie_embeddings=True), 32)
-            == metrics.flops_per_token(model_cfg(tie_embeddings=False), 32))
+    assert (flops.flops_per_token(model_cfg(tie_embeddings=True), 32)
+            == flops.flops_per_token(model_cfg(tie_embeddings=False), 32))
 
 
 def test_gqa_reduces_only_kv_flops():
-    mha = metrics.forward_flops_breakdown(model_cfg(num_kv_heads=4), 32)
-    gqa = metrics.forward_flops_breakdown(model_cfg(num_kv_heads=1), 32)
+    mha = flops.forward_flops_breakdown(model_cfg(num_kv_heads=4), 32)
+    gqa = flops.forward_flops_breakdown(model_cfg(num_kv_heads=1), 32)
     assert gqa["kv_proj"] == mha["kv_proj"] / 4
     for name in ("q_proj", "out_proj", "mlp", "attention", "lm_head"):
         assert gqa[name] == mha[name]
     with pytest.raises(ValueError):
-        metrics.forward_flops_breakdown(model_cfg(num_kv_heads=3), 32)
+        flops.forward_flops_breakdown(model_cfg(num_kv_heads=3), 32)
 
 
 def test_attention_is_halved_for_causality_and_linear_in_seq_len():
     cfg = model_cfg()
     full = 2 * 2 * 32 * cfg.num_heads * cfg.head_dim * cfg.num_layers
-    assert metrics.forward_flops_breakdown(cfg, 32)["attention"] == full / 2
-    assert (metrics.forward_flops_breakdown(cfg, 64)["attention"]
-            == 2 * metrics.forward_flops_breakdown(cfg, 32)["attention"])
+    assert flops.forward_flops_breakdown(cfg, 32)["attention"] == full / 2
+    assert (flops.forward_flops_breakdown(cfg, 64)["attention"]
+            == 2 * flops.forward_flops_breakdown(cfg, 32)["attention"])
 
 
 # --- Peak FLOP/s and MFU ----------------------------------------------------
@@ -112,7 +112,7 @@ def fake_devices(kind, n, platform="tpu"):
     ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
 ])
 def test_table_lookup(kind, dtype, per_device):
-    peak = metrics.peak_flops(fake_devices(kind, 4), dtype)
+    peak = flops.peak_flops(fake_devices(kind, 4), dtype)
     assert peak == {
         "total_flops_per_sec": 4 * per_device,
         "per_device_flops_per_sec": per_device,
@@ -126,40 +126,40 @@ def test_table_lookup(kind, dtype, per_device):
 def test_nvidia_float32_peak_follows_matmul_precision():
     devices = fake_devices("NVIDIA H100 80GB HBM3", 1, platform="gpu")
     # JAX's default GPU precision runs f32 matmuls on TF32 tensor cores.
-    assert metrics.peak_flops(devices, "float32")["total_flops_per_sec"] == 495e12
+    assert flops.peak_flops(devices, "float32")["total_flops_per_sec"] == 495e12
     with jax.default_matmul_precision("highest"):
-        assert metrics.peak_flops(devices, "float32")["total_flops_per_sec"] == 67e12
+        assert flops.peak_flops(devices, "float32")["total_flops_per_sec"] == 67e12
 
 
 def test_mixed_kinds_and_bad_dtype_rejected():
     with pytest.raises(ValueError):
-        metrics.peak_flops(fake_devices("TPU v4", 1) + fake_devices("TPU v5 lite", 1), "bf16")
+        flops.peak_flops(fake_devices("TPU v4", 1) + fake_devices("TPU v5 lite", 1), "bf16")
     with pytest.raises(ValueError):
-        metrics.peak_flops(fake_devices("TPU v4", 1), "int8")
+        flops.peak_flops(fake_devices("TPU v4", 1), "int8")
 
 
 def test_cpu_probe_is_measured_cached_and_not_multiplied_by_fake_devices():
     devices = jax.devices()
     assert len(devices) == 8 and devices[0].platform == "cpu"
-    first = metrics.peak_flops(devices, "float32")
+    first = flops.peak_flops(devices, "float32")
     print(first)
     assert first["source"] == "measured"
     assert first["platform"] == "cpu" and first["num_devices"] == 8
     total = first["total_flops_per_sec"]
     assert math.isfinite(total) and total > 0
     # The 8 fake devices share one host: total is the host rate, not 8x it.
-    assert total == metrics.measure_matmul_flops_per_sec(devices[0], "float32")
+    assert total == flops.measure_matmul_flops_per_sec(devices[0], "float32")
     assert first["per_device_flops_per_sec"] == total / 8
 
-    hits = metrics.measure_matmul_flops_per_sec.cache_info().hits
-    assert metrics.peak_flops(devices, "fp32") == first
-    assert metrics.measure_matmul_flops_per_sec.cache_info().hits == hits + 1
+    hits = flops.measure_matmul_flops_per_sec.cache_info().hits
+    assert flops.peak_flops(devices, "fp32") == first
+    assert flops.measure_matmul_flops_per_sec.cache_info().hits == hits + 1
 
 
 def test_mfu_arithmetic():
-    assert metrics.mfu(1000.0, 6e9, 12e12) == pytest.approx(0.5)
+    assert flops.mfu(1000.0, 6e9, 12e12) == pytest.approx(0.5)
     with pytest.raises(ValueError):
-        metrics.mfu(1000.0, 6e9, 0.0)
+        flops.mfu(1000.0, 6e9, 0.0)
 
 
 # --- Writers ----------------------------------------------------------------

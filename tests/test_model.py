@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, model
+from maxlm import attention, config as config_lib, model
 from tests.helpers import load_config, packed_batch
 
 PUBLISHED = {  # parameter counts of the architectures the configs claim
@@ -197,27 +197,27 @@ def _qkv(dtype=jnp.float32):
     k = jax.random.normal(keys[1], (2, 16, 2, 8), dtype)
     v = jax.random.normal(keys[2], (2, 16, 2, 8), dtype)
     segment_ids = jnp.array([[1] * 10 + [2] * 6, [1] * 16], jnp.int32)
-    return q, k, v, model.attention_mask(segment_ids)
+    return q, k, v, attention.attention_mask(segment_ids)
 
 
 def test_xla_attention_matches_jax_reference():
     """Same semantics as jax.nn.dot_product_attention (what the cuDNN backend calls)."""
     q, k, v, mask = _qkv()
-    ours = model.xla_attention(q, k, v, mask)
+    ours = attention.xla_attention(q, k, v, mask)
     reference = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
     np.testing.assert_allclose(np.asarray(ours), np.asarray(reference), rtol=1e-5, atol=1e-6)
 
 
 def test_auto_attention_on_cpu_is_xla():
-    assert model.attention_backend("auto", jnp.bfloat16) == ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    assert attention.attention_backend("auto", jnp.bfloat16) == ("cudnn" if jax.default_backend() == "gpu" else "xla")
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
-            model.attention_backend("cudnn", jnp.bfloat16)
+            attention.attention_backend("cudnn", jnp.bfloat16)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
 def test_cudnn_attention_matches_xla():
     q, k, v, mask = _qkv(jnp.bfloat16)
-    ours = model.xla_attention(q, k, v, mask).astype(jnp.float32)
-    cudnn = model.attend("cudnn", q, k, v, mask).astype(jnp.float32)
+    ours = attention.xla_attention(q, k, v, mask).astype(jnp.float32)
+    cudnn = attention.attend("cudnn", q, k, v, mask).astype(jnp.float32)
     np.testing.assert_allclose(np.asarray(cudnn), np.asarray(ours), rtol=2e-2, atol=2e-2)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, mesh as mesh_lib, metrics, optim, plot, train
+from maxlm import config as config_lib, mesh as mesh_lib, metrics, optim, plot, state as state_lib, step as step_lib, step_logger, train
 from tests.helpers import ROOT, load_config, packed_batch, with_overrides
 
 STEPS = 8
@@ -145,22 +145,22 @@ def test_console_announces_the_compile_and_carries_eta(run):
 
 
 def test_eta_format():
-    assert metrics.format_eta(3720) == "1h02m"
-    assert metrics.format_eta(3600 * 30) == "30h00m"
-    assert metrics.format_eta(125.4) == "2m05s"
-    assert metrics.format_eta(45) == "45s"
-    assert metrics.format_eta(0) == metrics.format_eta(-3) == "0s"
-    line = train._format(100, {"loss": 2.34567, "tokens_per_sec": 41000.0, "mfu": 0.165},
+    assert step_logger.format_eta(3720) == "1h02m"
+    assert step_logger.format_eta(3600 * 30) == "30h00m"
+    assert step_logger.format_eta(125.4) == "2m05s"
+    assert step_logger.format_eta(45) == "45s"
+    assert step_logger.format_eta(0) == step_logger.format_eta(-3) == "0s"
+    line = step_logger.format_line(100, {"loss": 2.34567, "tokens_per_sec": 41000.0, "mfu": 0.165},
                          eta_sec=3725)
     assert line == "step    100 | loss 2.3457 | tokens/s 41,000 | mfu 16.5% | eta 1h02m"
 
 
 def test_device_memory_only_where_reported():
-    assert metrics.device_memory(jax.local_devices()[0]) == {}  # CPU: memory_stats() is None
+    assert step_logger.device_memory(jax.local_devices()[0]) == {}  # CPU: memory_stats() is None
     gpu = types.SimpleNamespace(memory_stats=lambda: {"bytes_in_use": 7, "peak_bytes_in_use": 9,
                                                       "bytes_limit": 100})
-    assert metrics.device_memory(gpu) == {"memory_bytes_in_use": 7, "memory_peak_bytes_in_use": 9}
-    assert metrics.device_memory(types.SimpleNamespace(memory_stats=lambda: None)) == {}
+    assert step_logger.device_memory(gpu) == {"memory_bytes_in_use": 7, "memory_peak_bytes_in_use": 9}
+    assert step_logger.device_memory(types.SimpleNamespace(memory_stats=lambda: None)) == {}
 
 
 # --- the update/parameter ratio ------------------------------------------------
@@ -171,9 +171,9 @@ def test_update_ratio_is_the_applied_update_over_the_params():
     cfg = tiny(**{"optim.warmup_steps": 0})  # a nonzero lr at step 0
     rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim)
-    state, shardings = train.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(0))
-    train_fn, _ = train.compile_steps(cfg, tx, mesh, rules, shardings, inject_nan=True)
-    batch = train.global_batch(packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size),
+    state, shardings = state_lib.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(0))
+    train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings, inject_nan=True)
+    batch = mesh_lib.global_batch(packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size),
                                mesh, rules)
     norm = lambda tree: math.sqrt(sum(float(np.sum(np.square(x, dtype=np.float64)))  # noqa: E731
                                       for x in jax.tree.leaves(tree)))

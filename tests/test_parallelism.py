@@ -2,6 +2,9 @@
 them, activations really split along the length, and the config errors."""
 
 import dataclasses
+import math
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from maxlm import config as config_lib, mesh as mesh_lib, model, train
-from tests.helpers import load_config, packed_batch, synthetic_losses
+from maxlm import config as config_lib, mesh as mesh_lib, metrics, model
+from tests.helpers import ROOT, command_env, load_config, packed_batch, synthetic_losses
 
 STEPS = 3
 
@@ -88,7 +91,7 @@ def test_gradients_equal_unsharded(shape):
         sharded_loss, sharded_grads = jax.jit(
             lambda p, b: _loss_and_grads(cfg, p, b),
             in_shardings=(param_shardings, mesh_lib.batch_sharding(mesh, rules)),
-        )(jax.device_put(params, param_shardings), train.global_batch(batch, mesh, rules))
+        )(jax.device_put(params, param_shardings), mesh_lib.global_batch(batch, mesh, rules))
     np.testing.assert_allclose(float(sharded_loss), float(loss), rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(sharded_grads)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6,
@@ -104,7 +107,7 @@ def test_activations_and_batch_are_split_along_the_length():
     batch = packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size)
     with mesh_lib.activate(mesh, rules):
         hidden = jax.jit(lambda p, b: model.hidden_states(cfg.model, p, b))
-        global_batch = train.global_batch(batch, mesh, rules)
+        global_batch = mesh_lib.global_batch(batch, mesh, rules)
         x_BLD = hidden(params, global_batch)
         hlo = hidden.lower(params, global_batch).compile().as_text()
     assert global_batch["positions"].addressable_shards[0].data.shape == (cfg.batch_size // 2, cfg.seq_len // 4)
@@ -126,7 +129,7 @@ def test_pipeline_stages_hold_their_layers_and_pass_activations_on():
     batch = packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size)
     with mesh_lib.activate(mesh, rules):
         hidden = jax.jit(lambda p, b: model.hidden_states(cfg.model, p, b))
-        hlo = hidden.lower(params, train.global_batch(batch, mesh, rules)).compile().as_text()
+        hlo = hidden.lower(params, mesh_lib.global_batch(batch, mesh, rules)).compile().as_text()
     assert "collective-permute" in hlo  # the buffer's shift from stage to stage
 
 
@@ -197,3 +200,31 @@ def test_sequence_axis_must_lie_within_a_process():
     # (4, 1, 2, 1) laid out with the sequence axis across processes
     with pytest.raises(config_lib.ConfigError, match="mesh.sequence=2 spans processes"):
         mesh_lib.check_sequence_local(devices.reshape(2, 4).T.reshape(1, 4, 1, 2, 1), config_lib.MESH_AXES)
+
+
+# Every parallelism option and mixes of them, as (stage, data, fsdp, sequence, tensor).
+CLI_MESHES = [(1, 8, 1, 1, 1), (1, 1, 8, 1, 1), (1, 2, 2, 1, 2), (1, 1, 4, 2, 1), (2, 4, 1, 1, 1),
+              (2, 1, 1, 2, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", CLI_MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_every_parallelism_trains_through_the_cli_with_the_defaults(shape, tmp_path, data_dirs):
+    """`python -m maxlm.train` as a user runs it, the defaults on (eval, checkpoint, TensorBoard,
+    maxlm's XLA flags): the sequence-parallel eval step once crashed only there, since the loss
+    equivalence tests above run the train step alone."""
+    stage, data, fsdp, sequence, tensor = shape
+    workdir = tmp_path / "run"
+    flags = [f"--config.mesh.{axis}={size}" for axis, size in
+             zip(("stage", "data", "fsdp", "sequence", "tensor"), shape)]
+    result = subprocess.run(
+        [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={workdir}",
+         "--config.steps=2", "--config.optim.warmup_steps=1", *flags,
+         f"--config.model.pipeline_microbatches={2 if stage > 1 else 1}",
+         *(f"--config.{k}={v}" for k, v in data_dirs.items())],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=command_env(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics.read_metrics(workdir)
+    assert [r["step"] for r in rows if "loss" in r] == [2] and math.isfinite(rows[0]["loss"])
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2]
+    assert (workdir / "checkpoints" / "2").is_dir()

@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, mesh as mesh_lib
+from maxlm import config as config_lib, mesh as mesh_lib, model
 from tests.helpers import load_config, synthetic_losses
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4)]
@@ -36,6 +36,21 @@ def test_same_losses_on_every_mesh(shape, reference_losses):
     losses, _ = run(mesh_config(*shape))
     assert losses[-1] < losses[0]  # it trains
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
+
+
+def test_both_layer_layouts_start_and_train_alike():
+    """`model.scan_layers` changes the compiled program, not the run: from the same seed the
+    unrolled layout starts from the scanned parameters (bitwise) and trains to the same losses."""
+    scanned = mesh_config(2, 2, 2)
+    unrolled = config_lib.apply_overrides(ml_collections.ConfigDict(scanned.to_dict()),
+                                          {"model.scan_layers": False})
+    key = jax.random.key(scanned.seed)
+    stacked = model.stack_layers(model.init_params(unrolled.model, key))
+    for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(model.init_params(scanned.model, key))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    losses_scanned, _ = run(scanned, steps=8)
+    losses_unrolled, _ = run(unrolled, steps=8)
+    np.testing.assert_allclose(losses_unrolled, losses_scanned, rtol=0, atol=1e-5)
 
 
 def test_state_is_sharded_as_the_rules_say():
@@ -99,7 +114,8 @@ def fake_devices(processes, per_process, **extra):
 
 
 def hybrid(devices, **mesh):
-    cfg = ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1, "dcn_data": 1, "dcn_fsdp": 1})
+    cfg = config_lib.defaults().mesh
+    cfg.update(data=1, fsdp=1, tensor=1)
     cfg.update(mesh)
     grid = mesh_lib.hybrid_device_grid(cfg, devices)
     owner = np.vectorize(lambda d: d.process_index)(grid)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import bench, config as config_lib, mesh as mesh_lib, train
+from maxlm import bench, config as config_lib, mesh as mesh_lib, state as state_lib, step as step_lib, train
 from tests.helpers import load_config, packed_batch, train_losses
 
 
@@ -90,8 +90,8 @@ def test_grad_accum_gradients_directly():
     cfg, accum = single_device(), single_device(grad_accum_steps=4)  # 2 rows per microbatch
     batch = {k: jnp.asarray(v) for k, v in padded_batch(cfg, seed=1).items()}
     params = train.model.init_params(cfg.model, jax.random.key(0))
-    (loss_a, aux_a), grads_a = jax.jit(lambda p, b: train.loss_and_grads(cfg, p, b))(params, batch)
-    (loss_b, aux_b), grads_b = jax.jit(lambda p, b: train.loss_and_grads(accum, p, b))(params, batch)
+    (loss_a, aux_a), grads_a = jax.jit(lambda p, b: step_lib.loss_and_grads(cfg, p, b))(params, batch)
+    (loss_b, aux_b), grads_b = jax.jit(lambda p, b: step_lib.loss_and_grads(accum, p, b))(params, batch)
     np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-5)
     np.testing.assert_allclose(float(aux_b["cross_entropy"]), float(aux_a["cross_entropy"]), rtol=1e-5)
     assert float(aux_b["num_tokens"]) == float(aux_a["num_tokens"])
@@ -122,10 +122,10 @@ def test_zero1_falls_back_to_another_dim():
     spec = jax.sharding.PartitionSpec
     sizes = {"data": 2, "fsdp": 4, "tensor": 1}
     # embed = 4: 4 % (4·2) != 0, so the next dim that divides (the scanned layers axis) takes data
-    assert train._add_data_axis((2, 4, 6), spec(None, "fsdp"), spec("layers", "embed", "mlp"), sizes) \
+    assert state_lib.add_data_axis((2, 4, 6), spec(None, "fsdp"), spec("layers", "embed", "mlp"), sizes) \
         == spec("data", "fsdp", None)
     # nothing divides: unchanged
-    assert train._add_data_axis((3,), spec("fsdp"), spec("embed"), sizes) == spec("fsdp")
+    assert state_lib.add_data_axis((3,), spec("fsdp"), spec("embed"), sizes) == spec("fsdp")
 
 
 # ----------------------------------------------------------------------------- bfloat16 first moment

@@ -8,8 +8,8 @@ import sys
 import jax
 import pytest
 
-from maxlm import config as config_lib, train
-from tests.helpers import ROOT, load_config, with_overrides
+from maxlm import config as config_lib, faults, train
+from tests.helpers import ROOT, command_env, load_config, with_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +79,7 @@ def test_cli_run_and_resume(tmp_path, data_dirs):
         "--config.steps=10", "--config.mesh.fsdp=1", "--config.eval.every_steps=0",
         *(f"--config.{k}={v}" for k, v in data_dirs.items()),
     ]
-    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)}
+    env = command_env(tmp_path, devices=None)
     first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"checkpoints: {workdir / 'checkpoints'}" in first.stdout
@@ -93,7 +93,7 @@ def test_cli_run_and_resume(tmp_path, data_dirs):
 
 def test_non_finite_loss_stops_without_saving(tmp_path, data_dirs):
     cfg = tiny(data_dirs, **{"optim.lr": 1e30, "optim.clip_norm": 0.0, "checkpoint.every_steps": 5})
-    with pytest.raises(train.NonFiniteLossError, match="consecutive non-finite steps"):
+    with pytest.raises(faults.NonFiniteLossError, match="consecutive non-finite steps"):
         train.train_and_evaluate(cfg, str(tmp_path))
     saved = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
     assert saved == []  # every update was skipped (non-finite): no good step, nothing written

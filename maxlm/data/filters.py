@@ -15,16 +15,13 @@ import collections
 import hashlib
 import re
 
-from maxlm.data.sources import opt
-
 FILTER_KEYS = ("min_words", "max_symbol_ratio", "max_repeated_word_share", "dedup")
 _SYMBOL = re.compile(r"[^\w\s]")
 
 
 def settings(data_cfg) -> dict:
-    f = opt(data_cfg, "filters", None)
-    defaults = {"min_words": 0, "max_symbol_ratio": 0.0, "max_repeated_word_share": 0.0, "dedup": False}
-    return {k: (opt(f, k, v) if f is not None else v) for k, v in defaults.items()}
+    """`data.filters` as a plain dict (it keys the packed cache)."""
+    return {k: data_cfg.filters[k] for k in FILTER_KEYS}
 
 
 def apply_filters(texts: list[str], cfg: dict, counts: collections.Counter) -> list[str]:

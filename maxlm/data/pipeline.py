@@ -15,12 +15,9 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import shutil
 import tempfile
-import threading
 import time
-import weakref
 from pathlib import Path
 
 import grain
@@ -30,6 +27,7 @@ from maxlm.data import filters, sources
 from maxlm.data.corpus import file_lock
 from maxlm.data.errors import DataError
 from maxlm.data.packing import PackedStream, token_dtype
+from maxlm.data.prefetch import Prefetcher, batch_parts_key
 from maxlm.data.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -94,7 +92,7 @@ class TokenDataset:
 
     def row_ids(self, step: int, process_index=0, process_count: int = 1) -> np.ndarray:
         """Ids of the rows `batch(step, ...)` returns, in order."""
-        step, parts, process_count = int(step), _parts(process_index), int(process_count)
+        step, parts, process_count = int(step), batch_parts_key(process_index), int(process_count)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if process_count < 1 or self.batch_size % process_count:
@@ -145,89 +143,6 @@ class TokenDataset:
         )
 
 
-class Prefetcher:
-    """`TokenDataset.batch` served from a bounded queue filled by one background thread.
-
-    The thread computes `batch(s), batch(s+1), ...` from the last step asked for, at most
-    `depth` ahead; `batch(step)` returns the queued batch when `step` is the next one and
-    otherwise restarts the thread at `step`. numpy releases the GIL while gathering rows, so the
-    reading overlaps the training loop's own host work as well as the device's step.
-    """
-
-    def __init__(self, dataset: TokenDataset, depth: int = 2):
-        if depth < 1:
-            raise ValueError(f"prefetch depth must be >= 1, got {depth}")
-        self.dataset, self.depth = weakref.proxy(dataset), depth
-        self._ref = weakref.ref(dataset)
-        self._next = None  # (step, process_index, process_count) the queue's head is for
-        self._queue = self._stop = self._thread = None
-
-    def __getattr__(self, name):  # steps_per_epoch, row_ids, ... of the dataset
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-    def batch(self, step: int, process_index=0, process_count: int = 1) -> dict[str, np.ndarray]:
-        key = (int(step), _parts(process_index), int(process_count))
-        if key != self._next or self._thread is None:
-            self._start(key)
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        self._next = (key[0] + 1, *key[1:])
-        return item
-
-    def _start(self, key) -> None:
-        self.close()
-        self._queue, self._stop = queue.Queue(self.depth), threading.Event()
-        self._thread = threading.Thread(
-            target=_fill_queue, args=(self._ref, key, self._queue, self._stop),
-            name=f"maxlm-prefetch-{key[0]}", daemon=True,
-        )  # fmt: skip
-        self._thread.start()
-        self._next = key
-
-    def close(self) -> None:
-        """Stops the thread (it restarts on the next `batch`)."""
-        thread, self._thread = getattr(self, "_thread", None), None
-        if thread is not None:
-            self._stop.set()
-            if thread is not threading.current_thread():  # the thread may drop the last reference
-                thread.join()
-
-    __del__ = close
-
-
-def _parts(process_index) -> tuple[int, ...]:
-    """`batch`'s process_index: one part p, or a tuple of parts."""
-    if isinstance(process_index, (int, np.integer)):
-        return (int(process_index),)
-    return tuple(int(p) for p in process_index)
-
-
-def _fill_queue(ref, key, out: queue.Queue, stop: threading.Event) -> None:
-    step, process_index, process_count = key
-    while not stop.is_set():
-        dataset = ref()  # no strong reference while waiting: the thread ends with the dataset
-        if dataset is None:
-            return
-        try:
-            item = dataset.batch(step, process_index, process_count)
-        except BaseException as e:  # raised in the caller's thread by `batch`
-            item = e
-        del dataset
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.05)
-                break
-            except queue.Full:
-                continue
-        if isinstance(item, BaseException):
-            return
-        step += 1
-
-
 def _shuffle_seed(seed: int) -> int:
     # grain reshuffles epoch e with seed + e, so raw seeds s and s+1 would share all but one
     # epoch order. Hashing the seed first keeps runs with nearby seeds unrelated.
@@ -242,8 +157,9 @@ def make_dataset(config, split: str) -> TokenDataset:
     Reads `seed, batch_size, seq_len, model.vocab_size` and `data.*`. Prepares the packed cache
     on first use (`prepare`). Raises `DataError` (a ValueError) on bad data, naming file and line.
     """
-    tokenizer = _checked_tokenizer(config)
-    stream, info = prepare(config, split, tokenizer)
+    source = sources.parse_source(config.data.source)  # a malformed source fails before anything loads
+    tokenizer = checked_tokenizer(config)
+    stream, info = prepare(config, split, tokenizer, source)
     return TokenDataset(
         stream,
         tokenizer=tokenizer,
@@ -254,8 +170,8 @@ def make_dataset(config, split: str) -> TokenDataset:
     )
 
 
-def _checked_tokenizer(config) -> Tokenizer:
-    sources.parse_source(config.data.source)  # a malformed source fails before anything loads
+def checked_tokenizer(config) -> Tokenizer:
+    """`data.tokenizer`, loaded and checked against `model.vocab_size`."""
     tokenizer = load_tokenizer(config.data.tokenizer)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ValueError(
@@ -266,7 +182,7 @@ def _checked_tokenizer(config) -> Tokenizer:
     return tokenizer
 
 
-def cache_meta(config, split: str, tokenizer: Tokenizer) -> dict:
+def cache_meta(config, split: str, tokenizer: Tokenizer, source: sources.Source) -> dict:
     """Everything the packed cache entry depends on (its key is a hash of this)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
@@ -274,12 +190,12 @@ def cache_meta(config, split: str, tokenizer: Tokenizer) -> dict:
     return {
         "format": _PACKED_FORMAT,
         "source": d.source,
-        "source_fingerprint": sources.source_fingerprint(d),
+        "source_fingerprint": sources.source_fingerprint(source, d),
         "split": split,
-        "text_key": sources.opt(d, "text_key", "text"),
-        "txt_documents": sources.opt(d, "txt_documents", "file"),
-        "validation_percent": sources.opt(d, "validation_percent", 2.0),
-        "bad_records": sources.opt(d, "bad_records", "error"),
+        "text_key": d.text_key,
+        "txt_documents": d.txt_documents,
+        "validation_percent": d.validation_percent,
+        "bad_records": d.bad_records,
         "filters": filters.settings(d),
         "tokenizer": tokenizer.spec,
         "tokenizer_fingerprint": tokenizer.fingerprint,
@@ -288,23 +204,28 @@ def cache_meta(config, split: str, tokenizer: Tokenizer) -> dict:
     }
 
 
-def cache_path(config, split: str, tokenizer: Tokenizer | None = None) -> tuple[Path, dict]:
-    tokenizer = tokenizer or _checked_tokenizer(config)
-    meta = cache_meta(config, split, tokenizer)
+def cache_path(config, split: str, tokenizer: Tokenizer | None = None,
+               source: sources.Source | None = None) -> tuple[Path, dict]:
+    """(the cache entry's directory, its meta) for `split`; `tokenizer` and `source` (the parsed
+    `data.source`) are loaded and parsed here when not given."""
+    source = source or sources.parse_source(config.data.source)
+    tokenizer = tokenizer or checked_tokenizer(config)
+    meta = cache_meta(config, split, tokenizer, source)
     key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
-    slug = sources.parse_source(config.data.source).slug
     cache_dir = os.path.expanduser(config.data.cache_dir)
-    return Path(cache_dir) / f"{slug}-{split}-L{config.seq_len}-{key}", meta
+    return Path(cache_dir) / f"{source.slug}-{split}-L{config.seq_len}-{key}", meta
 
 
-def prepare(config, split: str, tokenizer: Tokenizer | None = None) -> tuple[PackedStream, dict]:
+def prepare(config, split: str, tokenizer: Tokenizer | None = None,
+            source: sources.Source | None = None) -> tuple[PackedStream, dict]:
     """(memory-mapped packed stream, the cache entry's meta.json), building the entry if missing.
 
     The entry is written atomically (temporary directory, then rename) under a file lock, so
     concurrent processes build it once. meta.json carries the statistics `stats` prints.
     """
-    tokenizer = tokenizer or _checked_tokenizer(config)
-    final, meta = cache_path(config, split, tokenizer)
+    source = source or sources.parse_source(config.data.source)
+    tokenizer = tokenizer or checked_tokenizer(config)
+    final, meta = cache_path(config, split, tokenizer, source)
     if not (final / "meta.json").is_file():
         final.parent.mkdir(parents=True, exist_ok=True)
         with file_lock(final.parent / f".{final.name}.lock"):
@@ -312,7 +233,7 @@ def prepare(config, split: str, tokenizer: Tokenizer | None = None) -> tuple[Pac
                 # Packing runs only under this lock: a temporary dir left is a dead run's.
                 for stale in final.parent.glob(f".{final.name}.tmp-*"):
                     shutil.rmtree(stale, ignore_errors=True)
-                _pack_into(final, meta, config.data, tokenizer)
+                _pack_into(final, meta, source, config.data, tokenizer)
     info = json.loads((final / "meta.json").read_text())
     stream = PackedStream(
         np.load(final / "targets.npy", mmap_mode="r"),
@@ -326,9 +247,10 @@ def prepare(config, split: str, tokenizer: Tokenizer | None = None) -> tuple[Pac
     return stream, info
 
 
-def iter_clean_documents(data_cfg, split: str, counts):
-    """Yields the documents of `split` after `data.filters`, streaming (`sources.iter_documents`);
-    skip and filter counts go to `counts`, complete once the iterator is exhausted."""
+def iter_clean_documents(source: sources.Source, data_cfg, split: str, counts):
+    """Yields the documents of `split` of `source` after `data.filters`, streaming
+    (`sources.iter_documents`); skip and filter counts go to `counts`, complete once the iterator
+    is exhausted."""
     read = 0
 
     def counted(texts):
@@ -338,7 +260,7 @@ def iter_clean_documents(data_cfg, split: str, counts):
             yield text
 
     kept = 0
-    texts = counted(sources.iter_documents(data_cfg, split, counts))
+    texts = counted(sources.iter_documents(source, data_cfg, split, counts))
     for text in filters.iter_filtered(texts, filters.settings(data_cfg), counts):
         kept += 1
         yield text
@@ -348,8 +270,9 @@ def iter_clean_documents(data_cfg, split: str, counts):
 
 
 def read_clean_documents(data_cfg, split: str, counts) -> list[str]:
-    """The documents of `split` after `data.filters`, as a list (see `iter_clean_documents`)."""
-    return list(iter_clean_documents(data_cfg, split, counts))
+    """The documents of `split` of `data_cfg.source` after `data.filters`, as a list
+    (see `iter_clean_documents`)."""
+    return list(iter_clean_documents(sources.parse_source(data_cfg.source), data_cfg, split, counts))
 
 
 # `prepare` reads, filters and tokenizes a split this many documents, or characters of text,
@@ -408,7 +331,7 @@ class _NpyWriter:
         self._f.close()
 
 
-def _pack_into(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer) -> None:
+def _pack_into(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer: Tokenizer) -> None:
     """Reads, cleans, tokenizes and packs a split into `final`, atomically, in chunks.
 
     Each chunk of `CHUNK_DOCUMENTS` documents or `CHUNK_CHARS` characters is tokenized and
@@ -427,7 +350,7 @@ def _pack_into(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer) -> None:
         writers.append(targets_w)
         starts_w = _NpyWriter(tmp / "doc_starts.npy", np.int64)
         writers.append(starts_w)
-        chunks = _chunks(iter_clean_documents(data_cfg, meta["split"], counts),
+        chunks = _chunks(iter_clean_documents(source, data_cfg, meta["split"], counts),
                          CHUNK_DOCUMENTS, CHUNK_CHARS)  # fmt: skip
         while True:
             t0 = time.perf_counter()

@@ -42,14 +42,6 @@ SPLITS = ("train", "validation")
 _PARAGRAPH = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")
 
 
-def opt(data_cfg, key: str, default):
-    """`data_cfg.key`, or `default` for configs written before the key existed."""
-    try:
-        return data_cfg[key]
-    except (KeyError, AttributeError):
-        return default
-
-
 @dataclass(frozen=True)
 class Source:
     spec: str
@@ -134,8 +126,8 @@ def _tfds_documents(source, data_cfg, split, counts):
     """Yields `(where, text)` one example at a time (random access, so memory stays flat)."""
     tfds_dir = os.path.expanduser(data_cfg.tfds_dir)
     ds = _open_tfds(source, tfds_dir, split)
-    text_key = opt(data_cfg, "text_key", "text")
-    skip = opt(data_cfg, "bad_records", "error") == "skip"
+    text_key = data_cfg.text_key
+    skip = data_cfg.bad_records == "skip"
     where = f"tfds:{source.tfds_name}[{split}]"
     for i in range(len(ds)):
         example = ds[i]
@@ -215,8 +207,8 @@ _RECORDS_PER_READ = 1024
 def _read_file(path: Path, rel: str, data_cfg, counts):
     """Yields `(where, text)` from one file, streaming: a .jsonl line, a parquet batch or an
     array_record range at a time (a .txt file is one document, or its paragraphs, read whole)."""
-    text_key = opt(data_cfg, "text_key", "text")
-    skip = opt(data_cfg, "bad_records", "error") == "skip"
+    text_key = data_cfg.text_key
+    skip = data_cfg.bad_records == "skip"
     if path.stat().st_size == 0:
         counts["empty_files"] += 1
         log.warning("%s: skipped: empty file", path)
@@ -231,7 +223,7 @@ def _read_file(path: Path, rel: str, data_cfg, counts):
             log.warning("%s:%d: skipped file: not valid UTF-8", path, line)
             return
         del raw
-        if opt(data_cfg, "txt_documents", "file") == "paragraph":
+        if data_cfg.txt_documents == "paragraph":
             pos, line = 0, 1
             for m in [*_PARAGRAPH.finditer(text), None]:
                 end = m.start() if m else len(text)
@@ -313,14 +305,14 @@ def is_validation(key: str, percent: float) -> bool:
     return zlib.crc32(key.encode("utf-8")) % 10_000 < percent * 100
 
 
-def iter_documents(data_cfg, split: str, counts: collections.Counter | None = None):
-    """Yields the texts of `split` in a fixed order, one at a time: memory stays bounded by
-    one document (or one read of `_RECORDS_PER_READ` records), whatever the source's size.
-    Skips are added to `counts`. Raises DataError (an empty source or split: at the end)."""
+def iter_documents(source: Source, data_cfg, split: str, counts: collections.Counter | None = None):
+    """Yields the texts of `split` of `source` (`parse_source(data_cfg.source)`) in a fixed order,
+    one at a time: memory stays bounded by one document (or one read of `_RECORDS_PER_READ`
+    records), whatever the source's size. Skips are added to `counts`. Raises DataError (an empty
+    source or split: at the end)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     counts = collections.Counter() if counts is None else counts
-    source = parse_source(data_cfg.source)
     seen = kept = 0
     if source.kind == "tfds":
         empty_where = f"tfds:{source.tfds_name}[{split}]"
@@ -329,7 +321,7 @@ def iter_documents(data_cfg, split: str, counts: collections.Counter | None = No
             yield text
         kept = seen
     else:
-        percent = float(opt(data_cfg, "validation_percent", 2.0))
+        percent = float(data_cfg.validation_percent)
         want_val = split == "validation"
         empty_where = f"data.source={source.spec!r}"
         for where, text in _file_documents(source, data_cfg, counts):
@@ -353,13 +345,12 @@ def iter_documents(data_cfg, split: str, counts: collections.Counter | None = No
 
 
 def read_documents(data_cfg, split: str, counts: collections.Counter | None = None) -> list[str]:
-    """The texts of `split` in a fixed order, as a list (see `iter_documents`)."""
-    return list(iter_documents(data_cfg, split, counts))
+    """The texts of `split` of `data_cfg.source` in a fixed order, as a list (`iter_documents`)."""
+    return list(iter_documents(parse_source(data_cfg.source), data_cfg, split, counts))
 
 
-def source_fingerprint(data_cfg) -> str:
+def source_fingerprint(source: Source, data_cfg) -> str:
     """Changes whenever the source's content could have changed (keys the packed cache)."""
-    source = parse_source(data_cfg.source)
     h = hashlib.sha256(source.spec.encode())
     if source.kind == "tfds":
         tfds_dir = os.path.expanduser(data_cfg.tfds_dir)

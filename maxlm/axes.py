@@ -1,0 +1,173 @@
+"""The mesh's five axes, the logical-axis rules that map onto them, and the checks a config's
+mesh must pass (part of `config.resolve`) before anything is compiled.
+
+Plain data and arithmetic, no JAX: `maxlm/mesh.py` builds the jax Mesh from the resolved sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from maxlm.errors import ConfigError
+
+# Logical axis names → mesh axes. Parameters and activations are annotated with the logical names
+# on the left; a mesh sweep edits this table (or the mesh sizes), never the model.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),  # activations' batch dim: data parallel and fully-sharded DP
+    ("embed", "fsdp"),  # weights' d_model dim: ZeRO-3 (weights, grads and Adam state sharded)
+    ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),  # Megatron
+    ("head_dim", None),
+    ("layers", "stage"),  # the scanned layers' axis: pipeline stages, each holding its layers
+    ("length", "sequence"),  # activations' sequence dim: sequence parallelism
+    ("act_embed", None),  # activations' d_model dim stays whole: sharding it would add collectives
+)
+
+MESH_AXES = ("stage", "data", "fsdp", "sequence", "tensor")  # outermost (slowest links) first
+DCN_AXES = ("data", "fsdp")  # axes that may span granules: mesh.dcn_data, mesh.dcn_fsdp
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
+    """Fills the one optional -1 so that stage × data × fsdp × sequence × tensor == num_devices."""
+    sizes = {axis: mesh_cfg[axis] for axis in MESH_AXES}
+    for axis, size in sizes.items():
+        if not _is_int(size) or (size < 1 and size != -1):
+            raise ConfigError(f"mesh.{axis} must be a positive int or -1, got {size!r}")
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ConfigError(
+            f"only one mesh axis may be -1, got {', '.join('mesh.' + a for a in fill)} = -1"
+        )
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        if num_devices % known:
+            raise ConfigError(
+                f"mesh.{fill[0]}=-1 cannot be filled: the other axes multiply to {known}, "
+                f"which does not divide the {num_devices} devices"
+            )
+        sizes[fill[0]] = num_devices // known
+    product = math.prod(sizes.values())
+    if product != num_devices:
+        shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
+        raise ConfigError(
+            f"mesh {shape} has {product} devices but {num_devices} are available; "
+            f"make the product {num_devices} or set one axis to -1"
+        )
+    return sizes
+
+
+def check_dcn(mesh_cfg, num_granules: int | None = None) -> None:
+    """`mesh.dcn_data` / `mesh.dcn_fsdp` against the resolved mesh and, when known, the number of
+    granules (TPU slices; processes on GPU/CPU) the devices come in."""
+    dcn = {axis: mesh_cfg[f"dcn_{axis}"] for axis in DCN_AXES}
+    for axis, size in dcn.items():
+        if not _is_int(size) or size < 1:
+            raise ConfigError(f"mesh.dcn_{axis} must be a positive int, got {size!r}")
+        if mesh_cfg[axis] % size:
+            raise ConfigError(
+                f"mesh.dcn_{axis}={size} must divide mesh.{axis}={mesh_cfg[axis]} (mesh.{axis} = "
+                f"dcn_{axis} granules x mesh.{axis}/dcn_{axis} devices within each)"
+            )
+    if num_granules is not None and (product := math.prod(dcn.values())) > 1 and product != num_granules:
+        raise ConfigError(
+            f"mesh.dcn_data x mesh.dcn_fsdp = {dcn['data']} x {dcn['fsdp']} = {product} must equal "
+            f"the number of granules, {num_granules} (TPU slices; processes on GPU/CPU)"
+        )
+
+
+def check_mesh(c, num_devices: int, num_granules: int | None) -> None:
+    """Fills the mesh's -1; the batch, heads and widths against the mesh axes; sequence and
+    pipeline parallelism; the rules."""
+    m, accum = c.model, c.optim.grad_accum_steps
+    mesh = resolve_mesh_shape(c.mesh, num_devices)
+    c.mesh.update(mesh)
+    check_dcn(c.mesh, num_granules)
+    batch_shards = mesh["data"] * mesh["fsdp"]
+    if c.batch_size % batch_shards:
+        raise ConfigError(
+            f"batch_size={c.batch_size} must be divisible by mesh.data x mesh.fsdp = "
+            f"{mesh['data']} x {mesh['fsdp']} = {batch_shards}"
+        )
+    if c.batch_size % (accum * batch_shards):
+        raise ConfigError(
+            f"batch_size={c.batch_size} must be divisible by optim.grad_accum_steps x mesh.data x "
+            f"mesh.fsdp = {accum} x {mesh['data']} x {mesh['fsdp']} = {accum * batch_shards} "
+            "(each microbatch is split evenly over the data-parallel devices)"
+        )
+    _check_sequence(c, mesh["sequence"])
+    _check_pipeline(c, mesh)
+    tensor = mesh["tensor"]
+    for key in ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
+        if m[key] % tensor:
+            raise ConfigError(f"model.{key}={m[key]} must be divisible by mesh.tensor={tensor}")
+    if m.d_model % mesh["fsdp"]:
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']}")
+    check_rules(c.mesh.rules)
+
+
+def _check_sequence(c, sequence: int):
+    """Sequence parallelism (`mesh.sequence` > 1): each device holds seq_len / sequence positions of
+    every activation; attention all-gathers keys and values, which only the XLA backend does."""
+    if sequence == 1:
+        return
+    if c.seq_len % sequence:
+        raise ConfigError(
+            f"seq_len={c.seq_len} must be divisible by mesh.sequence={sequence} (each device holds "
+            f"seq_len / mesh.sequence positions)"
+        )
+    if c.model.attention in ("cudnn", "splash"):
+        raise ConfigError(
+            f"model.attention={c.model.attention!r} does not support mesh.sequence={sequence} > 1 "
+            "(its kernel needs the whole sequence on each device); use model.attention='xla' or 'auto'"
+        )
+    c.model.attention = "xla"  # what "auto" means under sequence parallelism
+
+
+def _check_pipeline(c, mesh):
+    """Pipeline parallelism (`mesh.stage` > 1): N/S layers per stage, a GPipe schedule over
+    `model.pipeline_microbatches` microbatches of each (accumulation) microbatch."""
+    m, stages, micro = c.model, mesh["stage"], c.model.pipeline_microbatches
+    if stages == 1:
+        return
+    if m.num_layers % stages:
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} must be divisible by mesh.stage={stages} "
+            "(each pipeline stage holds the same number of layers)"
+        )
+    if not m.scan_layers:
+        raise ConfigError(f"mesh.stage={stages} > 1 needs model.scan_layers=True (stages split the "
+                          "scanned layers)")
+    if m.attention in ("cudnn", "splash"):
+        raise ConfigError(
+            f"model.attention={m.attention!r} is not supported with mesh.stage={stages} > 1 (the "
+            "pipeline runs the stages under vmap); use model.attention='xla' or 'auto'"
+        )
+    m.attention = "xla"  # what "auto" means in the pipeline
+    shards = c.optim.grad_accum_steps * micro * mesh["data"] * mesh["fsdp"]
+    if c.batch_size % shards:
+        raise ConfigError(
+            f"batch_size={c.batch_size} must be divisible by optim.grad_accum_steps x "
+            f"model.pipeline_microbatches x mesh.data x mesh.fsdp = {c.optim.grad_accum_steps} x "
+            f"{micro} x {mesh['data']} x {mesh['fsdp']} = {shards} (each pipeline microbatch is "
+            "split evenly over the data-parallel devices)"
+        )
+
+
+def check_rules(rules):
+    names = set()
+    for rule in rules:
+        if len(rule) != 2 or not isinstance(rule[0], str):
+            raise ConfigError(f"mesh.rules entries must be (logical_name, mesh_axes), got {rule!r}")
+        name, axes = rule
+        if name in names:
+            raise ConfigError(f"mesh.rules names {name!r} twice")
+        names.add(name)
+        for axis in (axes,) if isinstance(axes, str) or axes is None else axes:
+            if axis is not None and axis not in MESH_AXES:
+                raise ConfigError(
+                    f"mesh.rules maps {name!r} to unknown mesh axis {axis!r}; "
+                    f"mesh axes are {MESH_AXES}"
+                )

@@ -1,0 +1,176 @@
+"""Fault tolerance: when to save, postpone, restore or stop; preemption; NaN injection.
+
+`FaultPolicy` decides from plain values (the step, the bad-step streak, the clock), so it is
+testable without orbax or a device:
+
+* a step whose update came out non-finite is skipped inside the jitted step (maxlm/step.py);
+  after `checkpoint.max_bad_steps` consecutive ones the loop restores the last good checkpoint,
+  with the learning rate times `checkpoint.restore_lr_scale`; after `checkpoint.max_restores`
+  such restores without getting past the failure it stops (`NonFiniteLossError`, exit 3);
+* a save point (every `checkpoint.every_steps`, the last step, every `checkpoint.every_minutes`,
+  a preemption) that falls in a streak of non-finite steps is postponed to the next good step,
+  so every checkpoint is a good one to restore;
+* SIGTERM (`PreemptionWatcher`) saves at the current step and ends the run with `Preempted`
+  (exit `PREEMPTED_EXIT`); every process agrees on that step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+
+import jax
+import numpy as np
+
+log = logging.getLogger("maxlm")
+
+# "Preempted, checkpoint committed": 128 + SIGTERM, what schedulers already read as "terminated
+# by SIGTERM" and retry (Kubernetes/GKE Job restart and podFailurePolicy rules, SLURM requeue
+# scripts); 0 would tell them the run is finished and stop the requeue.
+PREEMPTED_EXIT = 143
+
+SAVE, POSTPONE, RECOVER = "save", "postpone", "recover"  # FaultPolicy.at_save_point's verdicts
+
+
+class NonFiniteLossError(RuntimeError):
+    """Non-finite steps kept coming back after restoring the last good checkpoint (exit 3)."""
+
+
+class Preempted(Exception):
+    """SIGTERM arrived; a checkpoint of `step` has been committed."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
+def agree(flag: bool) -> bool:
+    """Process 0's `flag` on every process (time-based decisions must not diverge)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
+
+
+class FaultPolicy:
+    """The loop's fault-tolerance decisions for one run (`checkpoint_cfg`: the config's
+    `checkpoint` section; `total_steps`: the run's `steps`; `clock`: seconds, monotonic)."""
+
+    def __init__(self, checkpoint_cfg, total_steps: int, clock=time.monotonic):
+        self.cfg, self.total_steps, self.clock = checkpoint_cfg, total_steps, clock
+        self.restores = 0  # restores after bad streaks without getting past the failure since
+        self.failed_at = -1  # the last step of the latest such streak
+        self.save_due: str | None = None  # a save point's kind that fell in a bad streak
+        self.last_save = clock()
+        self._previous = None  # the previous step's metrics: its streak is read one step late
+
+    def streak_ended(self, step_metrics) -> bool:
+        """Called with each step's metrics right after dispatching it: whether the step *before*
+        it ended a streak of `max_bad_steps` non-finite steps (read now, when it has finished)."""
+        previous, self._previous = self._previous, step_metrics
+        return previous is not None and int(previous["bad_streak"]) >= self.cfg.max_bad_steps
+
+    def save_kind(self, done: int, preempted: bool) -> str | None:
+        """The kind of checkpoint due after `done` steps, or None: preemption, final, regular
+        (every `every_steps`), a postponed one, or temporary (every `every_minutes`)."""
+        if preempted:
+            return "preemption"
+        if done == self.total_steps:
+            return "final"
+        if done % self.cfg.every_steps == 0:
+            return "regular"
+        if self.save_due:
+            return self.save_due
+        minutes = self.cfg.every_minutes
+        if minutes and agree(self.clock() - self.last_save >= 60 * minutes):
+            return "temporary"
+        return None
+
+    def at_save_point(self, done: int, kind: str, bad_streak: int) -> str:
+        """SAVE, POSTPONE (step `done` was non-finite: save at the next good step) or RECOVER
+        (it ended a streak of `max_bad_steps`). A preemption or the final step saves regardless:
+        the state saved is the last good one (skipped steps leave it unchanged)."""
+        forced = kind in ("preemption", "final")
+        if bad_streak >= self.cfg.max_bad_steps and kind != "preemption":
+            return RECOVER
+        if bad_streak and not forced:
+            if not self.save_due:
+                log.info("step %d was non-finite: its checkpoint waits for a good step", done)
+            self.save_due = self.save_due or ("regular" if kind == "regular" else "temporary")
+            return POSTPONE
+        return SAVE
+
+    def saved(self, done: int) -> None:
+        self.save_due, self.last_save = None, self.clock()
+        if done > self.failed_at >= 0:  # got past the failure: restores start counting afresh
+            self.restores, self.failed_at = 0, -1
+
+    def recovering(self, bad_step: int, newest: int | None) -> int:
+        """Counts a restore after the streak ending at `bad_step` (`newest`: the newest checkpoint,
+        for the message); raises NonFiniteLossError past `max_restores`. Returns the count."""
+        self.save_due, self._previous = None, None
+        self.restores += 1
+        if self.restores > self.cfg.max_restores:
+            raise NonFiniteLossError(
+                f"{self.cfg.max_bad_steps} consecutive non-finite steps up to step {bad_step}, "
+                f"still after {self.restores - 1} restore(s) of the last good checkpoint "
+                f"(checkpoint.max_restores={self.cfg.max_restores}); stopped. Newest checkpoint: "
+                f"{f'step {newest}' if newest is not None else 'none'}, all finite"
+            )
+        self.failed_at = max(self.failed_at, bad_step)
+        return self.restores
+
+
+class PreemptionWatcher:
+    """Has a preemption notice (SIGTERM) arrived? Every process gets the same answer per step.
+
+    Multi-process: JAX's preemption sync point (the coordination service catches SIGTERM and
+    all processes agree on the first step at which to stop). Single process: our own handler.
+    """
+
+    def __init__(self):
+        self.flag = False
+        self.multi = jax.process_count() > 1
+        self._previous = None
+
+    def __enter__(self):
+        if not self.multi:
+            with contextlib.suppress(ValueError):  # not the main thread: no handler
+                self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.flag = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def reached(self, step: int) -> bool:
+        if self.multi:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.flag
+
+
+def with_nan_injection(train_fn, debug_cfg, injected: set[int]):
+    """Fault injection (`debug.nan_at_step`): `train_fn(state, batch, inject)` (made with
+    `step.make_train_step(..., inject_nan=True)`) as a `(state, batch)` step whose gradients are
+    NaN in steps nan_at_step ... nan_at_step + nan_steps - 1; with `nan_transient` only the first
+    time each of them runs in this process (`injected` records them, shared by the steps built
+    for one run, so a restore replays them clean). Reads the state's step back from the device, a
+    sync a debugging knob can afford."""
+    first, count, transient = debug_cfg.nan_at_step, debug_cfg.nan_steps, debug_cfg.nan_transient
+
+    def step_fn(state, batch):
+        step = int(state["step"])
+        hit = first <= step < first + count and not (transient and step in injected)
+        if hit:
+            injected.add(step)
+        return train_fn(state, batch, np.bool_(hit))
+
+    return step_fn

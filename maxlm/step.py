@@ -1,0 +1,132 @@
+"""One training step: loss and gradients, the optimizer update, non-finite steps skipped.
+
+    train_fn = make_train_step(cfg, tx, mesh, rules, state_shardings)
+    state, step_metrics = train_fn(state, batch)     # jitted; the old state's buffers are donated
+
+`loss_and_grads` runs the model's forward and backward pass (over microbatches with gradient
+accumulation, scaled with float16's dynamic loss scale); `train_step` applies the optax update
+unless the step came out non-finite, and reports the step's metrics as device scalars (the loop
+reads them back one step late).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from maxlm import loss_scale, mesh as mesh_lib, model, optim
+from maxlm.state import State, all_finite
+
+
+def loss_and_grads(cfg, params, batch, scale=None):
+    """((loss, aux), grads) of the whole batch, as `jax.value_and_grad(model.loss_fn)` gives them.
+
+    With `optim.grad_accum_steps` = n > 1, a `lax.scan` runs forward + backward on one microbatch
+    (B/n rows, `model.microbatches`) at a time, so activations scale with the microbatch. The loss
+    is a mean over the batch's non-padding tokens, so each microbatch's mean loss and gradients are
+    weighted by its token count and the sums divided by the batch's: the result equals the
+    large-batch step (up to float summation order), however unevenly padding falls.
+
+    With a loss `scale` (float16 compute, see maxlm/loss_scale.py) each microbatch's objective is
+    multiplied by it before differentiating and the summed gradients divided by it in float32: the
+    loss and gradients returned are unscaled (non-finite where the float16 backward overflowed).
+    """
+    loss_fn = functools.partial(model.loss_fn, cfg.model)
+    if scale is None:
+        grad_fn, unscale = jax.value_and_grad(loss_fn, has_aux=True), lambda grads: grads
+    else:
+        grad_fn = loss_scale.value_and_scaled_grad(loss_fn, scale)
+        unscale = functools.partial(loss_scale.unscale, loss_scale=scale)
+    n = cfg.optim.grad_accum_steps
+    if n == 1:
+        (loss, aux), grads = grad_fn(params, batch)
+        return (loss, aux), unscale(grads)
+
+    def body(carry, micro):
+        (loss_i, aux_i), grads_i = grad_fn(params, micro)
+        w = aux_i["num_tokens"]  # the microbatch's mean × its tokens = its loss sum
+        sums = {"loss": loss_i * w, "cross_entropy": aux_i["cross_entropy"] * w, "num_tokens": w,
+                "grads": jax.tree.map(lambda g: g * w, grads_i)}
+        return jax.tree.map(jnp.add, carry, sums), None
+
+    zero = jnp.zeros((), jnp.float32)
+    init = {"loss": zero, "cross_entropy": zero, "num_tokens": zero,
+            "grads": jax.tree.map(jnp.zeros_like, params)}
+    split = functools.partial(model.microbatches, n=n, axes=("batch", "length"))
+    sums, _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+    denom = jnp.maximum(sums["num_tokens"], 1.0)
+    grads = jax.tree.map(lambda g: g / denom, sums["grads"])
+    aux = {"num_tokens": sums["num_tokens"], "cross_entropy": sums["cross_entropy"] / denom}
+    return (sums["loss"] / denom, aux), unscale(grads)
+
+
+def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple[State, dict]:
+    """One update; a step whose loss, gradient norm or new state is NaN/inf is not applied.
+
+    A skipped step still advances `step` (its batch is consumed: the data position stays a pure
+    function of the step) and counts in `skipped_steps` and `bad_streak` (reset by a good step).
+    `inject_nan` (a bool scalar; fault injection, see `faults.with_nan_injection`) makes this
+    step's gradients NaN.
+
+    With float16 compute the state carries a dynamic loss scale (maxlm/loss_scale.py): non-finite
+    gradients while the scale can still halve are an overflow, skipped and counted in
+    `overflow_steps` but not a bad step (`bad_streak` neither grows nor resets).
+    """
+    scale = state.get("loss_scale")  # None: no loss scaling (float32 / bfloat16 compute)
+    (loss, aux), grads = loss_and_grads(cfg, state["params"], batch, scale)
+    if inject_nan is not None:
+        grads = jax.tree.map(lambda g: jnp.where(inject_nan, jnp.nan, g), grads)
+    grad_norm = optax.tree.norm(grads)  # before clipping
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    # how far this step moved the weights, relative to their size (~1e-3 is typical for Adam)
+    update_ratio = optax.tree.norm(updates) / optax.tree.norm(state["params"])
+    grads_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    ok = grads_finite & all_finite(params) & all_finite(opt_state)
+    keep_if_bad = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
+    params = keep_if_bad(params, state["params"])
+    opt_state = keep_if_bad(opt_state, state["opt_state"])
+    bad = ~ok
+    if scale is not None:
+        bad &= ~loss_scale.overflowed(cfg.optim, state, grads_finite)
+    bad = bad.astype(jnp.int32)
+    new_state = {
+        "step": state["step"] + 1,
+        "params": params,
+        "opt_state": opt_state,
+        "skipped_steps": state["skipped_steps"] + bad,
+        "bad_streak": jnp.where(ok, 0, state["bad_streak"] + bad),
+    }
+    step_metrics = {
+        "loss": aux["cross_entropy"],  # plain next-token loss; `loss` above adds z-loss etc.
+        "grad_norm": grad_norm,
+        "param_norm": optax.tree.norm(params),
+        "update_ratio": jnp.where(ok, update_ratio, 0.0),  # 0: the update was not applied
+        "lr": schedule(state["step"]),  # the rate this update used
+        "num_tokens": aux["num_tokens"],
+        "skipped_steps": new_state["skipped_steps"],
+        "bad_streak": new_state["bad_streak"],
+    }
+    if scale is not None:
+        new_state.update(loss_scale.update(cfg.optim, state, grads_finite, applied=ok))
+        step_metrics.update(loss_scale=scale,  # the scale this step used, as `lr`
+                            overflow_steps=new_state["overflow_steps"])
+    return new_state, step_metrics
+
+
+def make_train_step(cfg, tx, mesh, rules, state_shardings, inject_nan: bool = False):
+    """`train_step` jitted with explicit in/out shardings, the state donated.
+
+    With `inject_nan` it takes a third argument, a bool scalar (fault injection).
+    """
+    batch_sharding = mesh_lib.batch_sharding(mesh, rules)
+    scalars = mesh_lib.replicated(mesh)
+    return jax.jit(
+        functools.partial(train_step, cfg, tx, optim.learning_rate_schedule(cfg.optim)),
+        in_shardings=(state_shardings, batch_sharding) + ((scalars,) if inject_nan else ()),
+        out_shardings=(state_shardings, scalars),
+        donate_argnums=(0,),  # the old state's buffers become the new state's
+    )

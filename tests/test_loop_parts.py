@@ -1,0 +1,174 @@
+"""The training loop's owners, alone: the fault-tolerance policy (plain values, no orbax, no
+device), NaN injection as a step wrapper, and the step logger (one step late, throughput clock)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from maxlm import config as config_lib, faults, step_logger
+
+
+def policy(clock=None, **overrides):
+    cfg = config_lib.defaults().checkpoint
+    cfg.update(every_steps=10, max_bad_steps=3, max_restores=2, **overrides)
+    return faults.FaultPolicy(cfg, total_steps=40, **({"clock": clock} if clock else {}))
+
+
+def test_save_points_regular_final_preemption():
+    p = policy()
+    assert [p.save_kind(s, preempted=False) for s in (1, 9, 10, 20, 39, 40)] == \
+        [None, None, "regular", "regular", None, "final"]
+    assert p.save_kind(7, preempted=True) == "preemption"
+    assert p.save_kind(40, preempted=True) == "preemption"
+
+
+def test_time_based_saves_follow_the_clock():
+    now = [0.0]
+    p = policy(clock=lambda: now[0], every_minutes=1.0)
+    assert p.save_kind(1, preempted=False) is None
+    now[0] = 61.0
+    assert p.save_kind(2, preempted=False) == "temporary"
+    assert p.at_save_point(2, "temporary", bad_streak=0) == faults.SAVE
+    p.saved(2)
+    assert p.save_kind(3, preempted=False) is None  # the clock restarted at the save
+    now[0] = 122.0
+    assert p.save_kind(4, preempted=False) == "temporary"
+
+
+def test_a_save_in_a_bad_streak_waits_for_a_good_step():
+    p = policy()
+    assert p.at_save_point(10, "regular", bad_streak=1) == faults.POSTPONE
+    assert p.save_kind(11, preempted=False) == "regular"  # still due, as what it was
+    assert p.at_save_point(11, "regular", bad_streak=2) == faults.POSTPONE
+    assert p.at_save_point(12, "regular", bad_streak=0) == faults.SAVE
+    p.saved(12)
+    assert p.save_kind(13, preempted=False) is None
+    # the final step and a preemption save anyway (skipped steps left the state as it was)
+    assert p.at_save_point(40, "final", bad_streak=1) == faults.SAVE
+    assert p.at_save_point(17, "preemption", bad_streak=5) == faults.SAVE
+    # a full streak at a save point restores instead
+    assert p.at_save_point(20, "regular", bad_streak=3) == faults.RECOVER
+    assert p.at_save_point(40, "final", bad_streak=3) == faults.RECOVER
+
+
+def test_streak_is_read_one_step_late():
+    p = policy()
+    verdicts = [p.streak_ended({"bad_streak": np.int32(s)}) for s in (0, 3, 0, 1)]
+    assert verdicts == [False, False, True, False]  # step 2's streak, seen after step 3's dispatch
+
+
+def test_restores_count_until_past_the_failure_then_stop():
+    p = policy()
+    assert p.recovering(bad_step=14, newest=10) == 1
+    assert p.recovering(bad_step=14, newest=10) == 2
+    p.saved(12)  # a save before the failing step: not past it
+    with pytest.raises(faults.NonFiniteLossError, match=r"up to step 14, still after 2 restore\(s\).*"
+                       r"max_restores=2.*Newest checkpoint: step 10"):
+        p.recovering(bad_step=14, newest=10)
+
+
+def test_getting_past_the_failure_resets_the_restores():
+    p = policy()
+    p.recovering(bad_step=14, newest=10)
+    p.recovering(bad_step=14, newest=10)
+    p.saved(20)  # saved after step 14: the fault is behind us
+    assert p.restores == 0
+    assert p.recovering(bad_step=33, newest=30) == 1
+
+
+def test_nan_injection_wraps_the_step_and_replays_transient_steps_clean():
+    debug = config_lib.defaults().debug
+    debug.update(nan_at_step=3, nan_steps=2, nan_transient=True)
+    calls = []
+    step = lambda state, batch, inject: calls.append((int(state["step"]), bool(inject)))  # noqa: E731
+    injected = set()
+    first = faults.with_nan_injection(step, debug, injected)
+    for s in range(6):
+        first({"step": np.int32(s)}, None)
+    again = faults.with_nan_injection(step, debug, injected)  # rebuilt after a restore to step 2
+    for s in range(2, 6):
+        again({"step": np.int32(s)}, None)
+    assert [s for s, hit in calls if hit] == [3, 4]
+    debug.nan_transient = False
+    calls.clear()
+    persistent = faults.with_nan_injection(step, debug, set())
+    for s in (3, 3, 5):
+        persistent({"step": np.int32(s)}, None)
+    assert calls == [(3, True), (3, True), (5, False)]
+
+
+class Recorder:
+    def __init__(self):
+        self.rows = []
+
+    def write(self, step, row):
+        self.rows.append((step, dict(row)))
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(step_logger.time, "perf_counter", lambda: now[0])
+    return now
+
+
+def make_logger(writer, **overrides):
+    kwargs = dict(start_step=0, total_steps=6, log_every=2, tokens_per_step=1000,
+                  flops_per_token=10.0, peak_flops_per_sec=1e6)
+    return step_logger.StepLogger(writer, **{**kwargs, **overrides})
+
+
+def metrics_of(step):
+    return {"loss": np.float32(5.0 - step), "num_tokens": np.float32(1000), "bad_streak": np.int32(0)}
+
+
+def test_rows_are_read_one_step_late_and_timed_between_read_backs(clock):
+    writer = Recorder()
+    logger = make_logger(writer)
+    step_fn = lambda x: x  # noqa: E731
+    logger.call(step_fn, None)  # the first call "compiles"
+    for done in range(1, 7):
+        clock[0] += 0.5 if done > 1 else 7.0  # the first step includes the compile
+        logger.step_done(done, metrics_of(done))
+        written = [step for step, _ in writer.rows]
+        assert written == [s for s in (2, 4, 6) if s < done]  # a log step appears a step later
+    logger.flush()
+    steps = [step for step, _ in writer.rows]
+    assert steps == [2, 4, 6]
+    first, second = writer.rows[0][1], writer.rows[1][1]
+    assert "num_tokens" not in first and first["loss"] == 3.0
+    assert "compile_sec" in first and "compile_sec" not in second
+    # step 1 (7 s with the compile) is outside the clock, which restarted after it: step 2's row,
+    # read back after step 3's dispatch, covers 1 s for 1 step
+    assert first["tokens_per_sec"] == pytest.approx(1000 / 1.0)
+    assert second["tokens_per_sec"] == pytest.approx(2 * 1000 / 1.0)
+    assert second["mfu"] == pytest.approx(2000 * 10.0 / 1e6)
+    assert logger.first_loss == 4.0 and logger.last_row["step"] == 6
+
+
+def test_eval_and_restarts_stay_out_of_the_throughput(clock):
+    writer = Recorder()
+    logger = make_logger(writer, log_every=1)
+    logger.call(lambda: None)
+    clock[0] += 5.0
+    logger.step_done(1, metrics_of(1))  # compile step; logged, its row read at the next step
+    clock[0] += 1.0
+    logger.step_done(2, metrics_of(2))
+    clock[0] += 1.0
+    logger.flush()
+    clock[0] += 30.0  # an eval
+    logger.eval_done(2, {"eval_loss": 2.5, "eval_perplexity": math.exp(2.5)})
+    clock[0] += 2.0
+    logger.step_done(3, metrics_of(3))
+    logger.flush()
+    rows = dict((step, row) for step, row in writer.rows if "loss" in row)
+    assert rows[3]["tokens_per_sec"] == pytest.approx(1000 / 2.0)
+    assert [step for step, row in writer.rows if "eval_loss" in row] == [2]
+    logger.restart(1)  # a restore to step 1: nothing pending, the next step is a first again
+    clock[0] += 9.0
+    logger.step_done(2, metrics_of(2))
+    assert logger.first_loss == 4.0  # still this process's first step's
+    clock[0] += 1.0
+    logger.step_done(3, metrics_of(3))
+    assert writer.rows[-1][0] == 2
