@@ -6,7 +6,7 @@
 Each process is `python -m maxlm.train <train args>` with JAX's multi-controller runtime set up
 through `JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` (read by
 maxlm/distributed.py) and `M` fake CPU devices, gloo collectives between them. Output lines are
-prefixed with the process index. If a process dies, the others are stopped and the whole job is
+prefixed with the process index. If a process dies, the others are killed at once and the whole job is
 started again (up to --max_restarts): it resumes from the newest checkpoint, as a cluster's
 babysitter would do. Exit status: the job's (0 done; the failing process's status otherwise).
 """
@@ -84,8 +84,11 @@ def run_once(args, train_args: list[str], terminating: threading.Event) -> int:
             codes = [p.poll() for p in processes]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
-                # One process died: the collectives of the others would hang, so stop them all.
-                stop_all(processes, args.grace_seconds)
+                # One process died: the others hang in their next collective, where a SIGTERM
+                # cannot reach a step they agree on (a save needs every process), so waiting out
+                # a grace period saves nothing. Kill them now; a save they had under way is never
+                # mistaken for a checkpoint, and the restart resumes from the last committed one.
+                stop_all(processes, grace=0)
                 return failed[0]
             if all(c == 0 for c in codes):
                 return 0
