@@ -46,7 +46,8 @@ def _eval_step(model_json: str, mesh, rules):
     model_cfg = ml_collections.ConfigDict(json.loads(model_json))
     return jax.jit(
         functools.partial(eval_step, model_cfg),
-        in_shardings=(state_lib.param_shardings(model_cfg, mesh, rules), mesh_lib.batch_sharding(mesh, rules)),
+        in_shardings=(state_lib.param_shardings(model_cfg, mesh, rules),
+                      mesh_lib.batch_sharding(mesh, rules)),
         out_shardings=mesh_lib.replicated(mesh),
     )
 
@@ -62,8 +63,9 @@ def evaluate(cfg, params, dataset, mesh, rules, num_batches: int) -> dict:
     """Loss, perplexity and next-token accuracy over batches 0..num_batches-1 of `dataset`."""
     step_fn = make_eval_step(cfg.model, mesh, rules)
     with mesh_lib.activate(mesh, rules):
-        sums = [step_fn(params, mesh_lib.read_batch(dataset, i, mesh, rules)) for i in range(num_batches)]
-    totals = {key: sum(float(s[key]) for s in jax.device_get(sums)) for key in ("loss_sum", "correct", "num_tokens")}
+        sums = jax.device_get([step_fn(params, mesh_lib.read_batch(dataset, i, mesh, rules))
+                               for i in range(num_batches)])
+    totals = {key: sum(float(s[key]) for s in sums) for key in ("loss_sum", "correct", "num_tokens")}
     tokens = max(totals["num_tokens"], 1.0)
     loss = totals["loss_sum"] / tokens
     return {"loss": loss, "perplexity": perplexity(loss), "accuracy": totals["correct"] / tokens,

@@ -98,12 +98,14 @@ def abstract_state(cfg, tx, sharding=None) -> State:
     """The state's ShapeDtypeStructs, computed without allocating anything. `sharding`: a pytree
     of shardings like the state (`shardings(...)`: orbax's restore target, so a checkpoint lands
     directly on the current mesh), one sharding for every leaf, or None (shapes only)."""
-    return _with_sharding(jax.eval_shape(functools.partial(init_state, cfg, tx), jax.random.key(0)), sharding)
+    shapes = jax.eval_shape(functools.partial(init_state, cfg, tx), jax.random.key(0))
+    return _with_sharding(shapes, sharding)
 
 
 def abstract_params(model_cfg, sharding=None):
     """`abstract_state(...)["params"]` without an optimizer: the parameters' ShapeDtypeStructs."""
-    return _with_sharding(jax.eval_shape(functools.partial(model.init_params, model_cfg), jax.random.key(0)), sharding)
+    shapes = jax.eval_shape(functools.partial(model.init_params, model_cfg), jax.random.key(0))
+    return _with_sharding(shapes, sharding)
 
 
 def _with_sharding(shapes, sharding):
@@ -111,7 +113,8 @@ def _with_sharding(shapes, sharding):
         return shapes
     if isinstance(sharding, jax.sharding.Sharding):
         sharding = jax.tree.map(lambda _: sharding, shapes)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, sharding)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, sharding)
 
 
 def create_sharded_state(cfg, tx, mesh, rules, rng) -> tuple[State, State]:

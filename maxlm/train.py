@@ -16,9 +16,9 @@ import sys
 import jax
 import ml_collections
 
-from maxlm import (attention, checkpoint, cli, config as config_lib, distributed, evaluate, faults, flops, fp8,
-                   hf, mesh as mesh_lib, metrics, model, optim, paths, profiler, state as state_lib,
-                   step as step_lib)
+from maxlm import (attention, checkpoint, cli, config as config_lib, distributed, evaluate, faults,
+                   flops, fp8, hf, mesh as mesh_lib, metrics, model, optim, paths, profiler,
+                   state as state_lib, step as step_lib)
 from maxlm.data import make_dataset
 from maxlm.step_logger import StepLogger
 
@@ -46,7 +46,8 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     if jax.process_index() == 0:
         (out / "config.json").write_text(config_lib.to_json(cfg))
     tx = optim.make_optimizer(cfg.optim)
-    fresh_state = functools.partial(state_lib.create_sharded_state, cfg, tx, mesh, rules, jax.random.key(cfg.seed))
+    fresh_state = functools.partial(state_lib.create_sharded_state, cfg, tx, mesh, rules,
+                                    jax.random.key(cfg.seed))
     state, shardings = fresh_state()
     abstract = state_lib.abstract_state(cfg, tx, shardings)
     ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint)
@@ -70,30 +71,31 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                     logger.flush()
                     logger.restart_clock(done)
                 logger.step_done(done, step_metrics)  # the previous log step's row; `done` queued
-                if policy.streak_ended(step_metrics):  # read one step late: step `done - 1`
-                    state, lr_scale, step = recover(cfg, ckpt, policy, abstract, fresh_state, state, lr_scale, done - 1)
-                    train_fn = build_step(lr_scale)
-                    logger.restart(step)
-                    continue
-                if cfg.eval.every_steps and (done % cfg.eval.every_steps == 0 or done == cfg.steps):
+                # a streak of non-finite steps, read one step late (`done - 1`) or at a save point
+                bad_step = done - 1 if policy.streak_ended(step_metrics) else None
+                if bad_step is None and eval_due(cfg, done):
                     logger.flush()
-                    result = evaluate.evaluate(cfg, state["params"], eval_data, mesh, rules, cfg.eval.steps)
-                    logger.eval_done(done, {"eval_loss": result["loss"], "eval_perplexity": result["perplexity"]})
-                preempted = preemption.reached(done)
-                kind = policy.save_kind(done, preempted)
+                    result = evaluate.evaluate(cfg, state["params"], eval_data, mesh, rules,
+                                               cfg.eval.steps)
+                    logger.eval_done(done, {"eval_loss": result["loss"],
+                                            "eval_perplexity": result["perplexity"]})
+                preempted = bad_step is None and preemption.reached(done)
+                kind = policy.save_kind(done, preempted) if bad_step is None else None
                 if kind:
                     logger.flush()
                     action = policy.at_save_point(done, kind, int(step_metrics["bad_streak"]))
-                    if action == faults.RECOVER:
-                        state, lr_scale, step = recover(cfg, ckpt, policy, abstract, fresh_state, state, lr_scale, done)
-                        train_fn = build_step(lr_scale)
-                        logger.restart(step)
-                        continue
                     if action == faults.SAVE:
-                        ckpt.save(done, state, checkpoint_meta(cfg, lr_scale), cfg.to_dict(), kind=kind)
+                        ckpt.save(done, state, checkpoint_meta(cfg, lr_scale), cfg.to_dict(),
+                                  kind=kind)
                         policy.saved(done)
+                    bad_step = done if action == faults.RECOVER else None
                     logger.restart_clock(done)
-                if preempted:
+                if bad_step is not None:  # back to the last good checkpoint
+                    state, lr_scale = recover(cfg, ckpt, policy, abstract, fresh_state, state,
+                                              lr_scale, bad_step)
+                    step, train_fn = int(state["step"]), build_step(lr_scale)
+                    logger.restart(step)
+                elif preempted:
                     ckpt.wait()
                     raise faults.Preempted(done)
             logger.flush()
@@ -122,7 +124,8 @@ def starting_state(cfg, ckpt: checkpoint.Checkpointer, state, abstract):
                 state_lib.with_missing_from(loaded, state, path)), 1.0
     if ckpt_cfg.init_from_hf:  # a Hugging Face Llama folder: params only, step 0
         log.info("starting from Hugging Face checkpoint %s (params only)", ckpt_cfg.init_from_hf)
-        return dict(state, params=hf.load_params(ckpt_cfg.init_from_hf, cfg.model, abstract["params"])), 1.0
+        params = hf.load_params(ckpt_cfg.init_from_hf, cfg.model, abstract["params"])
+        return dict(state, params=params), 1.0
     return state, 1.0
 
 
@@ -154,10 +157,14 @@ def step_builder(cfg, mesh, rules, shardings):
     return build
 
 
+def eval_due(cfg, done: int) -> bool:
+    return bool(cfg.eval.every_steps) and (done % cfg.eval.every_steps == 0 or done == cfg.steps)
+
+
 def recover(cfg, ckpt, policy: faults.FaultPolicy, abstract, fresh_state, state, lr_scale: float,
             bad_step: int):
-    """After `max_bad_steps` consecutive non-finite steps ending at `bad_step`: (state, lr scale,
-    step) of the last good checkpoint (every checkpoint is one: see FaultPolicy.at_save_point), or
+    """After `max_bad_steps` consecutive non-finite steps ending at `bad_step`: (state, lr scale)
+    of the last good checkpoint (every checkpoint is one: see FaultPolicy.at_save_point), or
     `fresh_state()`'s when there is none; the lr scale times `restore_lr_scale`."""
     ckpt.wait()
     restores = policy.recovering(bad_step, ckpt.latest_step())  # raises past max_restores
@@ -171,7 +178,7 @@ def recover(cfg, ckpt, policy: faults.FaultPolicy, abstract, fresh_state, state,
     cli.warn(f"{cfg.checkpoint.max_bad_steps} consecutive non-finite steps up to step {bad_step}: "
              f"restored {'step %d' % step if back else 'the initial state'} "
              f"(restore {restores} of {cfg.checkpoint.max_restores}, lr scale {lr_scale:g})")
-    return state, lr_scale, step
+    return state, lr_scale
 
 
 def checkpoint_meta(cfg, lr_scale: float) -> dict:
