@@ -342,7 +342,7 @@ def cli_main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in ("list", "verify"):
         print(f"maxlm: config error: {usage}", file=sys.stderr)
         return 2
-    command, directory = argv
+    command, directory = argv[0], os.fspath(paths.workdir_path(argv[1]))  # orbax wants it absolute
     if epath.Path(directory, "checkpoints").is_dir():
         directory = os.path.join(directory, "checkpoints")
     if not epath.Path(directory).is_dir():

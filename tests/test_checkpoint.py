@@ -54,12 +54,14 @@ def clean_run(tmp_path_factory, data_dirs):
 pytestmark = pytest.mark.slow
 
 
-def test_clean_run_checkpoints(clean_run):
+def test_clean_run_checkpoints(clean_run, monkeypatch):
     assert steps_in(clean_run) == [10, 15, 20]  # every 5, max_to_keep 3
     meta = checkpoint.read_json(str(clean_run / "checkpoints" / "20"), "meta")
     assert meta["step"] == meta["data_position"] == 20 and meta["seed"] == 0
     assert meta["kind"] == "final" and meta["lr_scale"] == 1.0
     assert checkpoint.cli_main(["verify", str(clean_run)]) == 0
+    monkeypatch.chdir(clean_run.parent)  # a relative DIR, as users type it
+    assert checkpoint.cli_main(["verify", clean_run.name]) == 0
 
 
 def test_nan_step_skipped_counted_never_saved(tmp_path, data_dirs, clean_run):
