@@ -4,8 +4,10 @@
     what the training loop pays per step.
 (b) `tokenize_pack`: sentencepiece encode (one thread) + pack + derive the rows from raw text,
     against (c) `sp_encode`: the raw sentencepiece encode of the same texts in the same run.
-    With `data.tokenizer=byte` a sentencepiece model (vocab = model.vocab_size) is trained on
-    the sample first, so (b)/(c) always measure sentencepiece.
+    With `data.tokenizer=byte` a sentencepiece model is trained on the sample first, so (b)/(c)
+    always measure sentencepiece; its vocabulary is model.vocab_size but at least
+    `MIN_SAMPLE_VOCAB` (a byte-token config's 264 ids are fewer than BPE needs for the corpus's
+    characters alone).
 Each figure is the median of `repeats` timings; tokens/s/core = tokens / (seconds x threads used = 1).
 """
 
@@ -17,6 +19,8 @@ import tempfile
 import time
 
 import numpy as np
+
+MIN_SAMPLE_VOCAB = 4096
 
 
 def _median_rate(fn, tokens: int, repeats: int) -> tuple[float, list[float]]:
@@ -74,7 +78,8 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
             with open(path, "w", encoding="utf-8") as f:
                 f.write("\n".join(sample[: max(1, len(sample) // 4)]))
             spm.SentencePieceTrainer.train(
-                input=path, model_prefix=os.path.join(tmp, "tok"), vocab_size=cfg.model.vocab_size,
+                input=path, model_prefix=os.path.join(tmp, "tok"),
+                vocab_size=max(cfg.model.vocab_size, MIN_SAMPLE_VOCAB),
                 model_type="bpe", byte_fallback=True, pad_id=0, unk_id=1, bos_id=2, eos_id=3,
                 normalization_rule_name="identity", remove_extra_whitespaces=False,
                 hard_vocab_limit=False, max_sentence_length=1 << 16, num_threads=1, minloglevel=2,
