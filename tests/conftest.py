@@ -45,3 +45,21 @@ def data_dirs(tmp_path_factory):
         root = root.parent  # the run's directory, above each worker's own
     root = root / "maxlm-data"
     return {"data.tfds_dir": str(root / "tfds"), "data.cache_dir": str(root / "packed")}
+
+
+@pytest.fixture(scope="session")
+def sp_model(tmp_path_factory):
+    """A small sentencepiece BPE model (pad 0, unk 1, bos 2, eos 3) trained on code-like text."""
+    import sentencepiece as spm
+
+    d = tmp_path_factory.mktemp("sp")
+    text = "\n".join(f"def fn_{i}(x, y):\n    return x * {i} + y  # café" for i in range(300))
+    (d / "corpus.txt").write_text(text, encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(d / "corpus.txt"), model_prefix=str(d / "tok"), vocab_size=300,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0,
+        pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        hard_vocab_limit=False, num_threads=1, minloglevel=2,
+    )  # fmt: skip
+    return d / "tok.model"
