@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from maxlm import cli, config as config_lib, flops, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib
+from maxlm import cli, config as config_lib, distributed, flops, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib
 
 
 class SyntheticData:
@@ -240,21 +240,21 @@ def main(argv) -> None:
     if what not in ("train", "data", "checkpoint", "plan"):
         cli.config_error(f"unknown benchmark {what!r}; available: train, data, checkpoint, plan")
     cli.setup_logging()
+    distributed.initialize()  # a multi-process benchmark: JAX_COORDINATOR_ADDRESS or auto
     cfg = cli.resolved_config(jax.device_count())
     if what == "checkpoint":  # blocking part of an async save, full save, restore
-        print(json.dumps(bench_checkpoint(cfg), indent=2))
-        return
-    if what == "plan":  # per-device memory, compiled ahead of time; nothing executes
-        print(json.dumps(plan(cfg), indent=2))
-        return
-    if what == "data":
+        result = bench_checkpoint(cfg)
+    elif what == "plan":  # per-device memory, compiled ahead of time; nothing executes
+        result = plan(cfg)
+    elif what == "data":
         try:
-            print(json.dumps(bench_data(cfg), indent=2))
+            result = bench_data(cfg)
         except ValueError as e:  # bad data: one line, exit 2
             cli.config_error(str(e))
-        return
-    result = bench_train(cfg, flags.FLAGS.warmup_steps, flags.FLAGS.steps, flags.FLAGS.profile_dir)
-    print(json.dumps(result, indent=2))
+    else:
+        result = bench_train(cfg, flags.FLAGS.warmup_steps, flags.FLAGS.steps, flags.FLAGS.profile_dir)
+    if jax.process_index() == 0:  # every process measured its part; one prints
+        print(json.dumps(result, indent=2))
 
 
 def _define_flags() -> None:

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -58,6 +59,23 @@ def _sync(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def agreed(problem: str | None, what: str) -> str | None:
+    """One verdict on `what` (a checkpoint) for every process, from each one's own `problem` (None:
+    fine): damaged if any process found it so. Each process reads its own view of the files;
+    deciding alone, one would quarantine a checkpoint and wait at a barrier while the others
+    restored it in a collective, and the job would hang."""
+    if jax.process_count() == 1:
+        return problem
+    from jax.experimental import multihost_utils
+
+    if problem is not None:
+        log.warning("process %d: %s: %s", jax.process_index(), what, problem)
+    seen = np.asarray(multihost_utils.process_allgather(np.int32(problem is not None)))
+    if problem is None and seen.any():
+        problem = f"damaged as process {int(np.flatnonzero(seen)[0])} reads it"
+    return problem
 
 
 # ----------------------------------------------------------------------------- integrity
@@ -127,7 +145,7 @@ class Checkpointer:
         for step, path in found["incomplete"]:
             cli.warn(f"ignoring incomplete checkpoint {path} (interrupted write; removed)")
         for step, path in found["complete"]:  # checked before orbax reads (and logs about) them
-            if (problem := file_problem(path)) is not None:
+            if (problem := agreed(file_problem(path), path)) is not None:
                 self._quarantine(path, problem)
         _sync("maxlm_checkpoint_scan")
         options = ocp.CheckpointManagerOptions(
@@ -206,22 +224,23 @@ class Checkpointer:
 
         `abstract_state` holds jax.ShapeDtypeStructs with shardings, so a checkpoint written on
         one mesh (or device or process count) lands directly, resharded, on the current one.
-        Damaged checkpoints are renamed aside with a warning, never deleted.
+        Damaged checkpoints are renamed aside with a warning, never deleted. Every verdict is
+        agreed by all processes (`agreed`), so they restore the same checkpoint.
         """
         self.manager.reload()
         for step in sorted(self.manager.all_steps(), reverse=True):
             path = os.path.join(self.directory, str(step))
-            problem = file_problem(path)
+            problem = agreed(file_problem(path), path)
             if problem is None:
                 try:
                     restored = restore_state(path, abstract_state)
                 except Exception as e:  # noqa: BLE001 - any failure to read is damage
                     problem = f"does not restore ({short(e)})"
-            if problem is None:
-                if int(restored[0]["step"]) != step:
+                if problem is None and int(restored[0]["step"]) != step:
                     problem = f"holds step {int(restored[0]['step'])}"
-                elif not bool(jax.jit(state_lib.all_finite)(restored[0])):
+                elif problem is None and not bool(jax.jit(state_lib.all_finite)(restored[0])):
                     problem = "holds non-finite values"
+                problem = agreed(problem, path)
             if problem is None:
                 return restored
             _sync(f"maxlm_checkpoint_check_{step}")

@@ -9,7 +9,8 @@ testable without orbax or a device:
   such restores without getting past the failure it stops (`NonFiniteLossError`, exit 3);
 * a save point (every `checkpoint.every_steps`, the last step, every `checkpoint.every_minutes`,
   a preemption) that falls in a streak of non-finite steps is postponed to the next good step,
-  so every checkpoint is a good one to restore;
+  so every checkpoint is a good one to restore; the minutes are read off process 0's clock at log
+  steps only, without a host sync (`broadcast_later`);
 * SIGTERM (`PreemptionWatcher`) saves at the current step and ends the run with `Preempted`
   (exit `PREEMPTED_EXIT`); every process agrees on that step.
 """
@@ -46,21 +47,40 @@ class Preempted(Exception):
         self.step = step
 
 
-def agree(flag: bool) -> bool:
-    """Process 0's `flag` on every process (time-based decisions must not diverge)."""
+def broadcast_later(flag: bool):
+    """Process 0's `flag` on every process, as a value to read later with `bool(read(...))`: a tiny
+    collective dispatched now, which runs after the steps already queued. Reading it at once would
+    wait for those steps (no dispatch-ahead); read a clock period later, it has long finished."""
     if jax.process_count() == 1:
         return flag
+    import jax.numpy as jnp
     from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
+    devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+    mesh = Mesh(devices, ("processes", "local_devices"))
+    mine = np.array([flag and jax.process_index() == 0], np.int32)  # only process 0 contributes
+    spread = multihost_utils.host_local_array_to_global_array(mine, mesh, PartitionSpec("processes"))
+    with jax.set_mesh(mesh):
+        return jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))(spread)
+
+
+def read(value) -> bool:
+    """A `broadcast_later` value as a bool (this process's copy of a replicated array)."""
+    return bool(np.asarray(value.addressable_data(0)) if isinstance(value, jax.Array) else value)
 
 
 class FaultPolicy:
     """The loop's fault-tolerance decisions for one run (`checkpoint_cfg`: the config's
-    `checkpoint` section; `total_steps`: the run's `steps`; `clock`: seconds, monotonic)."""
+    `checkpoint` section; `total_steps`: the run's `steps`; `clock`: seconds, monotonic; the clock
+    is consulted every `clock_every` steps, and `broadcast` carries process 0's reading of it to
+    every process, read one such period later: see `broadcast_later`)."""
 
-    def __init__(self, checkpoint_cfg, total_steps: int, clock=time.monotonic):
+    def __init__(self, checkpoint_cfg, total_steps: int, clock_every: int = 1,
+                 clock=time.monotonic, broadcast=broadcast_later):
         self.cfg, self.total_steps, self.clock = checkpoint_cfg, total_steps, clock
+        self.clock_every, self.broadcast = clock_every, broadcast
+        self._minutes_passed = None  # process 0's clock reading at the last clock step, in flight
         self.restores = 0  # restores after bad streaks without getting past the failure since
         self.failed_at = -1  # the last step of the latest such streak
         self.save_due: str | None = None  # a save point's kind that fell in a bad streak
@@ -84,10 +104,17 @@ class FaultPolicy:
             return "regular"
         if self.save_due:
             return self.save_due
+        return "temporary" if self._time_passed(done) else None
+
+    def _time_passed(self, done: int) -> bool:
+        """Whether, at the previous clock step, process 0's clock said `every_minutes` had passed
+        since the last save: the same answer on every process, and no step waits for it."""
         minutes = self.cfg.every_minutes
-        if minutes and agree(self.clock() - self.last_save >= 60 * minutes):
-            return "temporary"
-        return None
+        if not minutes or done % self.clock_every:
+            return False
+        due = self._minutes_passed
+        self._minutes_passed = self.broadcast(self.clock() - self.last_save >= 60 * minutes)
+        return due is not None and read(due)
 
     def at_save_point(self, done: int, kind: str, bad_streak: int) -> str:
         """SAVE, POSTPONE (step `done` was non-finite: save at the next good step) or RECOVER
@@ -104,7 +131,7 @@ class FaultPolicy:
         return SAVE
 
     def saved(self, done: int) -> None:
-        self.save_due, self.last_save = None, self.clock()
+        self.save_due, self.last_save, self._minutes_passed = None, self.clock(), None
         if done > self.failed_at >= 0:  # got past the failure: restores start counting afresh
             self.restores, self.failed_at = 0, -1
 

@@ -54,7 +54,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     state, lr_scale = starting_state(cfg, ckpt, state, abstract)
     build_step = step_builder(cfg, mesh, rules, shardings)
     train_fn = build_step(lr_scale)
-    policy = faults.FaultPolicy(cfg.checkpoint, cfg.steps)
+    policy = faults.FaultPolicy(cfg.checkpoint, cfg.steps, clock_every=cfg.log_every_steps)
     writer = metrics.make_writers(workdir, jax.process_index() == 0, cfg.metrics.tensorboard)
     writer.write_hparams(metrics.flatten_config(cfg.to_dict()))
     trace = profiler.StepProfiler(cfg.profile, workdir, enabled=jax.process_index() == 0)
@@ -219,6 +219,7 @@ def main(argv) -> None:
     distributed.initialize()  # multi-process runs: from JAX_COORDINATOR_ADDRESS etc.
     cfg = cli.resolved_config(jax.device_count())
     try:
+        distributed.check_shared_workdir(f.workdir)  # every process sees the same checkpoints
         data = load_data(cfg)
         check_start(cfg, f.workdir)
     except ValueError as e:  # bad data or a data/config mismatch: the user's to fix

@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import pathlib
+import socket
 
 import jax
 import numpy as np
@@ -28,6 +29,13 @@ def command_env(home, devices: int | None = 8, **extra) -> dict:
     env.update({k: v for k, v in os.environ.items()
                 if k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))})
     return {**env, **extra}
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for a test's jax.distributed coordinator."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def with_overrides(cfg, overrides: dict):

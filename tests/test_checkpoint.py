@@ -2,6 +2,7 @@
 restore onto another mesh, restore_from. In-process runs of configs/tiny.py (eval off)."""
 
 import json
+import logging
 import math
 import shutil
 
@@ -64,17 +65,21 @@ def test_clean_run_checkpoints(clean_run, monkeypatch):
     assert checkpoint.cli_main(["verify", clean_run.name]) == 0
 
 
-def test_nan_step_skipped_counted_never_saved(tmp_path, data_dirs, clean_run):
-    """Step 13's gradients are NaN: the update is skipped inside the step, counted, and the
-    time-based save that falls on it waits for the next good step."""
-    cfg = tiny(data_dirs, **{"debug.nan_at_step": 12, "checkpoint.every_minutes": 1e-5})
+def test_nan_step_skipped_counted_never_saved(tmp_path, data_dirs, clean_run, caplog):
+    """Step 14's gradients are NaN: the update is skipped inside the step, counted, and the
+    time-based save that falls on it waits for the next good step. (With every_minutes this small
+    and a log row every step, process 0's clock says a save is due at every step; it is read one
+    step late and a save restarts it: temporary saves fall on 12, 14, 17, 19.)"""
+    caplog.set_level(logging.INFO, logger="maxlm")
+    cfg = tiny(data_dirs, **{"debug.nan_at_step": 13, "checkpoint.every_minutes": 1e-5})
     last = train.train_and_evaluate(cfg, str(tmp_path))
     rows = losses(tmp_path)
-    assert not math.isfinite(float(rows[13]["grad_norm"])) and rows[13]["skipped_steps"] == 1
-    assert rows[13]["param_norm"] == rows[12]["param_norm"]  # not applied
+    assert not math.isfinite(float(rows[14]["grad_norm"])) and rows[14]["skipped_steps"] == 1
+    assert rows[14]["param_norm"] == rows[13]["param_norm"]  # not applied
+    assert "step 14 was non-finite: its checkpoint waits for a good step" in caplog.text
     assert last["skipped_steps"] == 1 and last["bad_streak"] == 0
     clean = losses(clean_run)
-    assert [rows[s]["loss"] for s in range(1, 14)] == [clean[s]["loss"] for s in range(1, 14)]
+    assert [rows[s]["loss"] for s in range(1, 15)] == [clean[s]["loss"] for s in range(1, 15)]
     assert rows[20]["loss"] != clean[20]["loss"]
     # temporary (every_minutes) saves were replaced by the next one; regular ones kept
     assert steps_in(tmp_path) == [10, 15, 20]

@@ -6,7 +6,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 
 from maxlm import checkpoint
-from tests.helpers import ROOT, command_env
+from tests.helpers import ROOT, command_env, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -115,15 +114,9 @@ def test_kill9_and_sigterm_then_resume_is_bitwise_exact(tmp_path, data_dirs):
         np.testing.assert_array_equal(x, y)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_two_processes_agree_on_the_step(tmp_path, data_dirs):
     run = tmp_path / "two"
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             command(run, data_dirs, "--config.steps=2000"), cwd=ROOT,

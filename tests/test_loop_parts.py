@@ -9,10 +9,11 @@ import pytest
 from maxlm import config as config_lib, faults, step_logger
 
 
-def policy(clock=None, **overrides):
+def policy(clock=None, clock_every=1, broadcast=None, **overrides):
     cfg = config_lib.defaults().checkpoint
     cfg.update(every_steps=10, max_bad_steps=3, max_restores=2, **overrides)
-    return faults.FaultPolicy(cfg, total_steps=40, **({"clock": clock} if clock else {}))
+    extra = {k: v for k, v in (("clock", clock), ("broadcast", broadcast)) if v is not None}
+    return faults.FaultPolicy(cfg, total_steps=40, clock_every=clock_every, **extra)
 
 
 def test_save_points_regular_final_preemption():
@@ -23,17 +24,25 @@ def test_save_points_regular_final_preemption():
     assert p.save_kind(40, preempted=True) == "preemption"
 
 
-def test_time_based_saves_follow_the_clock():
-    now = [0.0]
-    p = policy(clock=lambda: now[0], every_minutes=1.0)
-    assert p.save_kind(1, preempted=False) is None
+def test_time_based_saves_read_the_clock_at_log_steps_one_period_late():
+    """Process 0's clock is read every `clock_every` steps and broadcast; the reading is used a
+    period later (no step waits for the collective), and a save discards a reading older than it."""
+    now, sent = [0.0], []
+    broadcast = lambda flag: sent.append(flag) or flag  # noqa: E731
+    p = policy(clock=lambda: now[0], every_minutes=1.0, clock_every=5, broadcast=broadcast)
+    assert [p.save_kind(s, preempted=False) for s in (1, 2, 3, 4)] == [None] * 4
+    assert sent == []  # not a clock step: nothing read, nothing sent
     now[0] = 61.0
-    assert p.save_kind(2, preempted=False) == "temporary"
-    assert p.at_save_point(2, "temporary", bad_streak=0) == faults.SAVE
-    p.saved(2)
-    assert p.save_kind(3, preempted=False) is None  # the clock restarted at the save
-    now[0] = 122.0
-    assert p.save_kind(4, preempted=False) == "temporary"
+    assert p.save_kind(5, preempted=False) is None  # read now (passed), used at the next one
+    assert sent == [True]
+    assert p.save_kind(6, preempted=False) is None
+    assert p.save_kind(15, preempted=False) == "temporary"  # 5's reading
+    p.saved(15)
+    assert p.save_kind(25, preempted=False) is None  # 15's reading was older than the save
+    now[0] = 200.0
+    assert p.save_kind(35, preempted=False) is None  # 25's reading: 0 s since the save
+    assert p.save_kind(45, preempted=False) == "temporary"  # 35's: 139 s since the save at 61 s
+    assert sent == [True, True, False, True, True]
 
 
 def test_a_save_in_a_bad_streak_waits_for_a_good_step():

@@ -1,0 +1,109 @@
+"""Multi-process runs that cannot hang: every process agrees on which checkpoint is damaged, and a
+workdir the processes do not share is exit 2 at start. Real local processes over
+jax.distributed (gloo collectives on 127.0.0.1)."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, command_env, free_port
+
+pytestmark = pytest.mark.slow
+
+# `python -m maxlm.train`, except that process 1 reads checkpoint MAXLM_TEST_BLIND_STEP as damaged
+# (as a process on a node with a stale or broken view of the shared filesystem would).
+TRAIN_WITH_A_BLIND_PROCESS = """
+import os, sys
+from maxlm import checkpoint, cli, train
+blind = os.environ.get("MAXLM_TEST_BLIND_STEP")
+if blind and os.environ["JAX_PROCESS_ID"] == "1":
+    readable = checkpoint.file_problem
+    checkpoint.file_problem = lambda path: (
+        "unreadable from this process" if os.path.basename(path) == blind else readable(path))
+sys.argv = ["maxlm.train", *sys.argv[1:]]
+cli.run(train.main, train._define_flags)
+"""
+
+
+def train_flags(workdir, data_dirs, *extra):
+    return ["--config=configs/tiny.py", f"--workdir={workdir}", "--config.steps=9",
+            "--config.checkpoint.every_steps=3", "--config.log_every_steps=1",
+            "--config.eval.every_steps=0", "--config.metrics.tensorboard=False",
+            *(f"--config.{k}={v}" for k, v in data_dirs.items()), *extra]
+
+
+def two_processes(tmp_path, command, wrap=lambda i, argv: argv, **env):
+    """Runs `command` as processes 0 and 1 of one job (4 fake devices each); their results."""
+    port = free_port()
+    procs = [subprocess.Popen(
+        wrap(i, command), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=command_env(tmp_path, devices=4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                        JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i), **env))
+        for i in range(2)]
+    try:
+        return [(p.communicate(timeout=300), p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def losses(workdir):
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_a_checkpoint_one_process_reads_as_damaged_is_skipped_by_all(tmp_path, data_dirs):
+    """Process 1 alone reads checkpoint 6 as damaged: both processes set it aside and resume from
+    3 (deciding alone, one would restore 6 and the other 3, and the job would hang), then train
+    on to the uninterrupted run's losses, saving on process 0's clock as well."""
+    reference = tmp_path / "reference"
+    done = subprocess.run([sys.executable, "-m", "maxlm.train", *train_flags(reference, data_dirs)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=command_env(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.rmtree(run / "checkpoints" / "9")  # checkpoints 3 and 6 left
+    (run / "metrics.jsonl").write_text("")
+    # time-based saves too: process 0's clock, broadcast at each log step, read one step later
+    command = [sys.executable, "-c", TRAIN_WITH_A_BLIND_PROCESS,
+               *train_flags(run, data_dirs, "--config.checkpoint.every_minutes=1e-5")]
+    results = two_processes(tmp_path, command, MAXLM_TEST_BLIND_STEP="6")
+    for (out, err), code in results:
+        assert code == 0, err[-3000:]
+    err0 = results[0][0][1]
+    assert "damaged as process 1 reads it" in err0 and "6.damaged" in err0, err0[-3000:]
+    assert f"resumed from {run / 'checkpoints'} at step 3" in err0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["3", "6", "6.damaged", "9"]
+    got, want = losses(run), losses(reference)
+    assert sorted(got) == list(range(4, 10))
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+
+
+def test_a_workdir_the_processes_do_not_share_is_exit_2(tmp_path, data_dirs):
+    """Process 1 runs in a mount namespace of its own with an empty tmpfs over the workdir: a
+    node-local path on a multi-node job. Both processes stop with exit 2 and one line naming the
+    path, and nothing is left in the workdir."""
+    run = tmp_path / "run"
+    run.mkdir()
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs tmpfs {run}"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"needs a private mount namespace (root, CAP_SYS_ADMIN): {probe.stderr.strip()}")
+
+    def node_local(i, argv):
+        if i == 0:
+            return argv
+        return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs {run} && exec "$@"', "sh", *argv]
+
+    command = [sys.executable, "-m", "maxlm.train", *train_flags(run, data_dirs)]
+    for (out, err), code in two_processes(tmp_path, command, wrap=node_local):
+        assert code == 2, err[-3000:]
+        assert f"--workdir={run} is not shared by the job's processes: process(es) 1 cannot read" in err
+        assert "Traceback" not in err
+    assert list(run.iterdir()) == []
