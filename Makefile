@@ -13,7 +13,7 @@ train: $(STAMP)
 	$(PY) -m maxlm.train --config=$(CONFIG) --workdir=$(WORKDIR)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m maxlm.bench --config=configs/tiny.py

@@ -22,7 +22,7 @@ import secrets
 import jax
 import numpy as np
 
-from maxlm import paths
+from maxlm import cli, paths
 from maxlm.errors import ConfigError
 
 
@@ -33,21 +33,74 @@ def initialize() -> bool:
     don't print every line N times.
     """
     address = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if os.environ.get("MAXLM_DISTRIBUTED") == "auto" and not address:
-        jax.distributed.initialize()  # TPU pod, SLURM or Open MPI: JAX finds its peers
-        _quiet_unless_first()
-        return True
-    if not address:
+    auto = os.environ.get("MAXLM_DISTRIBUTED") == "auto" and not address
+    if not (auto or address):
         return False
     if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=address,
-        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-        process_id=int(os.environ["JAX_PROCESS_ID"]),
-    )
+    if auto:  # TPU pod, SLURM or Open MPI: JAX finds its peers
+        try:
+            local_device_ids = slurm_local_device_ids(os.environ)
+        except ConfigError as e:  # a job shape the GPUs cannot be split for: exit 2, one line
+            cli.config_error(str(e))
+        jax.distributed.initialize(local_device_ids=local_device_ids)
+    else:
+        jax.distributed.initialize(
+            coordinator_address=address,
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+        )
     _quiet_unless_first()
     return True
+
+
+def slurm_local_device_ids(env, gpu_count=None) -> list[int] | None:
+    """The GPUs this SLURM task drives (`local_device_ids` of jax.distributed.initialize).
+
+    JAX's own SLURM detection gives every task `[SLURM_LOCALID]`: one GPU per task, so the usual
+    one task per node would drive 1 of its 8 GPUs. Here the GPUs the task sees are split evenly
+    among the tasks on its node: one task per node drives them all, one task per GPU drives its
+    own. GPUs SLURM already bound to the task (`--gpus-per-task`, `--gpu-bind`: it sees fewer than
+    the node's `SLURM_GPUS_ON_NODE`) are all its own. None outside SLURM or where no GPU is known
+    (CPU, TPU): JAX decides. `gpu_count()` counts the GPUs when CUDA_VISIBLE_DEVICES is unset.
+    """
+    if "SLURM_JOB_ID" not in env or "SLURM_LOCALID" not in env:
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    count = len(visible.split(",")) if visible else (gpu_count or _nvidia_gpu_count)()
+    if not count:
+        return None
+    on_node = int(env.get("SLURM_GPUS_ON_NODE", count))
+    tasks = _tasks_on_node(env)
+    if count < on_node or tasks == 1:  # bound to this task, or the node's only task
+        return list(range(count))
+    if count % tasks:
+        raise ConfigError(f"{tasks} SLURM tasks on this node cannot share its {count} GPUs evenly; "
+                          "run one task per node (--ntasks-per-node=1) or one per GPU")
+    per_task, local = count // tasks, int(env["SLURM_LOCALID"])
+    return list(range(local * per_task, (local + 1) * per_task))
+
+
+def _tasks_on_node(env) -> int:
+    """This node's task count from SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("8(x2),4":
+    8 on each of the first two nodes, 4 on the third), indexed by SLURM_NODEID."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
+    counts = []
+    for part in spec.split(","):
+        tasks, _, repeat = part.partition("(x")
+        counts += [int(tasks)] * int(repeat.rstrip(")") or 1)
+    return counts[min(int(env.get("SLURM_NODEID", 0)), len(counts) - 1)]
+
+
+def _nvidia_gpu_count() -> int:
+    """GPUs `nvidia-smi -L` lists (0 without nvidia-smi)."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return 0
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
 def _quiet_unless_first() -> None:

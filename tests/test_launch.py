@@ -139,26 +139,58 @@ def test_tpu_dry_run_prints_every_command(tmp_path):
     assert lines[-1].startswith("[tpu] gcloud compute tpus queued-resources delete pod")
 
 
-@pytest.mark.parametrize("status, requeued", [(0, False), (143, True), (1, False)])
-def test_slurm_script_runs_srun_and_requeues_on_preemption(tmp_path, status, requeued):
-    """The sbatch script, run with stand-ins for srun and scontrol."""
+def fake_slurm(tmp_path, srun_body: str) -> dict:
+    """Stand-ins for srun (running `srun_body`) and scontrol; the environment to run the sbatch
+    script with them."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text(
-        '#!/bin/bash\necho "srun $* MAXLM_DISTRIBUTED=$MAXLM_DISTRIBUTED XLA_FLAGS=$XLA_FLAGS"\n'
-        "exit $FAKE_STATUS\n")
+    (bin_dir / "srun").write_text("#!/bin/bash\n" + srun_body)
     (bin_dir / "scontrol").write_text('#!/bin/bash\necho "scontrol $*"\n')
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(ROOT),
-           "PYTHON": "python3", "FAKE_STATUS": str(status)}
-    result = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--config=configs/llama_1b.py",
-                             "--workdir=/shared/run"], env=env, capture_output=True, text=True, timeout=60)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(ROOT),
+            "PYTHON": "python3"}
+
+
+SBATCH = ["bash", str(ROOT / "launch" / "slurm.sbatch"), "--config=configs/llama_1b.py",
+          "--workdir=/shared/run"]
+
+
+@pytest.mark.parametrize("status, restarts, requeued", [(0, 0, False), (143, 0, True), (1, 0, False),
+                                                        (143, 20, False)])
+def test_slurm_script_runs_srun_and_requeues_on_preemption(tmp_path, status, restarts, requeued):
+    """The sbatch script with stand-ins for srun and scontrol: 143 (saved after SIGTERM) requeues,
+    at most MAXLM_MAX_REQUEUES (20) times."""
+    env = fake_slurm(tmp_path, 'echo "srun $* MAXLM_DISTRIBUTED=$MAXLM_DISTRIBUTED XLA_FLAGS=$XLA_FLAGS"\n'
+                               f"exit {status}\n")
+    result = subprocess.run(SBATCH, env={**env, "SLURM_RESTART_COUNT": str(restarts)},
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == status
     assert "srun --kill-on-bad-exit=1 python3 -m maxlm.train --config=configs/llama_1b.py" in result.stdout
     assert "MAXLM_DISTRIBUTED=auto" in result.stdout
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in result.stdout
     assert ("scontrol requeue 42" in result.stdout) == requeued
+    if status == 143 and not requeued:
+        assert "not requeued: 20 requeues done" in result.stdout
+
+
+def test_slurm_script_forwards_sigterm_to_srun_and_waits_for_the_save(tmp_path):
+    """SIGTERM to the batch shell (scancel, preemption, --signal=B:TERM at the time limit) reaches
+    srun, and the shell waits for it to save and exit before requeueing."""
+    env = fake_slurm(tmp_path, 'trap \'sleep 1; echo "srun: saved"; exit 143\' TERM\n'
+                               'echo "srun: running"; while true; do sleep 0.1; done\n')
+    script = subprocess.Popen(SBATCH, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert script.stdout.readline().strip() == "srun: running"
+        script.send_signal(signal.SIGTERM)
+        out, _ = script.communicate(timeout=30)
+    finally:
+        if script.poll() is None:
+            script.kill()
+    assert script.returncode == 143
+    lines = out.splitlines()
+    assert lines[:2] == ["maxlm: SIGTERM: asking every task to save and stop", "srun: saved"]
+    assert "scontrol requeue 42" in out
 
 
 def test_distributed_auto_lets_jax_detect_the_cluster(monkeypatch):
@@ -168,6 +200,34 @@ def test_distributed_auto_lets_jax_detect_the_cluster(monkeypatch):
     monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: calls.append(kw))
     monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
     monkeypatch.setenv("MAXLM_DISTRIBUTED", "auto")
-    assert distributed.initialize() and calls == [{}]
+    assert distributed.initialize() and calls == [{"local_device_ids": None}]
     monkeypatch.delenv("MAXLM_DISTRIBUTED")
-    assert not distributed.initialize() and calls == [{}]
+    assert not distributed.initialize() and len(calls) == 1
+
+
+@pytest.mark.parametrize("env, ids", [
+    ({}, None),  # not SLURM: JAX decides
+    ({"SLURM_TASKS_PER_NODE": "1(x4)"}, None),  # SLURM, no GPU known (CPU): JAX decides
+    ({"SLURM_TASKS_PER_NODE": "1(x4)", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, list(range(8))),
+    ({"SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, [3]),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2,8", "SLURM_NODEID": "0", "SLURM_LOCALID": "1",
+      "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, [4, 5, 6, 7]),
+    ({"SLURM_TASKS_PER_NODE": "8", "SLURM_LOCALID": "5", "CUDA_VISIBLE_DEVICES": "5",
+      "SLURM_GPUS_ON_NODE": "8"}, [0]),  # --gpus-per-task=1: SLURM bound its GPU to the task
+], ids=["no-slurm", "cpu", "one-task-per-node", "one-task-per-gpu", "two-tasks", "bound"])
+def test_every_gpu_of_every_node_under_slurm(env, ids):
+    """JAX's SLURM detection alone would give each task [SLURM_LOCALID]: 1 GPU of 8 per node."""
+    from maxlm import distributed
+
+    if env:
+        env = {"SLURM_JOB_ID": "42", "SLURM_LOCALID": "0", **env}
+    assert distributed.slurm_local_device_ids(env, gpu_count=lambda: 0) == ids
+
+
+def test_tasks_that_cannot_share_the_gpus_evenly_are_a_config_error():
+    from maxlm import config as config_lib, distributed
+
+    env = {"SLURM_JOB_ID": "1", "SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "3",
+           "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    with pytest.raises(config_lib.ConfigError, match="3 SLURM tasks on this node cannot share its 8 GPUs"):
+        distributed.slurm_local_device_ids(env)
