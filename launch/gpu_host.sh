@@ -10,4 +10,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}
-exec "${PYTHON:-.venv/bin/python}" -m maxlm.train "$@"
+# --config.platform=gpu (after --config, as config flags must be; MAXLM_PLATFORM overrides it):
+# without a CUDA-enabled jax this is exit 2, not a run on the CPU
+exec "${PYTHON:-.venv/bin/python}" -m maxlm.train "$@" --config.platform="${MAXLM_PLATFORM:-gpu}"

@@ -73,8 +73,11 @@ def install_command(args, train_args: list[str] = ()) -> str:
 def train_command(train_args: list[str]) -> str:
     # The log on each worker survives the ssh session; `nohup` is not used so that the ssh
     # command's exit status is the training's (143 = preempted, 0 = done).
+    # --config.platform=tpu (after --config, as config flags must be): a worker whose jax cannot
+    # see the TPU exits 2 instead of training on its CPU
     return (f"cd maxlm && MAXLM_DISTRIBUTED=auto .venv/bin/python -m maxlm.train "
-            f"{shlex.join(train_args)} 2>&1 | tee -a ~/{LOG}; exit ${{PIPESTATUS[0]}}")
+            f"{shlex.join(train_args)} --config.platform=tpu 2>&1 | tee -a ~/{LOG}; "
+            f"exit ${{PIPESTATUS[0]}}")
 
 
 def job_commands(args, train_args: list[str]) -> list[list[str]]:

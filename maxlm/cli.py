@@ -82,7 +82,9 @@ def start(argv: list[str], required: tuple[str, ...] = ()):
 
 def resolved_config(num_devices: int, num_granules: int | None = None):
     """The parsed `--config`, validated for `num_devices` in `num_granules` TPU slices or
-    processes (default: those of `jax.devices()`, for `mesh.dcn_*`) (exit 2 on a problem)."""
+    processes (default: those of `jax.devices()`, for `mesh.dcn_*`) and for the platform JAX runs
+    on (the config's `platform`) (exit 2 on a problem)."""
+    import jax
     from absl import flags
 
     from maxlm import config as config_lib, mesh as mesh_lib
@@ -99,6 +101,6 @@ def resolved_config(num_devices: int, num_granules: int | None = None):
         config_error(" ".join(str(e).split()))
     try:
         return config_lib.resolve(config_lib.ml_collections.ConfigDict(config), num_devices,
-                                  num_granules)
+                                  num_granules, platform=jax.default_backend())
     except config_lib.ConfigError as e:
         config_error(str(e))

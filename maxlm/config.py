@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import ml_collections
 
@@ -17,6 +18,7 @@ from maxlm import axes
 from maxlm.axes import DCN_AXES, DEFAULT_RULES, MESH_AXES  # noqa: F401  (config_lib.MESH_AXES)
 from maxlm.errors import ConfigError
 
+PLATFORMS = ("", "cpu", "gpu", "tpu")  # platform: what jax.default_backend() must say ("" = any)
 DTYPES = ("float32", "bfloat16", "float16")  # model.dtype: compute; float16 turns on loss scaling
 MU_DTYPES = ("float32", "bfloat16")  # optim.mu_dtype
 REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
@@ -33,6 +35,11 @@ def defaults() -> ml_collections.ConfigDict:
     c.batch_size = 8  # global, in sequences
     c.seq_len = 256
     c.log_every_steps = 10
+    # What the job expects to run on, so a GPU or TPU job never trains on the CPU by accident:
+    # "cpu" | "gpu" | "tpu" ("" = wherever JAX runs), and the device count (0 = any). The GPU and
+    # TPU launchers set the platform.
+    c.platform = ""
+    c.num_devices = 0
 
     c.mesh = _mesh_defaults()
     c.model = _model_defaults()
@@ -167,8 +174,8 @@ NON_NEGATIVE = ("seed", "checkpoint.keep_period", "checkpoint.every_minutes", "c
                 "data.tokenizer_vocab_size", "data.filters.min_words")
 POSITIVE_INTS = {"optim.grad_accum_steps": "", "model.pipeline_microbatches": "",
                  "optim.loss_scale_growth_interval": " (good steps before the loss scale doubles)"}
-NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps")
-CHOICES = {"model.dtype": DTYPES, "model.remat": REMAT, "model.attention": ATTENTION,
+NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps", "num_devices")
+CHOICES = {"platform": PLATFORMS, "model.dtype": DTYPES, "model.remat": REMAT, "model.attention": ATTENTION,
            "optim.mu_dtype": MU_DTYPES, "data.txt_documents": ("file", "paragraph"),
            "data.bad_records": ("error", "skip")}
 RANGES = {  # key: (test, what the message says it must be)
@@ -224,19 +231,31 @@ def _check_values(c) -> None:
 
 
 def resolve(config: ml_collections.ConfigDict, num_devices: int,
-            num_granules: int | None = None) -> ml_collections.ConfigDict:
+            num_granules: int | None = None, platform: str | None = None) -> ml_collections.ConfigDict:
     """Validates `config` for `num_devices` and returns a copy with derived values filled in.
 
     `num_granules`: how many TPU slices (processes on GPU/CPU) the devices come in, checked
-    against `mesh.dcn_*` (None: not checked; `mesh.make_mesh` checks it again).
-    Raises ConfigError with a one-line message on the first problem found.
+    against `mesh.dcn_*` (None: not checked; `mesh.make_mesh` checks it again). `platform`: the
+    platform JAX runs on (`jax.default_backend()`), checked against the config's `platform`
+    (None: not checked). Raises ConfigError with a one-line message on the first problem found.
     """
     c = ml_collections.ConfigDict(config.to_dict())
     _check_values(c)
+    _check_platform(c, num_devices, platform)
     _check_model_and_optim(c)
     axes.check_mesh(c, num_devices, num_granules)
     _check_data(c)
     return c
+
+
+def _check_platform(c, num_devices: int, platform: str | None) -> None:
+    if c.platform and platform is not None and platform != c.platform:
+        raise ConfigError(
+            f"platform={c.platform!r} but JAX runs on {platform!r} here (JAX_PLATFORMS="
+            f"{os.environ.get('JAX_PLATFORMS', '')!r}): is jax for {c.platform.upper()} installed in "
+            "this environment (a CUDA build for gpu, jax[tpu] for tpu) and the accelerator visible?")
+    if c.num_devices and c.num_devices != num_devices:
+        raise ConfigError(f"num_devices={c.num_devices} but JAX sees {num_devices} devices here")
 
 
 def _check_model_and_optim(c) -> None:

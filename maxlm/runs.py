@@ -42,6 +42,7 @@ def read_config(workdir: str, num_devices: int | None = None) -> ml_collections.
         raise RunError(f"{path} is not valid JSON ({e})") from None
     num_devices = jax.device_count() if num_devices is None else num_devices
     cfg = config_lib.from_recorded(recorded)
+    cfg.platform, cfg.num_devices = "", 0  # the run is read back wherever this command runs
     if math.prod(int(cfg.mesh[a]) for a in config_lib.MESH_AXES) != num_devices:
         tensor = int(cfg.mesh.tensor)
         cfg.mesh.update(stage=1, data=1, fsdp=-1, sequence=1, tensor=tensor if num_devices % tensor == 0 else 1,

@@ -107,3 +107,26 @@ def test_cli_dcn_split_without_the_granules_exits_2(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "mesh.dcn_data x mesh.dcn_fsdp = 2 x 1 = 2 must equal the number of granules, 1" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_expected_platform_and_device_count(tmp_path):
+    """A GPU or TPU job never trains on the CPU by accident: `platform` and `num_devices` are
+    checked against what JAX finds (the launchers set the platform), through the CLI too."""
+    cfg = load_config("tiny")
+    assert config_lib.resolve(cfg, 8, platform="cpu").platform == ""  # "" = wherever JAX runs
+    cfg.platform = "gpu"
+    with pytest.raises(config_lib.ConfigError, match=r"platform='gpu' but JAX runs on 'cpu' here"):
+        config_lib.resolve(cfg, 8, platform="cpu")
+    assert config_lib.resolve(cfg, 8).platform == "gpu"  # no platform given: not checked
+    cfg.platform, cfg.num_devices = "cpu", 4
+    with pytest.raises(config_lib.ConfigError, match="num_devices=4 but JAX sees 8 devices here"):
+        config_lib.resolve(cfg, 8, platform="cpu")
+    cfg.platform = "cuda"
+    with pytest.raises(config_lib.ConfigError, match="platform must be one of"):
+        config_lib.resolve(cfg, 8)
+    result = subprocess.run(
+        [sys.executable, "-m", "maxlm.train", f"--workdir={tmp_path / 'run'}", "--config=configs/tiny.py",
+         "--config.platform=tpu"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=command_env(tmp_path, devices=None))
+    assert result.returncode == 2 and "platform='tpu' but JAX runs on 'cpu'" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()

@@ -135,6 +135,7 @@ def test_tpu_dry_run_prints_every_command(tmp_path):
     run = next(line for line in lines if "maxlm.train" in line)
     assert "--worker=all" in run and "MAXLM_DISTRIBUTED=auto" in run
     assert "--config=configs/llama_1b.py" in run and "a b" in run  # quoted through ssh
+    assert "--config.platform=tpu" in run  # a worker that cannot see its TPU exits 2
     assert any("jax[tpu]==" in line for line in lines)
     assert lines[-1].startswith("[tpu] gcloud compute tpus queued-resources delete pod")
 
@@ -166,7 +167,8 @@ def test_slurm_script_runs_srun_and_requeues_on_preemption(tmp_path, status, res
     result = subprocess.run(SBATCH, env={**env, "SLURM_RESTART_COUNT": str(restarts)},
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == status
-    assert "srun --kill-on-bad-exit=1 python3 -m maxlm.train --config=configs/llama_1b.py" in result.stdout
+    assert ("srun --kill-on-bad-exit=1 python3 -m maxlm.train --config=configs/llama_1b.py "
+            "--workdir=/shared/run --config.platform=gpu") in result.stdout
     assert "MAXLM_DISTRIBUTED=auto" in result.stdout
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in result.stdout
     assert ("scontrol requeue 42" in result.stdout) == requeued
