@@ -234,12 +234,9 @@ class Checkpointer:
             if problem is None:
                 try:
                     restored = restore_state(path, abstract_state)
+                    problem = _content_problem(restored[0], step)
                 except Exception as e:  # noqa: BLE001 - any failure to read is damage
                     problem = f"does not restore ({short(e)})"
-                if problem is None and int(restored[0]["step"]) != step:
-                    problem = f"holds step {int(restored[0]['step'])}"
-                elif problem is None and not bool(jax.jit(state_lib.all_finite)(restored[0])):
-                    problem = "holds non-finite values"
                 problem = agreed(problem, path)
             if problem is None:
                 return restored
@@ -248,6 +245,15 @@ class Checkpointer:
             _sync(f"maxlm_checkpoint_quarantine_{step}")
             self.manager.reload()
         return None
+
+
+def _content_problem(state, step: int) -> str | None:
+    """Why a restored state cannot be the checkpoint of `step`, or None."""
+    if int(state["step"]) != step:
+        return f"holds step {int(state['step'])}"
+    if not bool(jax.jit(state_lib.all_finite)(state)):
+        return "holds non-finite values"
+    return None
 
 
 def restore_state(path: str, abstract_state, params_only: bool = False):

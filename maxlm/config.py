@@ -15,7 +15,7 @@ import os
 import ml_collections
 
 from maxlm import axes
-from maxlm.axes import DCN_AXES, DEFAULT_RULES, MESH_AXES  # noqa: F401  (config_lib.MESH_AXES)
+from maxlm.axes import DEFAULT_RULES, MESH_AXES  # noqa: F401  (MESH_AXES: config_lib.MESH_AXES)
 from maxlm.errors import ConfigError
 
 PLATFORMS = ("", "cpu", "gpu", "tpu")  # platform: what jax.default_backend() must say ("" = any)

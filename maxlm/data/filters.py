@@ -24,13 +24,6 @@ def settings(data_cfg) -> dict:
     return {k: data_cfg.filters[k] for k in FILTER_KEYS}
 
 
-def apply_filters(texts: list[str], cfg: dict, counts: collections.Counter) -> list[str]:
-    """The kept texts, in order; `counts["filtered_<name>"]` += dropped per filter."""
-    if not any(cfg.values()):
-        return texts
-    return list(iter_filtered(texts, cfg, counts))
-
-
 def iter_filtered(texts, cfg: dict, counts: collections.Counter):
     """Yields the kept texts of the iterable `texts`, in order, one at a time (dedup keeps one
     32-byte hash per kept document); `counts["filtered_<name>"]` += dropped per filter."""
