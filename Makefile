@@ -2,32 +2,51 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
 CONFIG ?= configs/quickstart.py
 WORKDIR ?= runs/quickstart
 PYTEST_ARGS ?=
+# Which accelerator's jax plugin `make install` adds to the CPU set: cpu | cuda12 | cuda13 | tpu
+# (locks/ACCEL.lock). It sticks: later make commands keep the venv's accelerator.
+ACCEL ?= $(shell cat $(VENV)/.accel 2>/dev/null || echo cpu)
+STAMP := $(VENV)/.installed-$(ACCEL)
+TEST_STAMP := $(VENV)/.installed-test
+# JAX's CUDA compiler plugin (and cuDNN), kept out of the venv's own packages so that CPU runs never
+# try to load CUDA: the GPU plan tests put it on PYTHONPATH to compile for H100/H200 without a GPU.
+GPU_COMPILER := $(VENV)/gpu-compiler
 
 .PHONY: train test bench install clean
 
 train: $(STAMP)
 	$(PY) -m maxlm.train --config=$(CONFIG) --workdir=$(WORKDIR)
 
-test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+test: $(STAMP) $(TEST_STAMP) $(GPU_COMPILER)/.installed
+	MAXLM_GPU_COMPILER=$(abspath $(GPU_COMPILER)) $(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m maxlm.bench --config=configs/tiny.py
 
 install: $(STAMP)
 
-# Reinstall whenever the pinned set or the package metadata changes.
-$(STAMP): requirements.lock pyproject.toml
+# Reinstall whenever a pinned set or the package metadata changes.
+$(STAMP): requirements.lock pyproject.toml $(wildcard locks/$(ACCEL).lock)
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "maxlm needs Python 3.11+, found " + sys.version.split()[0]'
+	@test "$(ACCEL)" = cpu || test -f locks/$(ACCEL).lock || { echo "ACCEL=$(ACCEL): no locks/$(ACCEL).lock (cpu, cuda12, cuda13 or tpu)"; exit 2; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet -r requirements.lock $(if $(filter-out cpu,$(ACCEL)),-r locks/$(ACCEL).lock)
 	$(PY) -m pip install --quiet --no-deps -e .
+	echo $(ACCEL) > $(VENV)/.accel
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP) requirements-test.lock
+	$(PY) -m pip install --quiet -r requirements.lock -r requirements-test.lock
+	touch $(TEST_STAMP)
+
+$(GPU_COMPILER)/.installed: $(STAMP) locks/cuda12.lock
+	rm -rf $(GPU_COMPILER)
+	$(PY) -m pip install --quiet --no-deps --target $(GPU_COMPILER) -c locks/cuda12.lock \
+		jax-cuda12-plugin jax-cuda12-pjrt nvidia-cudnn-cu12
+	touch $@
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

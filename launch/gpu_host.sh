@@ -5,11 +5,10 @@
 #   launch/gpu_host.sh --config=configs/llama_1b.py --workdir=runs/llama_1b \
 #       --config.mesh.fsdp=-1 --config.model.dtype=bfloat16
 #
-# Same XLA settings as launch/slurm.sbatch (see there for why).
+# The XLA settings are launch/gpu_env.sh's (see there for why), as for SLURM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}
+source launch/gpu_env.sh
 # --config.platform=gpu (after --config, as config flags must be; MAXLM_PLATFORM overrides it):
 # without a CUDA-enabled jax this is exit 2, not a run on the CPU
 exec "${PYTHON:-.venv/bin/python}" -m maxlm.train "$@" --config.platform="${MAXLM_PLATFORM:-gpu}"

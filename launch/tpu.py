@@ -7,7 +7,8 @@ Every step is one `gcloud compute tpus ...` command, printed before it runs; `--
 them and runs nothing. The same training command runs on every worker (`--worker=all`) with
 `MAXLM_DISTRIBUTED=auto`, so each host calls `jax.distributed.initialize()` and JAX reads the pod's
 topology itself. The code shipped is `git archive HEAD` of this checkout (commit first), installed
-into a virtualenv on each worker with `jax[tpu]` (`--reuse --no_install`: it is there already).
+into a virtualenv on each worker with the runtime lock and `locks/tpu.lock` (libtpu); with
+`--reuse --no_install` it is there already.
 The workdir must be one every worker shares: a `gs://bucket/run` URL (every workdir write goes
 through etils.epath; `gcsfs` is then installed too), Filestore/NFS, or a bucket mounted with
 gcsfuse. Checkpoints are written by all hosts, metrics by host 0.
@@ -62,9 +63,8 @@ def install_command(args, train_args: list[str] = ()) -> str:
         "cd maxlm",
         "python3 -m venv .venv",
         ".venv/bin/pip install --quiet --upgrade pip",
-        # The lock pins the CPU jaxlib used by CI; on TPU take the matching jax[tpu] (with libtpu).
-        ".venv/bin/pip install --quiet -r requirements.lock",
-        f".venv/bin/pip install --quiet 'jax[tpu]=={args.jax_version}'",
+        # The runtime set plus the libtpu its jaxlib pins (the tests' packages stay off the workers).
+        ".venv/bin/pip install --quiet -r requirements.lock -r locks/tpu.lock",
         ".venv/bin/pip install --quiet --no-deps -e .",
         *([".venv/bin/pip install --quiet gcsfs"] if remote else []),
     ])
@@ -126,7 +126,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--accelerator", required=True, help="e.g. v5p-64, v5litepod-16, v4-8")
     parser.add_argument("--project", default="")
     parser.add_argument("--runtime", default="", help="TPU software version (default by family)")
-    parser.add_argument("--jax_version", default="0.10.2")
     parser.add_argument("--spot", action="store_true", help="spot capacity (preemptible)")
     parser.add_argument("--queued", action="store_true", help="use queued resources")
     parser.add_argument("--reuse", action="store_true", help="the TPU exists already: skip create")

@@ -4,9 +4,16 @@
 
   xla    `xla_attention`: einsums over grouped-query heads, softmax in float32; runs anywhere and
          is the only one partitioned along the sequence (sequence parallelism) or in a pipeline.
-  cudnn  `jax.nn.dot_product_attention`'s fused cuDNN kernel (NVIDIA GPUs, 16-bit compute).
+  cudnn  cuDNN's fused flash attention (NVIDIA GPUs, 16-bit compute; `cudnn_attention`, below).
   splash the Pallas splash-attention kernel for TPUs (`splash_attention`, below).
-`attention_backend` resolves "auto" from the platform and dtype.
+`attention_backend` resolves "auto" from the platform being compiled for and the dtype.
+
+cuDNN runs in its causal mode, so the kernel skips the tiles above the diagonal (half the FLOPs at
+long sequence); documents (packing) go in as an additive bias made once per step
+(`document_bias`). cuDNN's packed-segment layout (per-row sequence offsets, no [L, S] array) is
+not used: JAX's binding gives it float32 softmax statistics of [B × max segments, H, L], and with
+no cap on documents per row that bound is L, which compiled for 8×H100 doubled the 1B preset's
+peak memory (docs/gpus.md).
 
 Splash has the same semantics as `xla_attention` with `attention_mask`: causal, only within a document
 (`segment_ids`; 0 = padding, which attends to earlier padding, so no softmax row is ever empty),
@@ -86,11 +93,20 @@ SPLASH_INTERPRET = "splash_interpret"
 SPLASH = ("splash", SPLASH_INTERPRET)
 
 
+def target_platform() -> str:
+    """The platform being compiled for: that of the active mesh's devices, which may be GPUs or
+    TPUs that exist only as a topology (a plan compiled from another machine, maxlm/targets),
+    else JAX's default backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = device.platform if device is not None else jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def attention_backend(name: str, dtype, seq_len: int | None = None) -> str:
     """Resolves `model.attention`: "auto" is the Pallas splash kernel on TPUs (when `seq_len`, if
     given, suits it: a multiple of 128), cuDNN's fused attention on NVIDIA GPUs with 16-bit
     compute (it has no float32 kernel), the plain XLA path otherwise."""
-    platform = jax.default_backend()
+    platform = target_platform()
     if name == "auto":
         if platform == "tpu":
             return "splash" if seq_len is None or seq_len % LANES == 0 else "xla"
@@ -102,14 +118,21 @@ def attention_backend(name: str, dtype, seq_len: int | None = None) -> str:
     return name
 
 
+def document_mask(backend: str, segment_ids_BL, dtype):
+    """What `attend` takes as `mask_B1LS` for the resolved `backend`, made once per step."""
+    if backend in SPLASH:
+        return None  # masks inside the kernel, from the segment ids
+    if backend == "cudnn":
+        return document_bias(segment_ids_BL, dtype)
+    return attention_mask(segment_ids_BL)
+
+
 def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=None):
-    """Attention with the named backend. Splash takes the documents as `segment_ids_BL` (its own
-    causal mask, and'ed with same-segment) instead of `mask_B1LS`."""
+    """Attention with the named backend and its form of the documents (`document_mask`): the
+    [B, 1, L, S] mask for xla, the `document_bias` for cudnn, `segment_ids_BL` for splash."""
     backend = attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1])
     if backend == "cudnn":
-        return jax.nn.dot_product_attention(
-            q_BLHDh, k_BSKDh, v_BSKDh, mask=mask_B1LS, implementation="cudnn"
-        )
+        return cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
     if backend in SPLASH:
         if segment_ids_BL is None:
             raise ValueError("splash attention needs segment_ids_BL")
@@ -117,6 +140,28 @@ def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=No
             q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, interpret=backend == SPLASH_INTERPRET
         )
     return xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
+
+
+# ----------------------------------------------------------------------------- cuDNN
+
+
+def document_bias(segment_ids_BL, dtype):
+    """cuDNN's document mask: [B, 1, L, S] additive bias, 0 within a document and a large negative
+    across (the causal part is the kernel's own causal mode). Built once per step, outside the
+    layers, so a scanned stack shares it instead of saving one per layer."""
+    # cuDNN mishandles the difference of two -inf-like values; JAX's own binding uses these.
+    blocked = {jnp.dtype(jnp.bfloat16): -2.0**41, jnp.dtype(jnp.float16): -2.0**15}.get(jnp.dtype(dtype))
+    if blocked is None:
+        raise ValueError(f"model.attention='cudnn' needs 16-bit compute (model.dtype), not {dtype}")
+    same_doc_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
+    return jnp.where(same_doc_BLS, 0, blocked).astype(dtype)[:, None]
+
+
+def cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, bias_B1LS):
+    """cuDNN's fused flash attention in causal mode, documents from `document_bias`;
+    grouped-query heads are native."""
+    return jax.nn.dot_product_attention(q_BLHDh, k_BSKDh, v_BSKDh, bias=bias_B1LS, is_causal=True,
+                                        implementation="cudnn")
 
 
 # ----------------------------------------------------------------------------- splash

@@ -7,7 +7,9 @@ for, and the median is reported with the spread.
 
 `plan` compiles the train step ahead of time for the configured mesh (abstract state and batch,
 nothing executed) and reports per-device bytes: parameters, optimizer state, batch, and XLA's
-temp (activations) and peak figures, and whether that fits the device's memory when known.
+temp (activations) and peak figures, whether that fits the device's memory when known, and the
+kernels XLA called (cuDNN attention, cuBLAS float8 GEMMs, ...). With `--target=h100x8|h200x8` it
+compiles for that hardware instead of this machine's (maxlm/targets: no GPU needed).
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import time
 
 import jax
 import numpy as np
 
-from maxlm import cli, config as config_lib, distributed, flops, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib
+from maxlm import cli, config as config_lib, distributed, flops, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib, targets
 
 
 class SyntheticData:
@@ -116,14 +119,16 @@ def _bytes_per_device(tree) -> int:
                for x in jax.tree.leaves(tree))
 
 
-def plan(cfg) -> dict:
-    """Per-device memory of the train step, compiled ahead of time for the configured mesh.
+def plan(cfg, target: targets.Target | None = None) -> dict:
+    """Per-device memory of the train step, compiled ahead of time for the configured mesh over
+    this machine's devices, or over `target`'s.
 
     Nothing runs and no state is materialised: the state and batch are ShapeDtypeStructs with
     their shardings, and `jit(...).lower(...).compile()` gives XLA's buffer assignment.
     """
+    devices = list(target.devices) if target else jax.devices()
     rules = mesh_lib.rules_of(cfg.mesh)
-    mesh = mesh_lib.make_mesh(cfg.mesh)
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     tx = optim.make_optimizer(cfg.optim)
     shardings = state_lib.shardings(cfg, tx, mesh, rules, state_lib.abstract_state(cfg, tx))
     state = state_lib.abstract_state(cfg, tx, shardings)
@@ -146,12 +151,16 @@ def plan(cfg) -> dict:
     peak_source = "xla"
     if peak < temp:
         peak, peak_source = argument + output - alias + temp, "arguments+outputs-aliased+temp"
-    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if target:  # what JAX may allocate there: the launchers' share of the device's memory
+        limit = int(target.memory_bytes * targets.memory_fraction())
+    else:
+        limit = (devices[0].memory_stats() or {}).get("bytes_limit")
     return {
         "benchmark": "plan",
         "config": cfg.name,
-        "device_kind": jax.devices()[0].device_kind,
-        "device_count": jax.device_count(),
+        "target": target.name if target else "",
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
         "mesh": {axis: cfg.mesh[axis] for axis in config_lib.MESH_AXES},
         "dtype": cfg.model.dtype,
         "remat": cfg.model.remat,
@@ -175,6 +184,8 @@ def plan(cfg) -> dict:
         "peak_source": peak_source,
         "device_memory_bytes": limit,
         "fits": None if limit is None else peak <= limit,
+        # XLA's calls into libraries: __cudnn$fmha* (fused attention), __cublas$lt$matmul$f8 ...
+        "kernels": sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))),
         "compile_sec": compile_sec,
         "jax_version": jax.__version__,
     }
@@ -240,6 +251,18 @@ def main(argv) -> None:
     if what not in ("train", "data", "checkpoint", "plan"):
         cli.config_error(f"unknown benchmark {what!r}; available: train, data, checkpoint, plan")
     cli.setup_logging()
+    if flags.FLAGS.target:  # compiled for hardware that is not here: nothing to initialise
+        if what != "plan":
+            cli.config_error(f"--target is for `plan` only, not {what!r}")
+        targets.prepare()
+        try:
+            target = targets.load(flags.FLAGS.target)
+        except config_lib.ConfigError as e:
+            cli.config_error(str(e))
+        cfg = cli.resolved_config(len(target.devices), num_granules=1, platform=target.platform)
+        result = plan(cfg, target)
+        print(json.dumps(result, indent=2))
+        return
     distributed.initialize()  # a multi-process benchmark: JAX_COORDINATOR_ADDRESS or auto
     cfg = cli.resolved_config(jax.device_count())
     if what == "checkpoint":  # blocking part of an async save, full save, restore
@@ -262,6 +285,8 @@ def _define_flags() -> None:
 
     flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (the first one compiles).")
     flags.DEFINE_integer("steps", 10, "Timed steps; the median is reported.")
+    flags.DEFINE_string("target", "", "plan: compile for this hardware instead of this machine's: "
+                        + " | ".join(targets.NAMES) + " (needs JAX's CUDA plugin, no GPU).")
     flags.DEFINE_string("profile_dir", "", "train: also trace two untimed steps into this directory "
                         "(jax.profiler: TensorBoard's profile plugin or Perfetto).")
 

@@ -80,10 +80,10 @@ def start(argv: list[str], required: tuple[str, ...] = ()):
     return flags.FLAGS
 
 
-def resolved_config(num_devices: int, num_granules: int | None = None):
+def resolved_config(num_devices: int, num_granules: int | None = None, platform: str | None = None):
     """The parsed `--config`, validated for `num_devices` in `num_granules` TPU slices or
-    processes (default: those of `jax.devices()`, for `mesh.dcn_*`) and for the platform JAX runs
-    on (the config's `platform`) (exit 2 on a problem)."""
+    processes (default: those of `jax.devices()`, for `mesh.dcn_*`) and for `platform` (default:
+    the one JAX runs on; checked against the config's `platform`) (exit 2 on a problem)."""
     import jax
     from absl import flags
 
@@ -101,6 +101,6 @@ def resolved_config(num_devices: int, num_granules: int | None = None):
         config_error(" ".join(str(e).split()))
     try:
         return config_lib.resolve(config_lib.ml_collections.ConfigDict(config), num_devices,
-                                  num_granules, platform=jax.default_backend())
+                                  num_granules, platform=platform or jax.default_backend())
     except config_lib.ConfigError as e:
         config_error(str(e))

@@ -230,6 +230,17 @@ def _check_values(c) -> None:
         raise ConfigError(f"model.fp8 must be True or False, got {c.model.fp8!r}")
 
 
+def load_file(path: str) -> ml_collections.ConfigDict:
+    """`get_config()` of the config file at `path`: how a config file builds on another, e.g.
+    `load_file(os.path.join(os.path.dirname(__file__), "llama_1b.py"))` in configs/."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
 def resolve(config: ml_collections.ConfigDict, num_devices: int,
             num_granules: int | None = None, platform: str | None = None) -> ml_collections.ConfigDict:
     """Validates `config` for `num_devices` and returns a copy with derived values filled in.

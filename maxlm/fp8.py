@@ -38,6 +38,11 @@ import jax.numpy as jnp
 E4M3 = jnp.float8_e4m3fn  # forward operands: weights and activations
 E5M2 = jnp.float8_e5m2  # backward: the output gradient
 
+# Where XLA may use Triton GEMMs, it compiles these dots as 16-bit Triton GEMMs (seen compiling for
+# H100 without a GPU), not cuBLASLt float8 GEMMs; with this flag every GEMM goes to cuBLAS(Lt) and
+# the float8 ones appear (launch/gpu_env.sh sets it; tests/test_gpu_plan.py checks).
+TRITON_GEMM_OFF = "--xla_gpu_enable_triton_gemm=false"
+
 
 def scale_of(x: jax.Array, fp8_dtype) -> jax.Array:
     """The per-tensor scale (float32 scalar): |x|max / float8 max, rounded up to a power of 2.

@@ -185,10 +185,10 @@ class Transformer(nn.Module):
         dtype = compute_dtype(cfg)
         embed_VD = _param(self, "embed", _normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         x_BLD = embed(embed_VD, tokens_BL, dtype)
-        # Splash masks inside its kernel, from the segment ids: no [B, 1, L, L] mask then.
-        splash = not self.is_initializing() and attention.attention_backend(
-            cfg.attention, dtype, tokens_BL.shape[1]) in attention.SPLASH
-        mask_B1LS = None if splash else attention.attention_mask(segment_ids_BL)
+        # Init only needs the parameters' shapes (see Attention): the plain path's mask then.
+        backend = "xla" if self.is_initializing() else attention.attention_backend(
+            cfg.attention, dtype, tokens_BL.shape[1])
+        mask_B1LS = attention.document_mask(backend, segment_ids_BL, dtype)
         block = Block
         if REMAT_POLICIES[cfg.remat] is not None:
             # prevent_cse only matters outside scan, where XLA could merge the recomputation away.

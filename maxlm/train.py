@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 
 import jax
@@ -203,6 +204,9 @@ def step_logger(cfg, writer, start_step: int) -> StepLogger:
                  "bubble %.1f%% (GPipe: (stages - 1) / (microbatches + stages - 1))",
                  cfg.mesh.sequence, stages, m.num_layers // stages, micro,
                  100 * model.bubble_fraction(stages, micro))
+    if m.fp8 and jax.default_backend() == "gpu" and fp8.TRITON_GEMM_OFF not in os.environ.get("XLA_FLAGS", ""):
+        cli.warn(f"model.fp8 without {fp8.TRITON_GEMM_OFF} (launch/gpu_env.sh sets it): XLA may compile "
+                 "the float8 dots as 16-bit Triton GEMMs, not float8 ones")
     if m.fp8 and not fp8.is_native(jax.devices()[0]):
         cli.warn(f"model.fp8 is emulated on {jax.devices()[0].device_kind}: float8-rounded operands, "
                  "not faster (float8 GEMMs need an NVIDIA GPU of compute capability >= 8.9)")

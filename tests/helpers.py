@@ -1,6 +1,5 @@
 """Shared test helpers: loading configs/*.py and building synthetic packed batches."""
 
-import importlib.util
 import os
 import pathlib
 import socket
@@ -14,10 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_config(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return config_lib.load_file(str(ROOT / "configs" / f"{name}.py"))
 
 
 def command_env(home, devices: int | None = 8, **extra) -> dict:

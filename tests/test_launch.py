@@ -136,7 +136,7 @@ def test_tpu_dry_run_prints_every_command(tmp_path):
     assert "--worker=all" in run and "MAXLM_DISTRIBUTED=auto" in run
     assert "--config=configs/llama_1b.py" in run and "a b" in run  # quoted through ssh
     assert "--config.platform=tpu" in run  # a worker that cannot see its TPU exits 2
-    assert any("jax[tpu]==" in line for line in lines)
+    assert any("-r locks/tpu.lock" in line for line in lines)  # the pinned libtpu
     assert lines[-1].startswith("[tpu] gcloud compute tpus queued-resources delete pod")
 
 

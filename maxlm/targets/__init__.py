@@ -1,0 +1,78 @@
+"""Hardware to compile for without having it: `python -m maxlm.bench plan --target=h100x8`.
+
+JAX's CUDA plugin compiles for an NVIDIA GPU that is not there, from XLA's description of it (a
+`GpuTargetConfigProto`: the .txtpb files here, see README.md): `jax.experimental.topologies` turns
+it into devices a mesh can be built from, and `jit(...).lower(...).compile()` over that mesh runs
+XLA's real GPU compiler, with its buffer assignment (`memory_analysis()`) and its cuDNN/cuBLAS
+custom calls, on any machine. Nothing executes, so no CUDA driver is needed, only the plugin
+(`make install ACCEL=cuda12`; `make test` keeps a copy in .venv/gpu-compiler). JAX itself must
+run on the CPU for this: `prepare()` says so before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+from maxlm.errors import ConfigError
+
+# name -> (XLA's description of one GPU, GPUs per host). One host: the 8-GPU HGX/DGX boards.
+GPU_TARGETS = {"h100x8": ("h100_sxm.txtpb", 8), "h200x8": ("h200.txtpb", 8)}
+NAMES = tuple(GPU_TARGETS)
+# The share of each GPU's memory the launchers let JAX take (launch/gpu_env.sh's
+# XLA_PYTHON_CLIENT_MEM_FRACTION): a plan fits when its peak is within it.
+LAUNCHER_MEMORY_FRACTION = 0.90
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    platform: str  # what jax.default_backend() says on the real machine (config key `platform`)
+    devices: tuple  # the target's devices, for mesh.make_mesh
+    memory_bytes: int  # one device's memory
+
+    @property
+    def device_kind(self) -> str:
+        return self.devices[0].device_kind
+
+
+def prepare() -> None:
+    """Call before JAX starts: the machine's own devices are CPUs (or whatever it has, unused); the
+    target's exist only as a topology, and there is no CUDA driver whose version to check."""
+    import jax
+
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    jax.config.update("jax_platforms", "cpu")
+
+
+def memory_fraction() -> float:
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", LAUNCHER_MEMORY_FRACTION))
+
+
+def spec_text(filename: str) -> str:
+    """The vendored description, less `collective_memory_granularity`: jaxlib 0.10's proto predates
+    that field (it only tunes collective buffers) and rejects the whole description for it."""
+    text = (Path(__file__).parent / filename).read_text()
+    return "\n".join(line for line in text.splitlines() if "collective_memory_granularity" not in line)
+
+
+def load(name: str) -> Target:
+    """The named target's devices (ConfigError, a one-line message, when unknown or when JAX's CUDA
+    plugin is not installed)."""
+    from jax.experimental import topologies
+
+    if name not in GPU_TARGETS:
+        raise ConfigError(f"--target={name!r} is not a known target: {', '.join(NAMES)}")
+    filename, per_host = GPU_TARGETS[name]
+    text = spec_text(filename)
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=text,
+                                                topology=f"1x1x{per_host}")
+    except Exception as e:  # noqa: BLE001 - jax raises several kinds when the plugin is absent
+        raise ConfigError(f"--target={name} compiles with JAX's CUDA plugin, which this environment "
+                          f"lacks (make install ACCEL=cuda12): {type(e).__name__}: {e}") from e
+    memory = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
+    return Target(name=name, platform="gpu", devices=tuple(topology.devices), memory_bytes=memory)
+

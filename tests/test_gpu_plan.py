@@ -1,0 +1,84 @@
+"""NVIDIA GPUs without a GPU: the launchers' XLA flags are accepted, and the GPU presets compiled
+for 8×H100 (maxlm/targets) fit, with cuDNN attention and, with model.fp8, cuBLASLt float8 GEMMs.
+
+Each plan runs as a user types it, with the flags of launch/gpu_env.sh, JAX's CUDA plugin on
+PYTHONPATH (`make test` installs it in .venv/gpu-compiler and names it in MAXLM_GPU_COMPILER)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, command_env
+
+pytestmark = pytest.mark.slow
+
+GPU_COMPILER = os.environ.get("MAXLM_GPU_COMPILER", "")
+needs_compiler = pytest.mark.skipif(
+    not os.path.isdir(GPU_COMPILER),
+    reason="JAX's CUDA plugin is not installed here (`make test` installs it in .venv/gpu-compiler)")
+H100_USABLE = 80e9  # the issue's bound: the planned peak stays under 80 GB
+
+
+def in_gpu_env(command: str, tmp_path, **extra) -> subprocess.CompletedProcess:
+    """`command` in bash after `source launch/gpu_env.sh`, as the GPU launchers run maxlm."""
+    env = command_env(tmp_path, devices=None, **extra)
+    return subprocess.run(["bash", "-c", f"source launch/gpu_env.sh && {command}"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("extra_flag, accepted", [("", True), ("--xla_gpu_no_such_flag=true", False)])
+def test_the_pinned_jaxlib_accepts_the_gpu_launchers_xla_flags(tmp_path, extra_flag, accepted):
+    """XLA aborts on a flag it does not know when its backend starts; the control shows it would."""
+    result = in_gpu_env(f'{sys.executable} -c "import jax; print(jax.devices())"', tmp_path,
+                        XLA_FLAGS=extra_flag)
+    assert (result.returncode == 0) == accepted, result.stderr[-2000:]
+    if not accepted:
+        assert "Unknown flag" in result.stderr
+
+
+def plan(tmp_path, config: str, target: str, *overrides: str, xla_flags: str = "") -> dict:
+    result = in_gpu_env(
+        f"{sys.executable} -m maxlm.bench plan --config={config} --target={target} {' '.join(overrides)}",
+        tmp_path, PYTHONPATH=GPU_COMPILER, XLA_FLAGS=xla_flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@needs_compiler
+@pytest.mark.parametrize("config", ["configs/llama_1b_h100x8.py", "configs/llama_8b_h100x8.py"])
+def test_gpu_presets_fit_an_h100_with_cudnn_attention(tmp_path, config):
+    result = plan(tmp_path, config, "h100x8")
+    assert result["device_kind"] == "NVIDIA H100 80GB HBM3" and result["device_count"] == 8
+    peak = result["bytes_per_device"]["peak"]
+    assert result["fits"] and peak < H100_USABLE, result["bytes_per_device"]
+    assert result["device_memory_bytes"] == int(84942979072 * 0.90)  # gpu_env.sh's share of HBM
+    assert {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"} <= set(result["kernels"])
+    assert "__cublas$lt$matmul" in result["kernels"]
+
+
+@needs_compiler
+def test_fp8_compiles_to_cublaslt_float8_gemms_on_an_h200(tmp_path):
+    overrides = ("--config.model.fp8=true", "--config.mesh.data=8", "--config.batch_size=8")
+    result = plan(tmp_path, "configs/llama_125m.py", "h200x8", *overrides)
+    assert result["device_kind"] == "NVIDIA H200 141GB HBM3e"
+    assert "__cublas$lt$matmul$f8" in result["kernels"]
+    # The control: with Triton GEMMs allowed again (a later flag wins), no float8 GEMM is left.
+    triton = plan(tmp_path, "configs/llama_125m.py", "h200x8", *overrides,
+                  xla_flags="--xla_gpu_enable_triton_gemm=true")
+    assert not any("f8" in kernel for kernel in triton["kernels"]), triton["kernels"]
+
+
+@pytest.mark.parametrize("target, pythonpath, message", [
+    ("a100x3", GPU_COMPILER, "--target='a100x3' is not a known target: h100x8, h200x8"),
+    # The venv itself never has the plugin (Makefile: CPU runs must not try to load CUDA).
+    ("h100x8", "", "compiles with JAX's CUDA plugin, which this environment lacks (make install ACCEL=cuda12)"),
+])
+def test_a_target_that_cannot_be_compiled_for_is_one_line_exit_2(tmp_path, target, pythonpath, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "maxlm.bench", "plan", "--config=configs/tiny.py", f"--target={target}"],
+        cwd=ROOT, env=command_env(tmp_path, devices=None, PYTHONPATH=pythonpath),
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
