@@ -10,6 +10,9 @@ nothing executed) and reports per-device bytes: parameters, optimizer state, bat
 temp (activations) and peak figures, whether that fits the device's memory when known, and the
 kernels XLA called (cuDNN attention, cuBLAS float8 GEMMs, ...). With `--target=h100x8|h200x8` it
 compiles for that hardware instead of this machine's (maxlm/targets: no GPU needed).
+
+`attention` compares cuDNN's fused attention with the XLA path at the config's shapes (GPU only):
+largest differences of outputs and gradients, and each one's forward+backward time.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from maxlm import cli, config as config_lib, distributed, flops, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib, targets
@@ -105,6 +109,8 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "")
         "timed_steps": timed_steps,
         "warmup_steps": warmup_steps,
         "first_step_sec_incl_compile": compile_sec,
+        # what the allocator held at most (GPU/TPU; the CPU backend keeps no statistics)
+        "peak_memory_bytes": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
         "final_loss": float(step_metrics["loss"]),
         "jax_version": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -237,6 +243,54 @@ def bench_checkpoint(cfg, repeats: int = 2) -> dict:
     }
 
 
+def bench_attention(cfg, timed_steps: int) -> dict:
+    """cuDNN against XLA attention at the config's shapes (one layer's q, k, v; packed documents):
+    the largest differences of the outputs and of the three gradients, and each one's median
+    forward+backward time. Needs an NVIDIA GPU (cuDNN)."""
+    from maxlm import attention
+
+    m = cfg.model
+    B, L, dtype = cfg.batch_size, cfg.seq_len, model.compute_dtype(m)
+    keys = jax.random.split(jax.random.key(cfg.seed), 4)
+    q = jax.random.normal(keys[0], (B, L, m.num_heads, m.head_dim), dtype)
+    k, v = (jax.random.normal(key, (B, L, m.num_kv_heads, m.head_dim), dtype) for key in keys[1:3])
+    cotangent = jax.random.normal(keys[3], q.shape, jnp.float32)
+    doc_len = np.random.default_rng(cfg.seed).integers(L // 8, L // 2, size=(B, 16)).cumsum(axis=1)
+    segment_ids = jnp.asarray((np.arange(L)[None, :, None] >= doc_len[:, None, :]).sum(-1) + 1, jnp.int32)
+
+    def fwd_bwd(backend):
+        def loss(q, k, v):
+            mask = attention.document_mask(backend, segment_ids, dtype)
+            out = attention.attend(backend, q, k, v, mask, segment_ids)
+            return (out.astype(jnp.float32) * cotangent).sum(), out
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+    results, times = {}, {}
+    for backend in ("cudnn", "xla"):
+        fn = fwd_bwd(backend)
+        results[backend] = jax.block_until_ready(fn(q, k, v))  # compiles
+        runs = []
+        for _ in range(timed_steps):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(q, k, v))
+            runs.append(time.perf_counter() - start)
+        times[backend] = statistics.median(runs)
+    (_, out_c), grads_c = results["cudnn"]
+    (_, out_x), grads_x = results["xla"]
+    diff = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())
+    return {
+        "benchmark": "attention", "config": cfg.name, "device_kind": jax.devices()[0].device_kind,
+        "batch_size": B, "seq_len": L, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
+        "head_dim": m.head_dim, "dtype": str(jnp.dtype(dtype)), "timed_steps": timed_steps,
+        "fwd_bwd_sec_median": times, "cudnn_speedup": times["xla"] / times["cudnn"],
+        "max_abs_diff": {"out": diff(out_c, out_x),
+                         **{f"d{n}": diff(a, b) for n, a, b in zip("qkv", grads_c, grads_x)}},
+        "max_abs": {"out": diff(out_x, 0 * out_x),
+                    **{f"d{n}": diff(b, 0 * b) for n, b in zip("qkv", grads_x)}},
+        "jax_version": jax.__version__,
+    }
+
+
 def bench_data(cfg) -> dict:
     """Data-pipeline tokens/s per core: packed reading, tokenize+pack vs raw sentencepiece."""
     from maxlm.data import throughput
@@ -248,8 +302,8 @@ def main(argv) -> None:
     from absl import flags
 
     what = argv[1] if len(argv) > 1 else "train"
-    if what not in ("train", "data", "checkpoint", "plan"):
-        cli.config_error(f"unknown benchmark {what!r}; available: train, data, checkpoint, plan")
+    if what not in ("train", "data", "checkpoint", "plan", "attention"):
+        cli.config_error(f"unknown benchmark {what!r}; available: train, data, checkpoint, plan, attention")
     cli.setup_logging()
     if flags.FLAGS.target:  # compiled for hardware that is not here: nothing to initialise
         if what != "plan":
@@ -269,6 +323,8 @@ def main(argv) -> None:
         result = bench_checkpoint(cfg)
     elif what == "plan":  # per-device memory, compiled ahead of time; nothing executes
         result = plan(cfg)
+    elif what == "attention":  # cuDNN against XLA: differences and times (GPU)
+        result = bench_attention(cfg, flags.FLAGS.steps)
     elif what == "data":
         try:
             result = bench_data(cfg)

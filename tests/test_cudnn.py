@@ -10,9 +10,6 @@ import pytest
 
 from maxlm import attention
 
-needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
-
-
 def packed_rows(batch: int, length: int, seed: int = 0) -> np.ndarray:
     """Segment ids as the packer writes them: documents 1, 2, ... of random lengths, then padding (0)."""
     rng = np.random.default_rng(seed)
@@ -36,7 +33,8 @@ def test_document_bias_and_the_causal_mode_are_the_xla_mask():
         attention.document_bias(segment_ids, jnp.float32)
 
 
-@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
 @pytest.mark.parametrize("length", [256, 4096])
 def test_cudnn_matches_xla_values_and_gradients(length):
     B, H, K, Dh = 2, 8, 2, 128

@@ -355,6 +355,7 @@ def _hopper():
     return int(major) >= 9
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="float8 GEMMs need an NVIDIA GPU of compute capability >= 9.0")
 def test_fp8_einsum_compiles_to_cublaslt_f8_gemm():
     """XLA's GemmRewriter turns the quantize → dequantize → dot pattern into cuBLASLt float8 GEMMs,
