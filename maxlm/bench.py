@@ -8,7 +8,7 @@ for, and the median is reported with the spread.
 `plan` compiles the train step ahead of time for the configured mesh (abstract state and batch,
 nothing executed) and reports per-device bytes: parameters, optimizer state, batch, and XLA's
 temp (activations) and peak figures, whether that fits the device's memory when known, and the
-kernels XLA called (cuDNN attention, cuBLAS float8 GEMMs, ...). With `--target=h100x8|h200x8` it
+kernels XLA called (cuDNN attention, cuBLAS float8 GEMMs, ...). With `--target=h100x8` (or h200x8, h100x16: GPUxN) it
 compiles for that hardware instead of this machine's (maxlm/targets: no GPU needed).
 
 `attention` compares cuDNN's fused attention with the XLA path at the config's shapes (GPU only):
@@ -167,6 +167,7 @@ def plan(cfg, target: targets.Target | None = None) -> dict:
         "target": target.name if target else "",
         "device_kind": devices[0].device_kind,
         "device_count": len(devices),
+        "process_count": len({d.process_index for d in devices}),
         "mesh": {axis: cfg.mesh[axis] for axis in config_lib.MESH_AXES},
         "dtype": cfg.model.dtype,
         "remat": cfg.model.remat,
@@ -277,16 +278,21 @@ def bench_attention(cfg, timed_steps: int) -> dict:
         times[backend] = statistics.median(runs)
     (_, out_c), grads_c = results["cudnn"]
     (_, out_x), grads_x = results["xla"]
-    diff = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())
+    names = ("out", "dq", "dk", "dv")
+
+    cudnn_arrays = [x.astype(jnp.float32) for x in (out_c, *grads_c)]
+    xla_arrays = [x.astype(jnp.float32) for x in (out_x, *grads_x)]
+
+    def largest(x) -> float:
+        return float(jnp.abs(x).max())
     return {
         "benchmark": "attention", "config": cfg.name, "device_kind": jax.devices()[0].device_kind,
         "batch_size": B, "seq_len": L, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
         "head_dim": m.head_dim, "dtype": str(jnp.dtype(dtype)), "timed_steps": timed_steps,
         "fwd_bwd_sec_median": times, "cudnn_speedup": times["xla"] / times["cudnn"],
-        "max_abs_diff": {"out": diff(out_c, out_x),
-                         **{f"d{n}": diff(a, b) for n, a, b in zip("qkv", grads_c, grads_x)}},
-        "max_abs": {"out": diff(out_x, 0 * out_x),
-                    **{f"d{n}": diff(b, 0 * b) for n, b in zip("qkv", grads_x)}},
+        # the differences, and the XLA values' own size to read them against
+        "max_abs_diff": {n: largest(c - x) for n, c, x in zip(names, cudnn_arrays, xla_arrays)},
+        "max_abs": {n: largest(x) for n, x in zip(names, xla_arrays)},
         "jax_version": jax.__version__,
     }
 
@@ -313,7 +319,7 @@ def main(argv) -> None:
             target = targets.load(flags.FLAGS.target)
         except config_lib.ConfigError as e:
             cli.config_error(str(e))
-        cfg = cli.resolved_config(len(target.devices), num_granules=1, platform=target.platform)
+        cfg = cli.resolved_config(len(target.devices), num_granules=target.hosts, platform=target.platform)
         result = plan(cfg, target)
         print(json.dumps(result, indent=2))
         return
@@ -342,7 +348,8 @@ def _define_flags() -> None:
     flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (the first one compiles).")
     flags.DEFINE_integer("steps", 10, "Timed steps; the median is reported.")
     flags.DEFINE_string("target", "", "plan: compile for this hardware instead of this machine's: "
-                        + " | ".join(targets.NAMES) + " (needs JAX's CUDA plugin, no GPU).")
+                        "GPUxN, N GPUs on hosts of 8, e.g. " + ", ".join(targets.NAMES) + ", h100x16 "
+                        "(needs JAX's CUDA plugin, no GPU).")
     flags.DEFINE_string("profile_dir", "", "train: also trace two untimed steps into this directory "
                         "(jax.profiler: TensorBoard's profile plugin or Perfetto).")
 

@@ -48,10 +48,16 @@ def plan(tmp_path, config: str, target: str, *overrides: str, xla_flags: str = "
 
 
 @needs_compiler
-@pytest.mark.parametrize("config", ["configs/llama_1b_h100x8.py", "configs/llama_8b_h100x8.py"])
-def test_gpu_presets_fit_an_h100_with_cudnn_attention(tmp_path, config):
-    result = plan(tmp_path, config, "h100x8")
-    assert result["device_kind"] == "NVIDIA H100 80GB HBM3" and result["device_count"] == 8
+@pytest.mark.parametrize("config, target, overrides, hosts", [
+    ("configs/llama_1b_h100x8.py", "h100x8", (), 1),
+    ("configs/llama_8b_h100x8.py", "h100x8", (), 1),
+    # docs/gpus.md's 2-node job: two processes of 8 GPUs, one FSDP mesh
+    ("configs/llama_1b_h100x8.py", "h100x16", ("--config.mesh.fsdp=16", "--config.num_devices=16"), 2),
+])
+def test_gpu_presets_fit_an_h100_with_cudnn_attention(tmp_path, config, target, overrides, hosts):
+    result = plan(tmp_path, config, target, *overrides)
+    assert result["device_kind"] == "NVIDIA H100 80GB HBM3"
+    assert result["device_count"] == 8 * hosts and result["process_count"] == hosts
     peak = result["bytes_per_device"]["peak"]
     assert result["fits"] and peak < H100_USABLE, result["bytes_per_device"]
     assert result["device_memory_bytes"] == int(84942979072 * 0.90)  # gpu_env.sh's share of HBM
@@ -72,7 +78,9 @@ def test_fp8_compiles_to_cublaslt_float8_gemms_on_an_h200(tmp_path):
 
 
 @pytest.mark.parametrize("target, pythonpath, message", [
-    ("a100x3", GPU_COMPILER, "--target='a100x3' is not a known target: h100x8, h200x8"),
+    ("a100x8", GPU_COMPILER, "--target='a100x8' is not a known target: GPUxN with GPU one of h100, "
+                             "h200 and N a multiple of 8 (e.g. h100x8, h200x8)"),
+    ("h100x12", GPU_COMPILER, "N a multiple of 8"),
     # The venv itself never has the plugin (Makefile: CPU runs must not try to load CUDA).
     ("h100x8", "", "compiles with JAX's CUDA plugin, which this environment lacks (make install ACCEL=cuda12)"),
 ])

@@ -18,9 +18,11 @@ from pathlib import Path
 
 from maxlm.errors import ConfigError
 
-# name -> (XLA's description of one GPU, GPUs per host). One host: the 8-GPU HGX/DGX boards.
-GPU_TARGETS = {"h100x8": ("h100_sxm.txtpb", 8), "h200x8": ("h200.txtpb", 8)}
-NAMES = tuple(GPU_TARGETS)
+# GPU -> XLA's description of it. A target is GPUxN: N GPUs on hosts of 8 (the HGX/DGX boards), so
+# h100x8 is one host and h100x16 two, each host a process of its own as on a real cluster.
+GPUS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+GPUS_PER_HOST = 8
+NAMES = tuple(f"{gpu}x{GPUS_PER_HOST}" for gpu in GPUS)  # the one-host targets; any multiple of 8 works
 # The share of each GPU's memory the launchers let JAX take (launch/gpu_env.sh's
 # XLA_PYTHON_CLIENT_MEM_FRACTION): a plan fits when its peak is within it.
 LAUNCHER_MEMORY_FRACTION = 0.90
@@ -31,6 +33,7 @@ class Target:
     name: str
     platform: str  # what jax.default_backend() says on the real machine (config key `platform`)
     devices: tuple  # the target's devices, for mesh.make_mesh
+    hosts: int  # processes, as many as the real job would have
     memory_bytes: int  # one device's memory
 
     @property
@@ -63,16 +66,20 @@ def load(name: str) -> Target:
     plugin is not installed)."""
     from jax.experimental import topologies
 
-    if name not in GPU_TARGETS:
-        raise ConfigError(f"--target={name!r} is not a known target: {', '.join(NAMES)}")
-    filename, per_host = GPU_TARGETS[name]
-    text = spec_text(filename)
+    match = re.fullmatch(r"([a-z0-9]+)x(\d+)", name)
+    if not match or match.group(1) not in GPUS or int(match.group(2)) % GPUS_PER_HOST or match.group(2) == "0":
+        raise ConfigError(f"--target={name!r} is not a known target: GPUxN with GPU one of "
+                          f"{', '.join(GPUS)} and N a multiple of {GPUS_PER_HOST} (e.g. {', '.join(NAMES)})")
+    gpu, count = match.group(1), int(match.group(2))
+    hosts = count // GPUS_PER_HOST
+    text = spec_text(GPUS[gpu])
     try:
         topology = topologies.get_topology_desc(platform="cuda", target_config=text,
-                                                topology=f"1x1x{per_host}")
+                                                topology=f"1x{hosts}x{GPUS_PER_HOST}")
     except Exception as e:  # noqa: BLE001 - jax raises several kinds when the plugin is absent
         raise ConfigError(f"--target={name} compiles with JAX's CUDA plugin, which this environment "
                           f"lacks (make install ACCEL=cuda12): {type(e).__name__}: {e}") from e
     memory = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
-    return Target(name=name, platform="gpu", devices=tuple(topology.devices), memory_bytes=memory)
+    return Target(name=name, platform="gpu", devices=tuple(topology.devices), hosts=hosts,
+                  memory_bytes=memory)
 
