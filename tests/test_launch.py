@@ -233,3 +233,15 @@ def test_tasks_that_cannot_share_the_gpus_evenly_are_a_config_error():
            "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     with pytest.raises(config_lib.ConfigError, match="3 SLURM tasks on this node cannot share its 8 GPUs"):
         distributed.slurm_local_device_ids(env)
+
+
+def test_gpu_host_launcher_on_a_machine_without_gpus_is_exit_2_before_anything(tmp_path):
+    """launch/gpu_host.sh with a GPU preset, as a user with a CPU-only jax would type it: one line
+    naming the platform (its XLA flags accepted on the way), no workdir."""
+    result = subprocess.run(
+        ["bash", "launch/gpu_host.sh", "--config=configs/llama_1b_h100x8.py", f"--workdir={tmp_path / 'run'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env=command_env(tmp_path, devices=None, PYTHON=sys.executable))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "platform='gpu' but JAX runs on 'cpu'" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
