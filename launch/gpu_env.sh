@@ -5,6 +5,8 @@
 MAXLM_GPU_XLA_FLAGS=(
   # Overlap collectives with compute; in a scanned layer stack, issue the next layer's FSDP
   # all-gather and this layer's gradient reduce-scatter one iteration ahead (pipelined).
+  # (From jaxlib 0.11.1 the three pipelined flags are deprecated aliases of
+  # --xla_gpu_pipeline_*=on: still accepted, with a warning; the new names abort older jaxlibs.)
   --xla_gpu_enable_latency_hiding_scheduler=true
   --xla_gpu_enable_pipelined_all_gather=true
   --xla_gpu_enable_pipelined_reduce_scatter=true
