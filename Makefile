@@ -10,17 +10,18 @@ PYTEST_ARGS ?=
 ACCEL ?= $(shell cat $(VENV)/.accel 2>/dev/null || echo cpu)
 STAMP := $(VENV)/.installed-$(ACCEL)
 TEST_STAMP := $(VENV)/.installed-test
-# JAX's CUDA compiler plugin (and cuDNN), kept out of the venv's own packages so that CPU runs never
-# try to load CUDA: the GPU plan tests put it on PYTHONPATH to compile for H100/H200 without a GPU.
-GPU_COMPILER := $(VENV)/gpu-compiler
+# The compilers of hardware that is not here: JAX's CUDA plugin (with cuDNN) and libtpu, kept out of
+# the venv's own packages so that CPU runs never try to load them. The plan tests put them on
+# PYTHONPATH to compile for H100/H200 hosts and TPU slices (maxlm/targets).
+TARGET_COMPILERS := $(VENV)/target-compilers
 
 .PHONY: train test bench install clean
 
 train: $(STAMP)
 	$(PY) -m maxlm.train --config=$(CONFIG) --workdir=$(WORKDIR)
 
-test: $(STAMP) $(TEST_STAMP) $(GPU_COMPILER)/.installed
-	MAXLM_GPU_COMPILER=$(abspath $(GPU_COMPILER)) $(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+test: $(STAMP) $(TEST_STAMP) $(TARGET_COMPILERS)/.installed
+	MAXLM_TARGET_COMPILERS=$(abspath $(TARGET_COMPILERS)) $(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m maxlm.bench --config=configs/tiny.py
@@ -42,10 +43,10 @@ $(TEST_STAMP): $(STAMP) requirements-test.lock
 	$(PY) -m pip install --quiet -r requirements.lock -r requirements-test.lock
 	touch $(TEST_STAMP)
 
-$(GPU_COMPILER)/.installed: $(STAMP) locks/cuda12.lock
-	rm -rf $(GPU_COMPILER)
-	$(PY) -m pip install --quiet --no-deps --target $(GPU_COMPILER) -c locks/cuda12.lock \
-		jax-cuda12-plugin jax-cuda12-pjrt nvidia-cudnn-cu12
+$(TARGET_COMPILERS)/.installed: $(STAMP) locks/cuda12.lock locks/tpu.lock
+	rm -rf $(TARGET_COMPILERS)
+	$(PY) -m pip install --quiet --no-deps --target $(TARGET_COMPILERS) -c locks/cuda12.lock -c locks/tpu.lock \
+		jax-cuda12-plugin jax-cuda12-pjrt nvidia-cudnn-cu12 libtpu
 	touch $@
 
 clean:

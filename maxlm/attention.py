@@ -102,11 +102,12 @@ def target_platform() -> str:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
-def attention_backend(name: str, dtype, seq_len: int | None = None) -> str:
-    """Resolves `model.attention`: "auto" is the Pallas splash kernel on TPUs (when `seq_len`, if
-    given, suits it: a multiple of 128), cuDNN's fused attention on NVIDIA GPUs with 16-bit
-    compute (it has no float32 kernel), the plain XLA path otherwise."""
-    platform = target_platform()
+def attention_backend(name: str, dtype, seq_len: int | None = None, platform: str | None = None) -> str:
+    """Resolves `model.attention` for `platform` (default: `target_platform()`): "auto" is the
+    Pallas splash kernel on TPUs (when `seq_len`, if given, suits it: a multiple of 128), cuDNN's
+    fused attention on NVIDIA GPUs with 16-bit compute (it has no float32 kernel), the plain XLA
+    path otherwise."""
+    platform = platform or target_platform()
     if name == "auto":
         if platform == "tpu":
             return "splash" if seq_len is None or seq_len % LANES == 0 else "xla"

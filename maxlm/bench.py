@@ -18,9 +18,7 @@ largest differences of outputs and gradients, and each one's forward+backward ti
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import statistics
 import time
 
@@ -29,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxlm import cli, config as config_lib, distributed, flops, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib, targets
+from maxlm.plan import plan
 
 
 class SyntheticData:
@@ -115,86 +114,6 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "")
         "jax_version": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         **({"profile_dir": profile_dir} if profile_dir else {}),
-    }
-
-
-def _bytes_per_device(tree) -> int:
-    """Bytes one device holds of a pytree of ShapeDtypeStructs/arrays with NamedShardings (the
-    largest shard, i.e. device 0's for the even splits the rules produce)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-               for x in jax.tree.leaves(tree))
-
-
-def plan(cfg, target: targets.Target | None = None) -> dict:
-    """Per-device memory of the train step, compiled ahead of time for the configured mesh over
-    this machine's devices, or over `target`'s.
-
-    Nothing runs and no state is materialised: the state and batch are ShapeDtypeStructs with
-    their shardings, and `jit(...).lower(...).compile()` gives XLA's buffer assignment.
-    """
-    devices = list(target.devices) if target else jax.devices()
-    rules = mesh_lib.rules_of(cfg.mesh)
-    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    tx = optim.make_optimizer(cfg.optim)
-    shardings = state_lib.shardings(cfg, tx, mesh, rules, state_lib.abstract_state(cfg, tx))
-    state = state_lib.abstract_state(cfg, tx, shardings)
-    batch_sharding = mesh_lib.batch_sharding(mesh, rules)
-    batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=batch_sharding)
-             for k in ("inputs", "targets", "segment_ids", "positions")}
-    train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings)
-    start = time.perf_counter()
-    with mesh_lib.activate(mesh, rules):
-        compiled = train_fn.lower(state, batch).compile()
-    compile_sec = time.perf_counter() - start
-    mem = compiled.memory_analysis()
-    argument = int(mem.argument_size_in_bytes)
-    output = int(mem.output_size_in_bytes)
-    alias = int(mem.alias_size_in_bytes)  # donated state: inputs that are reused as outputs
-    temp = int(mem.temp_size_in_bytes)
-    # XLA's own peak where the backend reports a plausible one (GPU/TPU); the CPU backend's
-    # figure leaves temp out, so there: everything live at once, an upper bound.
-    peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
-    peak_source = "xla"
-    if peak < temp:
-        peak, peak_source = argument + output - alias + temp, "arguments+outputs-aliased+temp"
-    if target:  # what JAX may allocate there: the launchers' share of the device's memory
-        limit = int(target.memory_bytes * targets.memory_fraction())
-    else:
-        limit = (devices[0].memory_stats() or {}).get("bytes_limit")
-    return {
-        "benchmark": "plan",
-        "config": cfg.name,
-        "target": target.name if target else "",
-        "device_kind": devices[0].device_kind,
-        "device_count": len(devices),
-        "process_count": len({d.process_index for d in devices}),
-        "mesh": {axis: cfg.mesh[axis] for axis in config_lib.MESH_AXES},
-        "dtype": cfg.model.dtype,
-        "remat": cfg.model.remat,
-        "scan_layers": cfg.model.scan_layers,
-        "grad_accum_steps": cfg.optim.grad_accum_steps,
-        "shard_state_over_data": cfg.optim.shard_state_over_data,
-        "mu_dtype": cfg.optim.mu_dtype,
-        "params": model.count_params(cfg.model),
-        "batch_size": cfg.batch_size,
-        "seq_len": cfg.seq_len,
-        "bytes_per_device": {
-            "params": _bytes_per_device(state["params"]),
-            "opt_state": _bytes_per_device(state["opt_state"]),
-            "batch": _bytes_per_device(batch),
-            "temp": temp,  # activations and other scratch XLA allocates inside the step
-            "arguments": argument,
-            "outputs": output,
-            "aliased": alias,
-            "peak": peak,
-        },
-        "peak_source": peak_source,
-        "device_memory_bytes": limit,
-        "fits": None if limit is None else peak <= limit,
-        # XLA's calls into libraries: __cudnn$fmha* (fused attention), __cublas$lt$matmul$f8 ...
-        "kernels": sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))),
-        "compile_sec": compile_sec,
-        "jax_version": jax.__version__,
     }
 
 
@@ -316,11 +235,13 @@ def main(argv) -> None:
             cli.config_error(f"--target is for `plan` only, not {what!r}")
         targets.prepare()
         try:
-            target = targets.load(flags.FLAGS.target)
+            target = targets.load(flags.FLAGS.target, flags.FLAGS.num_slices)
         except config_lib.ConfigError as e:
             cli.config_error(str(e))
-        cfg = cli.resolved_config(len(target.devices), num_granules=target.hosts, platform=target.platform)
-        result = plan(cfg, target)
+        # granules: TPU slices, or GPU hosts (processes), as mesh.dcn_* counts them
+        granules = target.slices if target.platform == "tpu" else target.hosts
+        cfg = cli.resolved_config(len(target.devices), num_granules=granules, platform=target.platform)
+        result = plan(cfg, target, estimate=flags.FLAGS.estimate)
         print(json.dumps(result, indent=2))
         return
     distributed.initialize()  # a multi-process benchmark: JAX_COORDINATOR_ADDRESS or auto
@@ -348,8 +269,12 @@ def _define_flags() -> None:
     flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (the first one compiles).")
     flags.DEFINE_integer("steps", 10, "Timed steps; the median is reported.")
     flags.DEFINE_string("target", "", "plan: compile for this hardware instead of this machine's: "
-                        "GPUxN, N GPUs on hosts of 8, e.g. " + ", ".join(targets.NAMES) + ", h100x16 "
-                        "(needs JAX's CUDA plugin, no GPU).")
+                        "GPUxN (N GPUs on hosts of 8) or a Cloud TPU slice, e.g. " + ", ".join(targets.NAMES)
+                        + " (needs JAX's CUDA plugin or libtpu, no accelerator).")
+    flags.DEFINE_bool("estimate", True, "plan --target: also estimate the step time and MFU (two more "
+                      "compiles, of 1 and 2 layers: see maxlm/plan.py).")
+    flags.DEFINE_integer("num_slices", 1, "plan --target=TPU slice: that many slices over the "
+                         "data-center network (set mesh.dcn_data or dcn_fsdp to match).")
     flags.DEFINE_string("profile_dir", "", "train: also trace two untimed steps into this directory "
                         "(jax.profiler: TensorBoard's profile plugin or Perfetto).")
 

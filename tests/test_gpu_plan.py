@@ -2,7 +2,7 @@
 for 8×H100 (maxlm/targets) fit, with cuDNN attention and, with model.fp8, cuBLASLt float8 GEMMs.
 
 Each plan runs as a user types it, with the flags of launch/gpu_env.sh, JAX's CUDA plugin on
-PYTHONPATH (`make test` installs it in .venv/gpu-compiler and names it in MAXLM_GPU_COMPILER)."""
+PYTHONPATH (`make test` installs it in .venv/target-compilers and names it in MAXLM_TARGET_COMPILERS)."""
 
 import json
 import os
@@ -15,10 +15,10 @@ from tests.helpers import ROOT, command_env
 
 pytestmark = pytest.mark.slow
 
-GPU_COMPILER = os.environ.get("MAXLM_GPU_COMPILER", "")
+TARGET_COMPILERS = os.environ.get("MAXLM_TARGET_COMPILERS", "")
 needs_compiler = pytest.mark.skipif(
-    not os.path.isdir(GPU_COMPILER),
-    reason="JAX's CUDA plugin is not installed here (`make test` installs it in .venv/gpu-compiler)")
+    not os.path.isdir(TARGET_COMPILERS),
+    reason="JAX's CUDA plugin is not installed here (`make test` installs it in .venv/target-compilers)")
 H100_USABLE = 80e9  # the issue's bound: the planned peak stays under 80 GB
 
 
@@ -42,7 +42,7 @@ def test_the_pinned_jaxlib_accepts_the_gpu_launchers_xla_flags(tmp_path, extra_f
 def plan(tmp_path, config: str, target: str, *overrides: str, xla_flags: str = "") -> dict:
     result = in_gpu_env(
         f"{sys.executable} -m maxlm.bench plan --config={config} --target={target} {' '.join(overrides)}",
-        tmp_path, PYTHONPATH=GPU_COMPILER, XLA_FLAGS=xla_flags)
+        tmp_path, PYTHONPATH=TARGET_COMPILERS, XLA_FLAGS=xla_flags)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
@@ -78,9 +78,9 @@ def test_fp8_compiles_to_cublaslt_float8_gemms_on_an_h200(tmp_path):
 
 
 @pytest.mark.parametrize("target, pythonpath, message", [
-    ("a100x8", GPU_COMPILER, "--target='a100x8' is not a known target: GPUxN with GPU one of h100, "
+    ("a100x8", TARGET_COMPILERS, "--target='a100x8' is not a known target: GPUxN with GPU one of h100, "
                              "h200 and N a multiple of 8 (e.g. h100x8, h200x8)"),
-    ("h100x12", GPU_COMPILER, "N a multiple of 8"),
+    ("h100x12", TARGET_COMPILERS, "N a multiple of 8"),
     # The venv itself never has the plugin (Makefile: CPU runs must not try to load CUDA).
     ("h100x8", "", "compiles with JAX's CUDA plugin, which this environment lacks (make install ACCEL=cuda12)"),
 ])

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import bench, config as config_lib, mesh as mesh_lib, state as state_lib, step as step_lib, train
+from maxlm import config as config_lib, mesh as mesh_lib, plan as plan_lib, state as state_lib, step as step_lib, train
 from tests.helpers import load_config, packed_batch, train_losses
 
 
@@ -157,7 +157,7 @@ def test_plan_reports_memory():
         cfg.model.remat = remat
         cfg.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
         cfg.optim.update(optim_overrides)
-        return bench.plan(config_lib.resolve(cfg, jax.device_count()))
+        return plan_lib.plan(config_lib.resolve(cfg, jax.device_count()))
 
     none, full, zero1 = plan("none"), plan("full"), plan("none", shard_state_over_data=True)
     assert {"params", "opt_state", "batch", "temp", "peak"} <= set(none["bytes_per_device"])

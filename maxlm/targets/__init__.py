@@ -1,44 +1,23 @@
-"""Hardware to compile for without having it: `python -m maxlm.bench plan --target=h100x8`.
+"""Hardware to compile for without having it: `python -m maxlm.bench plan --target=NAME`.
 
-JAX's CUDA plugin compiles for an NVIDIA GPU that is not there, from XLA's description of it (a
-`GpuTargetConfigProto`: the .txtpb files here, see README.md): `jax.experimental.topologies` turns
-it into devices a mesh can be built from, and `jit(...).lower(...).compile()` over that mesh runs
-XLA's real GPU compiler, with its buffer assignment (`memory_analysis()`) and its cuDNN/cuBLAS
-custom calls, on any machine. Nothing executes, so no CUDA driver is needed, only the plugin
-(`make install ACCEL=cuda12`; `make test` keeps a copy in .venv/gpu-compiler). JAX itself must
-run on the CPU for this: `prepare()` says so before JAX starts.
+A target's devices exist only as a topology: JAX's CUDA plugin describes NVIDIA GPU hosts
+(`gpu.py`: h100x8, h200x8, h100x16, ...) and libtpu describes Cloud TPU slices (`tpu.py`: v5p-8,
+v5p-64, v5e-16, v6e-8, ...). A mesh built over them and `jit(...).lower(...).compile()` run the
+target's real compiler on any machine, with its buffer assignment (`memory_analysis()`), its
+library calls and its kernels; nothing executes. JAX itself must run on the CPU for this:
+`prepare()` says so before JAX starts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
-from pathlib import Path
 
-from maxlm.errors import ConfigError
+from maxlm.targets import gpu, tpu
+from maxlm.targets.target import Target
 
-# GPU -> XLA's description of it. A target is GPUxN: N GPUs on hosts of 8 (the HGX/DGX boards), so
-# h100x8 is one host and h100x16 two, each host a process of its own as on a real cluster.
-GPUS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
-GPUS_PER_HOST = 8
-NAMES = tuple(f"{gpu}x{GPUS_PER_HOST}" for gpu in GPUS)  # the one-host targets; any multiple of 8 works
-# The share of each GPU's memory the launchers let JAX take (launch/gpu_env.sh's
-# XLA_PYTHON_CLIENT_MEM_FRACTION): a plan fits when its peak is within it.
-LAUNCHER_MEMORY_FRACTION = 0.90
+__all__ = ["NAMES", "Target", "load", "prepare"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    name: str
-    platform: str  # what jax.default_backend() says on the real machine (config key `platform`)
-    devices: tuple  # the target's devices, for mesh.make_mesh
-    hosts: int  # processes, as many as the real job would have
-    memory_bytes: int  # one device's memory
-
-    @property
-    def device_kind(self) -> str:
-        return self.devices[0].device_kind
+NAMES = (*gpu.NAMES, *tpu.NAMES)  # examples, for messages and --help
 
 
 def prepare() -> None:
@@ -50,36 +29,13 @@ def prepare() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
-def memory_fraction() -> float:
-    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", LAUNCHER_MEMORY_FRACTION))
+def load(name: str, num_slices: int = 1) -> Target:
+    """The named target's devices; ConfigError (one line) when it is unknown or its compiler is
+    not installed. `num_slices` > 1: that many TPU slices joined over the data-center network."""
+    if name.startswith("v"):
+        return tpu.load(name, num_slices)
+    if num_slices != 1:
+        from maxlm.errors import ConfigError
 
-
-def spec_text(filename: str) -> str:
-    """The vendored description, less `collective_memory_granularity`: jaxlib 0.10's proto predates
-    that field (it only tunes collective buffers) and rejects the whole description for it."""
-    text = (Path(__file__).parent / filename).read_text()
-    return "\n".join(line for line in text.splitlines() if "collective_memory_granularity" not in line)
-
-
-def load(name: str) -> Target:
-    """The named target's devices (ConfigError, a one-line message, when unknown or when JAX's CUDA
-    plugin is not installed)."""
-    from jax.experimental import topologies
-
-    match = re.fullmatch(r"([a-z0-9]+)x(\d+)", name)
-    if not match or match.group(1) not in GPUS or int(match.group(2)) % GPUS_PER_HOST or match.group(2) == "0":
-        raise ConfigError(f"--target={name!r} is not a known target: GPUxN with GPU one of "
-                          f"{', '.join(GPUS)} and N a multiple of {GPUS_PER_HOST} (e.g. {', '.join(NAMES)})")
-    gpu, count = match.group(1), int(match.group(2))
-    hosts = count // GPUS_PER_HOST
-    text = spec_text(GPUS[gpu])
-    try:
-        topology = topologies.get_topology_desc(platform="cuda", target_config=text,
-                                                topology=f"1x{hosts}x{GPUS_PER_HOST}")
-    except Exception as e:  # noqa: BLE001 - jax raises several kinds when the plugin is absent
-        raise ConfigError(f"--target={name} compiles with JAX's CUDA plugin, which this environment "
-                          f"lacks (make install ACCEL=cuda12): {type(e).__name__}: {e}") from e
-    memory = int(re.search(r"device_memory_size:\s*(\d+)", text).group(1))
-    return Target(name=name, platform="gpu", devices=tuple(topology.devices), hosts=hosts,
-                  memory_bytes=memory)
-
+        raise ConfigError(f"--num_slices is for TPU targets; {name} is one GPU target (GPUxN sizes it)")
+    return gpu.load(name)

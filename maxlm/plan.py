@@ -1,0 +1,185 @@
+"""`python -m maxlm.bench plan`: the train step compiled ahead of time, and what it will need.
+
+    result = plan(cfg)                    # for this machine's devices
+    result = plan(cfg, targets.load(...)) # for a GPU host or TPU slice that is not here
+
+Nothing runs and no state is materialised: the state and batch are ShapeDtypeStructs with their
+shardings, and `jit(...).lower(...).compile()` gives XLA's buffer assignment. For a target the plan
+adds an estimated step time, with its model written out (`estimate_step`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from maxlm import attention, config as config_lib, flops, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib
+from maxlm.targets import Target
+
+ESTIMATE_MODEL = ("step_sec = max(hardware FLOPs / peak FLOP/s, bytes accessed / memory bandwidth) per "
+                  "device, a roofline lower bound (no communication, perfect overlap): hardware FLOPs "
+                  "and bytes are XLA's counts scaled from 1- and 2-layer compiles (rematerialisation "
+                  "included) plus the attention FLOPs of a kernel XLA cannot see; mfu = model FLOPs "
+                  "(no rematerialisation) / (step_sec x peak), an upper bound")
+
+
+def _bytes_per_device(tree) -> int:
+    """Bytes one device holds of a pytree of ShapeDtypeStructs/arrays with NamedShardings (the
+    largest shard, i.e. device 0's for the even splits the rules produce)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
+
+
+def compile_step(cfg, devices):
+    """(compiled train step, abstract state, abstract batch) for `cfg` over `devices`."""
+    rules = mesh_lib.rules_of(cfg.mesh)
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    tx = optim.make_optimizer(cfg.optim)
+    shardings = state_lib.shardings(cfg, tx, mesh, rules, state_lib.abstract_state(cfg, tx))
+    state = state_lib.abstract_state(cfg, tx, shardings)
+    batch_sharding = mesh_lib.batch_sharding(mesh, rules)
+    batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=batch_sharding)
+             for k in ("inputs", "targets", "segment_ids", "positions")}
+    train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings)
+    with mesh_lib.activate(mesh, rules):
+        return train_fn.lower(state, batch).compile(), state, batch
+
+
+def _out_of_memory(error: Exception) -> str | None:
+    """XLA's message when compiling failed for want of memory (TPU compilers refuse such a step;
+    GPU ones only warn), else None."""
+    text = str(error)
+    return text.strip().splitlines()[0][:2000] if "RESOURCE_EXHAUSTED" in text else None
+
+
+def plan(cfg, target: Target | None = None, estimate: bool = True) -> dict:
+    """Per-device memory of the train step over this machine's devices or `target`'s; for a target
+    (and `estimate`) also the FLOPs, bytes and estimated step time (`estimate_step`)."""
+    devices = list(target.devices) if target else jax.devices()
+    result = {
+        "benchmark": "plan", "config": cfg.name, "target": target.name if target else "",
+        "device_kind": devices[0].device_kind, "device_count": len(devices),
+        "process_count": len({d.process_index for d in devices}),
+        "mesh": {axis: cfg.mesh[axis] for axis in config_lib.MESH_AXES},
+        "dtype": cfg.model.dtype, "remat": cfg.model.remat, "scan_layers": cfg.model.scan_layers,
+        "attention": cfg.model.attention, "grad_accum_steps": cfg.optim.grad_accum_steps,
+        "shard_state_over_data": cfg.optim.shard_state_over_data, "mu_dtype": cfg.optim.mu_dtype,
+        "params": model.count_params(cfg.model), "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+    }
+    if target:  # what JAX may allocate there
+        limit = target.usable_bytes
+    else:
+        limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+    start = time.perf_counter()
+    try:
+        compiled, state, batch = compile_step(cfg, devices)
+    except Exception as e:  # noqa: BLE001 - XLA's errors come as several types
+        message = _out_of_memory(e)
+        if message is None:
+            raise
+        return {**result, "device_memory_bytes": limit, "fits": False, "xla_message": message,
+                "compile_sec": time.perf_counter() - start, "jax_version": jax.__version__}
+    compile_sec = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    argument, output = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
+    alias = int(mem.alias_size_in_bytes)  # donated state: inputs that are reused as outputs
+    temp = int(mem.temp_size_in_bytes)
+    # XLA's own peak where the backend reports a plausible one (GPU/TPU); the CPU backend's
+    # figure leaves temp out, so there: everything live at once, an upper bound.
+    peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
+    peak_source = "xla"
+    if peak < temp:
+        peak, peak_source = argument + output - alias + temp, "arguments+outputs-aliased+temp"
+    result.update({
+        "bytes_per_device": {
+            "params": _bytes_per_device(state["params"]),
+            "opt_state": _bytes_per_device(state["opt_state"]),
+            "batch": _bytes_per_device(batch),
+            "temp": temp,  # activations and other scratch XLA allocates inside the step
+            "arguments": argument, "outputs": output, "aliased": alias, "peak": peak,
+        },
+        "peak_source": peak_source,
+        "device_memory_bytes": limit,
+        "fits": None if limit is None else peak <= limit,
+        # XLA's calls into libraries and kernels: __cudnn$fmha* (fused attention),
+        # __cublas$lt$matmul$f8, tpu_custom_call (Pallas/Mosaic kernels such as splash attention)
+        "kernels": sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))),
+        "compile_sec": compile_sec,
+    })
+    if target and estimate:
+        result["estimate"] = estimate_step(cfg, target, compiled)
+    result["jax_version"] = jax.__version__
+    return result
+
+
+def _probe_config(cfg, num_layers: int):
+    """`cfg` reduced to one microbatch of `num_layers` unrolled layers, the same per device."""
+    probe = ml_collections.ConfigDict(cfg.to_dict())
+    probe.model.num_layers = num_layers
+    probe.model.scan_layers = False
+    probe.batch_size = cfg.batch_size // cfg.optim.grad_accum_steps
+    probe.optim.grad_accum_steps = 1
+    return probe
+
+
+def probe_costs(cfg, devices) -> dict[str, float]:
+    """XLA's FLOPs and bytes accessed per device for a whole step. XLA counts a loop's body once,
+    whatever its trip count (the scanned layers, the accumulation scan), so the step is compiled
+    twice more with 1 and 2 unrolled layers and one microbatch, and each count is extrapolated:
+    step ≈ accumulation steps × (count(1) + (layers - 1) × (count(2) - count(1))). The optimizer
+    update is then counted once per microbatch, so this errs high by (accumulation steps - 1)
+    updates. XLA does not see into kernels (splash, cuDNN attention): their FLOPs are not here."""
+    counts = []
+    for layers in (1, 2):
+        compiled, _, _ = compile_step(_probe_config(cfg, layers), devices)
+        analysis = compiled.cost_analysis()
+        analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+        counts.append({key: float(analysis.get(key, 0.0)) for key in ("flops", "bytes accessed")})
+    return {key: cfg.optim.grad_accum_steps
+            * (counts[0][key] + (cfg.model.num_layers - 1) * (counts[1][key] - counts[0][key]))
+            for key in counts[0]}
+
+
+def kernel_attention_flops(cfg, devices) -> float:
+    """Per device, the attention FLOPs a kernel backend runs where XLA cannot count them: forward,
+    backward (twice the forward) and, under any remat policy, the forward again."""
+    backend = attention.attention_backend(cfg.model.attention, model.compute_dtype(cfg.model), cfg.seq_len,
+                                          platform=devices[0].platform)
+    if backend == "xla":
+        return 0.0
+    per_token = flops.forward_flops_breakdown(cfg.model, cfg.seq_len)["attention"]
+    passes = 3 + (cfg.model.remat != "none")
+    return passes * per_token * cfg.batch_size * cfg.seq_len / len(devices)
+
+
+def estimate_step(cfg, target: Target, compiled) -> dict:
+    """A step time and MFU for `target` (ESTIMATE_MODEL), per device; none where its compiler gives
+    no cost analysis (`compiled`, the step's, tells)."""
+    if not compiled.cost_analysis():
+        return {"model": "none: this compiler gives no cost analysis without the device"}
+    devices = list(target.devices)
+    peak = flops.peak_flops(devices, cfg.model.dtype)["per_device_flops_per_sec"]
+    model_flops = flops.flops_per_token(cfg.model, cfg.seq_len) * cfg.batch_size * cfg.seq_len / len(devices)
+    costs = probe_costs(cfg, devices)
+    hardware_flops = costs["flops"] + kernel_attention_flops(cfg, devices)
+    compute_sec = hardware_flops / peak
+    memory_sec = costs["bytes accessed"] / target.memory_bytes_per_sec
+    step_sec = max(compute_sec, memory_sec)
+    return {
+        "model": ESTIMATE_MODEL,
+        "model_flops_per_device": model_flops,
+        "hardware_flops_per_device": hardware_flops,
+        "bytes_accessed_per_device": costs["bytes accessed"],
+        "peak_flops_per_device": peak,
+        "memory_bytes_per_sec": target.memory_bytes_per_sec,
+        "compute_sec": compute_sec,
+        "memory_sec": memory_sec,
+        "step_sec": step_sec,
+        "tokens_per_sec": cfg.batch_size * cfg.seq_len / step_sec,
+        "mfu": model_flops / (step_sec * peak),
+    }

@@ -1,0 +1,74 @@
+"""Cloud TPU slices without a TPU (maxlm/targets/tpu.py): libtpu's own compiler plans the train
+step, splash attention compiles natively inside it, an over-size step is `fits: false` with
+XLA's message, and the plan estimates the step time from XLA's counts.
+
+Plans run as a user types them, libtpu on PYTHONPATH (`make test` installs it in
+.venv/target-compilers and names it in MAXLM_TARGET_COMPILERS)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from maxlm.targets import tpu
+from tests.helpers import ROOT, command_env
+
+TARGET_COMPILERS = os.environ.get("MAXLM_TARGET_COMPILERS", "")
+needs_libtpu = pytest.mark.skipif(
+    not os.path.isdir(os.path.join(TARGET_COMPILERS, "libtpu")),
+    reason="libtpu is not installed here (`make test` installs it in .venv/target-compilers)")
+
+
+def run_plan(tmp_path, config: str, target: str, *flags: str, pythonpath: str = TARGET_COMPILERS):
+    return subprocess.run(
+        [sys.executable, "-m", "maxlm.bench", "plan", f"--config={config}", f"--target={target}", *flags],
+        cwd=ROOT, env=command_env(tmp_path, devices=None, PYTHONPATH=pythonpath),
+        capture_output=True, text=True, timeout=600)
+
+
+def plan(tmp_path, config: str, target: str, *flags: str) -> dict:
+    result = run_plan(tmp_path, config, target, *flags)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("generation, chips, grid", [
+    ("v5p", 4, (2, 2, 1)), ("v5p", 8, (2, 2, 2)), ("v5p", 16, (2, 2, 4)), ("v5p", 32, (2, 4, 4)),
+    ("v5p", 64, (4, 4, 4)), ("v4", 128, (4, 4, 8)), ("v5e", 1, (1, 1)), ("v5e", 8, (2, 4)),
+    ("v5e", 16, (4, 4)), ("v6e", 32, (4, 8)), ("v6e", 256, (16, 16)),
+])
+def test_slices_have_cloud_tpus_chip_layouts(generation, chips, grid):
+    assert tpu.chip_grid(generation, chips) == grid
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_a_v5p_plan_compiles_splash_natively_and_estimates_the_step(tmp_path):
+    result = plan(tmp_path, "configs/tiny.py", "v5p-8", "--config.seq_len=256", "--config.model.dtype=bfloat16")
+    assert result["device_kind"] == "TPU v5" and result["device_count"] == 4  # 4 chips, 8 TensorCores
+    assert result["fits"] and result["device_memory_bytes"] == 95 * 2**30
+    assert "tpu_custom_call" in result["kernels"]  # auto = splash, compiled by Mosaic, not interpreted
+    estimate = result["estimate"]
+    assert estimate["step_sec"] == max(estimate["compute_sec"], estimate["memory_sec"]) > 0
+    assert estimate["hardware_flops_per_device"] > estimate["model_flops_per_device"] > 0  # splash's FLOPs added
+    assert 0 < estimate["mfu"] <= 1 and estimate["bytes_accessed_per_device"] > 0
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_a_step_too_big_for_the_slice_is_fits_false_with_xlas_message(tmp_path):
+    result = plan(tmp_path, "configs/llama_8b.py", "v5e-16", "--noestimate")
+    assert result["fits"] is False and result["device_kind"].startswith("TPU v5")
+    assert result["xla_message"].startswith("RESOURCE_EXHAUSTED") and "exceeds available HBM" in result["xla_message"]
+
+
+@pytest.mark.parametrize("target, message", [
+    ("v5p-12", "is not a known TPU slice"),  # not a power of two
+    ("v5e-2", "is not a known TPU slice"),  # no such layout
+    ("v7-8", "is not a known TPU slice"),
+])
+def test_an_unknown_slice_is_one_line_exit_2(tmp_path, target, message):
+    result = run_plan(tmp_path, "configs/tiny.py", target)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
