@@ -29,7 +29,9 @@ What the kernel does and does not do (read from its source, jax 0.10):
   never repeated in memory. That is the grouping `xla_attention` uses (head h = kv_head·G + g);
 - the mask is a static causal `MultiHeadMask` and'ed with `SegmentIds(q=ids, kv=ids)`;
 - block sizes must be multiples of 128 (the TPU's lane width) and divide the sequence, hence
-  `block_size` below and the seq_len check in `config.resolve`.
+  `block_size` below and the checks in `config.resolve`; `model.splash_block_q` and
+  `model.splash_block_kv` choose the query and key/value tiles (0: `block_size`), the same for
+  the forward pass and both backward kernels.
 
 A Pallas call cannot be partitioned by GSPMD, so under a mesh the kernel runs inside
 `jax.shard_map`: batch split over the mesh axes of the `batch` rule, heads over those of the
@@ -128,18 +130,19 @@ def document_mask(backend: str, segment_ids_BL, dtype):
     return attention_mask(segment_ids_BL)
 
 
-def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=None):
+def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=None,
+           splash_blocks: tuple[int, int] = (0, 0)):
     """Attention with the named backend and its form of the documents (`document_mask`): the
-    [B, 1, L, S] mask for xla, the `document_bias` for cudnn, `segment_ids_BL` for splash."""
+    [B, 1, L, S] mask for xla, the `document_bias` for cudnn, `segment_ids_BL` for splash (with
+    its (query, key/value) tiles, `splash_blocks`; 0 = `block_size`)."""
     backend = attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1])
     if backend == "cudnn":
         return cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
     if backend in SPLASH:
         if segment_ids_BL is None:
             raise ValueError("splash attention needs segment_ids_BL")
-        return splash_attention(
-            q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, interpret=backend == SPLASH_INTERPRET
-        )
+        return splash_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, block_q=splash_blocks[0],
+                                block_kv=splash_blocks[1], interpret=backend == SPLASH_INTERPRET)
     return xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
 
 
@@ -176,24 +179,25 @@ def block_size(seq_len: int) -> int:
     raise ValueError(f"splash attention needs a sequence length divisible by {LANES}, got {seq_len}")
 
 
-def make_kernel(num_heads: int, seq_len: int, block: int, interpret: bool = False):
-    """A causal splash kernel for `num_heads` query heads of `seq_len` tokens (one sequence)."""
+def make_kernel(num_heads: int, seq_len: int, block_q: int, block_kv: int, interpret: bool = False):
+    """A causal splash kernel for `num_heads` query heads of `seq_len` tokens (one sequence), with
+    query tiles of `block_q` and key/value tiles of `block_kv` tokens."""
     causal = splash_mask.CausalMask((seq_len, seq_len))
     mask = splash_mask.MultiHeadMask(tuple(causal for _ in range(num_heads)))
     sizes = splash_kernel.BlockSizes(
-        block_q=block, block_kv=block, block_kv_compute=block,
-        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-        block_q_dq=block, block_kv_dq=block,
+        block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
+        block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
+        block_q_dq=block_q, block_kv_dq=block_kv,
     )
     return splash_kernel.make_splash_mha(
         mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
     )
 
 
-def _splash_local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block, interpret):
+def _splash_local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q, block_kv, interpret):
     """The kernel on one device's shard (or the whole arrays without a mesh)."""
     _, L, H, Dh = q_BLHDh.shape
-    kernel = make_kernel(H, L, block, interpret)
+    kernel = make_kernel(H, L, block_q, block_kv, interpret)
     q_BHLDh = jnp.swapaxes(q_BLHDh * (1.0 / math.sqrt(Dh)), 1, 2)  # the kernel does not scale
     k_BKSDh = jnp.swapaxes(k_BSKDh, 1, 2)
     v_BKSDh = jnp.swapaxes(v_BSKDh, 1, 2)
@@ -205,16 +209,16 @@ def _splash_local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block, interpret
     return jnp.swapaxes(out_BHLDh, 1, 2)
 
 
-def splash_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block: int | None = None,
+def splash_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q: int = 0, block_kv: int = 0,
                      interpret: bool = False):
     """Causal, per-document attention [B, L, H, Dh] with the splash kernel.
 
-    `block`: the kernel's tile (default `block_size(L)`). `interpret=True` runs the kernel in the
-    Pallas interpreter on any backend (slow; for tests).
+    `block_q`, `block_kv`: the kernel's query and key/value tiles (0: `block_size(L)`).
+    `interpret=True` runs the kernel in the Pallas interpreter on any backend (slow; for tests).
     """
-    local = functools.partial(
-        _splash_local, block=block or block_size(q_BLHDh.shape[1]), interpret=interpret
-    )
+    L = q_BLHDh.shape[1]
+    local = functools.partial(_splash_local, block_q=block_q or block_size(L),
+                              block_kv=block_kv or block_size(L), interpret=interpret)
     if jax.sharding.get_abstract_mesh().empty:
         return local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL)
     # The axes the active logical rules give batch and heads (none without rules: replicated).

@@ -8,6 +8,7 @@ Warnings are one line on stderr too (`warn`), from process 0 only.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Callable, NoReturn
 
@@ -104,3 +105,14 @@ def resolved_config(num_devices: int, num_granules: int | None = None, platform:
                                   num_granules, platform=platform or jax.default_backend())
     except config_lib.ConfigError as e:
         config_error(str(e))
+
+
+def use_compile_cache(cfg) -> None:
+    """JAX's persistent compilation cache in `cfg.compile_cache_dir`, when set, for every program
+    however quick to compile (a restart should compile nothing it compiled before)."""
+    import jax
+
+    if cfg.compile_cache_dir:
+        path = cfg.compile_cache_dir
+        jax.config.update("jax_compilation_cache_dir", path if "://" in path else os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -40,6 +40,10 @@ def defaults() -> ml_collections.ConfigDict:
     # TPU launchers set the platform.
     c.platform = ""
     c.num_devices = 0
+    # JAX's persistent compilation cache, local or gs:// (a shared one for a multi-host job): a
+    # restart or requeue loads the compiled step instead of compiling it again ("" = JAX's own
+    # setting, the JAX_COMPILATION_CACHE_DIR variable or off).
+    c.compile_cache_dir = ""
 
     c.mesh = _mesh_defaults()
     c.model = _model_defaults()
@@ -98,6 +102,10 @@ def _model_defaults() -> ml_collections.ConfigDict:
     s.pipeline_microbatches = 1  # with mesh.stage > 1: microbatches per step in the pipeline
     s.remat = "none"  # activation rematerialisation policy, one of REMAT
     s.attention = "auto"  # one of ATTENTION; the log says which one ran
+    # splash attention's query and key/value tiles: multiples of 128 dividing seq_len (0: the
+    # largest of 512, 256, 128 that divides it)
+    s.splash_block_q = 0
+    s.splash_block_kv = 0
     s.fp8 = False  # layer weight matmuls with float8 operands (maxlm/fp8.py)
     s.logits_chunk_size = 0  # >0: the loss computes logits this many positions at a time
     s.z_loss = 0.0  # weight of log²Z in the objective (PaLM uses 1e-4)
@@ -283,6 +291,10 @@ def _check_model_and_optim(c) -> None:
             f"got seq_len={c.seq_len}; use model.attention='xla' or a seq_len of "
             f"{-(-c.seq_len // SPLASH_BLOCK) * SPLASH_BLOCK}"
         )
+    for key in ("splash_block_q", "splash_block_kv"):
+        if m[key] < 0 or m[key] % SPLASH_BLOCK or (m[key] and c.seq_len % m[key]):
+            raise ConfigError(f"model.{key}={m[key]} must be 0 (automatic) or a multiple of "
+                              f"{SPLASH_BLOCK} that divides seq_len={c.seq_len}")
     if m.logits_chunk_size and c.seq_len % m.logits_chunk_size:
         raise ConfigError(
             f"seq_len={c.seq_len} must be divisible by model.logits_chunk_size={m.logits_chunk_size}"

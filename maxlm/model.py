@@ -140,7 +140,8 @@ class Attention(nn.Module):
         # Init only needs the parameters' shapes, from a 1 x 8 dummy batch that a splash kernel
         # could neither tile nor split over the mesh: the plain path traces the same parameters.
         backend = "xla" if self.is_initializing() else cfg.attention
-        out_BLHDh = attention.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL)
+        out_BLHDh = attention.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL,
+                                     (cfg.splash_block_q, cfg.splash_block_kv))
         return checkpoint_name(weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
 
 

@@ -50,6 +50,16 @@ def compile_step(cfg, devices):
         return train_fn.lower(state, batch).compile(), state, batch
 
 
+def _attention(cfg, platform: str) -> dict:
+    """The attention backend the step runs on `platform`, and splash's tiles when it is splash."""
+    m = cfg.model
+    backend = attention.attention_backend(m.attention, model.compute_dtype(m), cfg.seq_len, platform=platform)
+    if backend != "splash":
+        return {"attention": backend}
+    block = attention.block_size(cfg.seq_len)
+    return {"attention": backend, "splash_blocks": [m.splash_block_q or block, m.splash_block_kv or block]}
+
+
 def _out_of_memory(error: Exception) -> str | None:
     """XLA's message when compiling failed for want of memory (TPU compilers refuse such a step;
     GPU ones only warn), else None."""
@@ -67,7 +77,7 @@ def plan(cfg, target: Target | None = None, estimate: bool = True) -> dict:
         "process_count": len({d.process_index for d in devices}),
         "mesh": {axis: cfg.mesh[axis] for axis in config_lib.MESH_AXES},
         "dtype": cfg.model.dtype, "remat": cfg.model.remat, "scan_layers": cfg.model.scan_layers,
-        "attention": cfg.model.attention, "grad_accum_steps": cfg.optim.grad_accum_steps,
+        **_attention(cfg, devices[0].platform), "grad_accum_steps": cfg.optim.grad_accum_steps,
         "shard_state_over_data": cfg.optim.shard_state_over_data, "mu_dtype": cfg.optim.mu_dtype,
         "params": model.count_params(cfg.model), "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
     }
@@ -148,9 +158,7 @@ def probe_costs(cfg, devices) -> dict[str, float]:
 def kernel_attention_flops(cfg, devices) -> float:
     """Per device, the attention FLOPs a kernel backend runs where XLA cannot count them: forward,
     backward (twice the forward) and, under any remat policy, the forward again."""
-    backend = attention.attention_backend(cfg.model.attention, model.compute_dtype(cfg.model), cfg.seq_len,
-                                          platform=devices[0].platform)
-    if backend == "xla":
+    if _attention(cfg, devices[0].platform)["attention"] == "xla":
         return 0.0
     per_token = flops.forward_flops_breakdown(cfg.model, cfg.seq_len)["attention"]
     passes = 3 + (cfg.model.remat != "none")

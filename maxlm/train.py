@@ -222,6 +222,7 @@ def main(argv) -> None:
     f = cli.start(argv, required=("workdir",))
     distributed.initialize()  # multi-process runs: from JAX_COORDINATOR_ADDRESS etc.
     cfg = cli.resolved_config(jax.device_count())
+    cli.use_compile_cache(cfg)
     try:
         distributed.check_shared_workdir(f.workdir)  # every process sees the same checkpoints
         data = load_data(cfg)

@@ -71,13 +71,22 @@ def test_splash_matches_xla(kv_heads):
     before it (row 0: [0, 90); row 1: [0, 128)) exactly as they were."""
     q, k, v, cotangent = _qkv(kv_heads)
     segment_ids = jnp.asarray(SEGMENT_IDS)
-    splash = lambda q, k, v: attention.splash_attention(q, k, v, segment_ids, block=128, interpret=True)
+    splash = lambda q, k, v: attention.splash_attention(q, k, v, segment_ids, block_q=128, block_kv=128, interpret=True)
     run = _compare_with_xla(q, k, v, cotangent, segment_ids, splash)
     changed = lambda x: x.at[:, 128:].multiply(-3.0)
     before, after = run(q, k, v, cotangent)[0], run(changed(q), changed(k), changed(v), cotangent)[0]
     for row, end in ((0, 90), (1, 128)):
         np.testing.assert_array_equal(np.asarray(before[row, :end]), np.asarray(after[row, :end]))
     assert not np.allclose(np.asarray(before[1, 128:]), np.asarray(after[1, 128:]))
+
+
+def test_splash_with_unequal_query_and_kv_tiles_matches_xla():
+    """model.splash_block_q / splash_block_kv: one 256-token query tile over two 128-token key
+    tiles (forward and both backward kernels), the same numbers."""
+    q, k, v, cotangent = _qkv(2)
+    segment_ids = jnp.asarray(SEGMENT_IDS)
+    _compare_with_xla(q, k, v, cotangent, segment_ids, lambda q, k, v: attention.splash_attention(
+        q, k, v, segment_ids, block_q=256, block_kv=128, interpret=True))
 
 
 def test_splash_sharded_over_mesh_matches_xla():
@@ -90,7 +99,7 @@ def test_splash_sharded_over_mesh_matches_xla():
     mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
     q, k, v, cotangent = _qkv(2, batch=4)
     segment_ids = jnp.asarray(np.concatenate([SEGMENT_IDS, SEGMENT_IDS[::-1]]))
-    splash = lambda q, k, v: attention.splash_attention(q, k, v, segment_ids, block=128, interpret=True)
+    splash = lambda q, k, v: attention.splash_attention(q, k, v, segment_ids, block_q=128, block_kv=128, interpret=True)
     with mesh_lib.activate(mesh, rules):
         assert "shard_map" in str(jax.make_jaxpr(splash)(q, k, v))
         _compare_with_xla(q, k, v, cotangent, segment_ids, splash)
@@ -154,6 +163,9 @@ def test_attention_backend_choice(monkeypatch):
          "model.attention='splash' needs seq_len divisible by 128 (the kernel's tile), got "
          "seq_len=200; use model.attention='xla' or a seq_len of 256"),
         ({"model.attention": "flash"}, "model.attention must be one of"),
+        ({"model.splash_block_q": 192}, "model.splash_block_q=192 must be 0 (automatic) or a multiple of 128 "
+                                        "that divides seq_len=64"),
+        ({"seq_len": 384, "model.splash_block_kv": 256}, "model.splash_block_kv=256 must be 0"),
     ],
 )
 def test_config_rejects(overrides, message):

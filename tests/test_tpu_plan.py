@@ -46,10 +46,13 @@ def test_slices_have_cloud_tpus_chip_layouts(generation, chips, grid):
 @pytest.mark.slow
 @needs_libtpu
 def test_a_v5p_plan_compiles_splash_natively_and_estimates_the_step(tmp_path):
-    result = plan(tmp_path, "configs/tiny.py", "v5p-8", "--config.seq_len=256", "--config.model.dtype=bfloat16")
+    result = plan(tmp_path, "configs/tiny.py", "v5p-8", "--config.seq_len=256", "--config.model.dtype=bfloat16",
+                  "--config.model.splash_block_q=128")
     assert result["device_kind"] == "TPU v5" and result["device_count"] == 4  # 4 chips, 8 TensorCores
     assert result["fits"] and result["device_memory_bytes"] == 95 * 2**30
-    assert "tpu_custom_call" in result["kernels"]  # auto = splash, compiled by Mosaic, not interpreted
+    # auto = splash with the configured query tile, compiled by Mosaic, not interpreted
+    assert result["attention"] == "splash" and result["splash_blocks"] == [128, 256]
+    assert "tpu_custom_call" in result["kernels"]
     estimate = result["estimate"]
     assert estimate["step_sec"] == max(estimate["compute_sec"], estimate["memory_sec"]) > 0
     assert estimate["hardware_flops_per_device"] > estimate["model_flops_per_device"] > 0  # splash's FLOPs added

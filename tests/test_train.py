@@ -97,3 +97,26 @@ def test_non_finite_loss_stops_without_saving(tmp_path, data_dirs):
         train.train_and_evaluate(cfg, str(tmp_path))
     saved = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
     assert saved == []  # every update was skipped (non-finite): no good step, nothing written
+
+
+@pytest.mark.slow
+def test_a_second_start_loads_the_compiled_step_from_the_compile_cache(tmp_path):
+    """compile_cache_dir: the second start of the same run (here: a fresh workdir, the same
+    config) loads its programs instead of compiling them, so its first step is measurably faster."""
+    cache = tmp_path / "cache"
+    env = command_env(tmp_path, devices=None)
+    env = {k: v for k, v in env.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+
+    def compile_sec(run: str) -> float:
+        result = subprocess.run(
+            [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={tmp_path / run}",
+             "--config.steps=5", "--config.eval.every_steps=0", f"--config.compile_cache_dir={cache}"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return next(row["compile_sec"] for row in rows if "compile_sec" in row)
+
+    first = compile_sec("first")
+    assert any(cache.iterdir())
+    second = compile_sec("second")
+    assert second < 0.5 * first, (first, second)
