@@ -4,14 +4,22 @@ The trace goes to `WORKDIR/profile/plugins/profile/<timestamp>/`: an `.xplane.pb
 profile plugin reads (`tensorboard --logdir WORKDIR/profile`) and a `.trace.json.gz` that
 https://ui.perfetto.dev opens directly. Only process 0 traces: processes on one host would
 otherwise write the same file names, and one host's view is what a step-time question needs.
+
+The profiler writes with the OS's file functions, which know nothing of `gs://`: for a remote
+workdir the trace goes to a local temporary directory first and is copied up through
+`etils.epath` (maxlm/paths.py) when it ends.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 
 import jax
+
+from maxlm import paths
 
 log = logging.getLogger("maxlm")
 
@@ -32,13 +40,16 @@ class StepProfiler:
         self.start = int(profile_cfg.start_step)
         self.stop = self.start + int(profile_cfg.num_steps)
         self.enabled = enabled and profile_cfg.num_steps > 0
-        self.directory = trace_dir(workdir)
+        self.directory = trace_dir(workdir)  # where the trace ends up
+        self.remote = paths.is_remote(workdir)
         self.active = False
+        self._local = ""  # where the profiler writes: the directory itself, or a temporary one
 
     def before_step(self, step: int) -> None:
         """Call with the step about to run."""
         if self.enabled and not self.active and self.start <= step < self.stop:
-            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            self._local = tempfile.mkdtemp(prefix="maxlm-profile-") if self.remote else self.directory
+            jax.profiler.start_trace(self._local, create_perfetto_trace=True)
             self.active = True
             log.info("profiling steps %d to %d into %s", step, self.stop - 1, self.directory)
 
@@ -60,7 +71,21 @@ class StepProfiler:
 
     def _stop(self) -> None:
         jax.profiler.stop_trace()
+        if self.remote:
+            _copy_up(self._local, self.directory)
+            shutil.rmtree(self._local, ignore_errors=True)
         self.active = False
         self.enabled = False  # one trace per run: a restore that repeats steps does not retrace
         log.info("profile written to %s (TensorBoard: --logdir %s; Perfetto: the .trace.json.gz)",
                  self.directory, self.directory)
+
+
+def _copy_up(local_dir: str, remote_dir: str) -> None:
+    """Every file under `local_dir` to the same relative path under `remote_dir` (epath)."""
+    destination = paths.workdir_path(remote_dir)
+    for root, _, files in os.walk(local_dir):
+        for name in files:
+            source = os.path.join(root, name)
+            target = destination / os.path.relpath(source, local_dir)
+            with open(source, "rb") as src, target.open("wb") as dst:
+                shutil.copyfileobj(src, dst)

@@ -12,7 +12,7 @@ import jax
 import pytest
 from etils import epath
 
-from maxlm import checkpoint, config as config_lib, metrics, paths, train
+from maxlm import checkpoint, config as config_lib, metrics, paths, profiler, train
 from tests.helpers import ROOT, load_config, with_overrides
 
 
@@ -115,3 +115,16 @@ def test_training_with_a_gs_workdir_writes_only_through_epath(bucket, data_dirs,
     assert last["step"] == 3 and last["first_loss"] == last["loss"]  # one step run this time
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_a_profile_of_a_gs_workdir_lands_in_the_bucket(bucket, data_dirs):
+    """The profiler writes with the OS: the trace is made locally and copied up when it ends."""
+    overrides = {**data_dirs, "steps": 2, "log_every_steps": 1, "eval.every_steps": 0, "optim.warmup_steps": 1,
+                 "profile.start_step": 1, "profile.num_steps": 1}
+    cfg = config_lib.resolve(with_overrides(load_config("tiny"), overrides), jax.device_count())
+    trace = profiler.StepProfiler(cfg.profile, "gs://bkt/run")
+    trace.before_step(1)
+    jax.block_until_ready(jax.jit(lambda x: x * 2)(jax.numpy.ones(4)))
+    assert trace.after_step(2, jax.numpy.ones(1))
+    files = [p.name for p in (bucket / "bkt" / "run" / "profile").rglob("*") if p.is_file()]
+    assert any(f.endswith(".xplane.pb") for f in files) and any(f.endswith(".trace.json.gz") for f in files)
