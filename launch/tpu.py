@@ -70,12 +70,14 @@ def install_command(args, train_args: list[str] = ()) -> str:
     ])
 
 
-def train_command(train_args: list[str]) -> str:
+def train_command(train_args: list[str], env: list[str] = ()) -> str:
     # The log on each worker survives the ssh session; `nohup` is not used so that the ssh
     # command's exit status is the training's (143 = preempted, 0 = done).
     # --config.platform=tpu (after --config, as config flags must be): a worker whose jax cannot
-    # see the TPU exits 2 instead of training on its CPU
-    return (f"cd maxlm && MAXLM_DISTRIBUTED=auto .venv/bin/python -m maxlm.train "
+    # see the TPU exits 2 instead of training on its CPU.
+    # launch/tpu_env.sh: libtpu's settings; the user's --env values are exported after it and win.
+    exports = "".join(f"export {shlex.quote(item)} && " for item in env)
+    return (f"cd maxlm && {exports}source launch/tpu_env.sh && MAXLM_DISTRIBUTED=auto .venv/bin/python -m maxlm.train "
             f"{shlex.join(train_args)} --config.platform=tpu 2>&1 | tee -a ~/{LOG}; "
             f"exit ${{PIPESTATUS[0]}}")
 
@@ -90,7 +92,7 @@ def job_commands(args, train_args: list[str]) -> list[list[str]]:
             gcloud(args, "tpu-vm", "scp", TARBALL, f"{args.name}:~/", "--worker=all"),
             ssh(args, install_command(args, train_args)),
         ]
-    return commands + [ssh(args, train_command(train_args))]
+    return commands + [ssh(args, train_command(train_args, args.env))]
 
 
 def final_commands(args) -> list[list[str]]:
@@ -133,8 +135,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no_install", action="store_true",
                         help="with --reuse: maxlm is installed there already (an earlier run with "
                              "--keep, e.g. launch/sweep.py's previous point); ship nothing")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="set on every worker before training (repeatable), e.g. "
+                             "LIBTPU_INIT_ARGS=... (replaces launch/tpu_env.sh's) or JAX_COMPILATION_CACHE_DIR=gs://...")
     parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
+    bad_env = [item for item in args.env if "=" not in item or not item.split("=", 1)[0].isidentifier()]
+    if bad_env:
+        parser.error(f"--env takes KEY=VALUE, got {bad_env[0]!r}")
     if args.no_install and not args.reuse:
         parser.error("--no_install needs --reuse (a new TPU has nothing installed)")
     if not any(a.startswith("--config=") for a in train_args):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -124,7 +125,7 @@ def test_config_errors_are_not_retried(tmp_path, data_dirs):
 def test_tpu_dry_run_prints_every_command(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "launch" / "tpu.py"), "--name=pod", "--zone=us-east5-a",
-         "--accelerator=v5p-64", "--spot", "--queued", "--dry_run", "--",
+         "--accelerator=v5p-64", "--spot", "--queued", "--dry_run", "--env=JAX_COMPILATION_CACHE_DIR=gs://b/c c", "--",
          "--config=configs/llama_1b.py", "--workdir=/mnt/shared/run", "--config.name=a b"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
@@ -136,6 +137,9 @@ def test_tpu_dry_run_prints_every_command(tmp_path):
     assert "--worker=all" in run and "MAXLM_DISTRIBUTED=auto" in run
     assert "--config=configs/llama_1b.py" in run and "a b" in run  # quoted through ssh
     assert "--config.platform=tpu" in run  # a worker that cannot see its TPU exits 2
+    # --env exported on every worker, quoted, before libtpu's preset (whose `:-` keeps a set value)
+    remote = next(word for word in shlex.split(run[len("[tpu] "):]) if word.startswith("--command="))
+    assert "export 'JAX_COMPILATION_CACHE_DIR=gs://b/c c' && source launch/tpu_env.sh && " in remote
     assert any("-r locks/tpu.lock" in line for line in lines)  # the pinned libtpu
     assert lines[-1].startswith("[tpu] gcloud compute tpus queued-resources delete pod")
 

@@ -75,3 +75,21 @@ def test_a_step_too_big_for_the_slice_is_fits_false_with_xlas_message(tmp_path):
 def test_an_unknown_slice_is_one_line_exit_2(tmp_path, target, message):
     result = run_plan(tmp_path, "configs/tiny.py", target)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.parametrize("extra, accepted", [("", True), (" --xla_tpu_no_such_flag=true", False)])
+def test_libtpu_accepts_the_tpu_launchers_flags(tmp_path, extra, accepted):
+    """launch/tpu_env.sh's LIBTPU_INIT_ARGS compile a v5p step; the control shows libtpu would
+    refuse a flag it does not know."""
+    command = (f'source launch/tpu_env.sh && export LIBTPU_INIT_ARGS="$LIBTPU_INIT_ARGS{extra}" && '
+               f"{sys.executable} -m maxlm.bench plan --config=configs/tiny.py --target=v5p-8 "
+               "--config.seq_len=256 --config.model.dtype=bfloat16 --noestimate")
+    result = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env=command_env(tmp_path, devices=None, PYTHONPATH=TARGET_COMPILERS))
+    assert (result.returncode == 0) == accepted, result.stderr[-2000:]
+    if accepted:
+        assert json.loads(result.stdout)["fits"]
+    else:
+        assert "Unknown command line flag 'xla_tpu_no_such_flag'" in result.stderr

@@ -1,0 +1,18 @@
+# Sourced on every TPU worker before training (launch/tpu.py): libtpu's compiler settings for
+# v5p/v6e throughput. libtpu refuses a flag it does not know, so tests/test_tpu_plan.py compiles a
+# step for a v5p slice with these and checks that an unknown one is refused. `tpu.py --env
+# LIBTPU_INIT_ARGS=...` replaces the whole line; a value already in the environment is kept.
+MAXLM_LIBTPU_INIT_ARGS=(
+  # Continuation fusion: run the FSDP all-gathers inside the compute that needs them, over several
+  # steps, overlapping collectives with the TensorCore's work.
+  --xla_tpu_enable_async_collective_fusion=true
+  --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true
+  --xla_tpu_enable_async_collective_fusion_multiple_steps=true
+  --xla_tpu_overlap_compute_collective_tc=true
+  --xla_enable_async_all_gather=true
+  # Data-parallel gradient all-reduces: combined and overlapped, also across unequal sizes.
+  --xla_tpu_enable_data_parallel_all_reduce_opt=true
+  --xla_tpu_data_parallel_opt_different_sized_ops=true
+  --xla_enable_async_collective_permute=true
+)
+export LIBTPU_INIT_ARGS="${LIBTPU_INIT_ARGS:-${MAXLM_LIBTPU_INIT_ARGS[*]}}"
