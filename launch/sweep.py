@@ -12,8 +12,10 @@ reason and skipped. `--launcher` decides where the others run:
 
   local  (default) each point is compiled ahead of time here (`python -m maxlm.bench plan`:
          per-device memory) and then timed (`python -m maxlm.bench`), each in its own process so a
-         crash or OOM costs one point, not the sweep; `--plan` only compiles. Each point leaves its
-         JSON and logs in `DIR/NNN/`.
+         crash or OOM costs one point, not the sweep; `--plan` only compiles. With `--plan
+         --target=v5p-64` (or any `bench plan` target) each point is compiled for that hardware
+         instead and ranked by its estimated tokens/s (docs/tpus.md): no TPU or GPU needed. Each
+         point leaves its JSON and logs in `DIR/NNN/`.
   tpu    each point is a short training run (`maxlm.train`, workdir `DIR/NNN`) through
          `launch/tpu.py` with the arguments after `--`: the first point creates the TPU and keeps
          it, the next ones reuse it without reinstalling, the last one deletes it (unless `--keep`
@@ -103,7 +105,8 @@ def _bench(sweep, what: list[str], overrides: dict, point_dir: str, name: str):
     command = [sys.executable, "-m", "maxlm.bench", *what, f"--config={sweep['base']}",
                *(f"--config.{k}={v}" for k, v in overrides.items())]
     env = dict(os.environ)
-    if sweep.get("fake_cpu_devices"):  # this machine: `devices` fake CPU devices
+    targeted = any(w.startswith("--target=") for w in what)
+    if sweep.get("fake_cpu_devices") and not targeted:  # this machine: `devices` fake CPU devices
         env.update(JAX_PLATFORMS="cpu",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={sweep['devices']}")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -117,12 +120,23 @@ def _bench(sweep, what: list[str], overrides: dict, point_dir: str, name: str):
     return json.loads(result.stdout), None
 
 
-def run_point(sweep, overrides: dict, point_dir: str, plan_only: bool) -> dict:
+def run_point(sweep, overrides: dict, point_dir: str, plan_only: bool, target: str = "") -> dict:
     os.makedirs(point_dir, exist_ok=True)
-    plan, error = _bench(sweep, ["plan"], overrides, point_dir, "plan")
+    plan, error = _bench(sweep, ["plan", *([f"--target={target}"] if target else [])], overrides,
+                         point_dir, "plan")
     if error:
         return {"status": "failed", "reason": error}
+    if plan["fits"] is False:
+        peak = plan.get("bytes_per_device", {}).get("peak")
+        return {"status": "too big", "memory_per_device_mib": round(peak / 2**20, 1) if peak else "",
+                "reason": plan.get("xla_message") or f"peak above the device's {plan['device_memory_bytes']:,} bytes"}
     row = {"status": "ok", "memory_per_device_mib": round(plan["bytes_per_device"]["peak"] / 2**20, 1)}
+    estimate = plan.get("estimate", {})
+    if "step_sec" in estimate:  # compiled for a target: its estimate is the point's figure
+        row.update(status="ok (estimated)", tokens_per_sec=estimate["tokens_per_sec"], mfu=estimate["mfu"],
+                   step_sec_median=estimate["step_sec"],
+                   model_tflops_per_sec=estimate["model_flops_per_device"] * plan["device_count"]
+                   / estimate["step_sec"] / 1e12)
     if plan_only:
         return row
     timed, error = _bench(sweep, [f"--steps={sweep['steps']}", "--warmup_steps=2"], overrides,
@@ -224,6 +238,8 @@ def main(argv: list[str]) -> int:
                         help="where each point runs; tpu/slurm take launch/tpu.py flags / sbatch "
                              "options after --")
     parser.add_argument("--plan", action="store_true", help="only compile: per-device memory (local)")
+    parser.add_argument("--target", default="", help="with --plan: compile every point for this hardware "
+                        "(a `bench plan` target, e.g. v5p-64) and rank by the estimated tokens/s")
     parser.add_argument("--dry_run", action="store_true", help="tpu/slurm: print the commands, run nothing")
     parser.add_argument("--no_wait", action="store_true", help="slurm: submit every point, wait for none")
     parser.add_argument("--collect", action="store_true",
@@ -232,6 +248,8 @@ def main(argv: list[str]) -> int:
     remote = args.launcher != "local"
     if args.plan and remote:
         parser.error("--plan compiles on this machine's devices: use it with --launcher=local")
+    if args.target and not args.plan:
+        parser.error("--target is for --plan: a sweep that runs points runs them where they are")
     if (args.dry_run or args.collect) and not remote:
         parser.error("--dry_run and --collect are for --launcher=tpu or slurm")
     if args.no_wait and args.launcher != "slurm":
@@ -274,7 +292,7 @@ def main(argv: list[str]) -> int:
             row.update(run_remote(args, launcher_args, sweep, overrides, row["point"], point_dir,
                                   first=i == 0, last=i == len(todo) - 1))
         else:
-            row.update(run_point(sweep, overrides, point_dir, args.plan))
+            row.update(run_point(sweep, overrides, point_dir, args.plan, args.target))
     if args.dry_run:
         return 0
 
@@ -289,15 +307,15 @@ def main(argv: list[str]) -> int:
     print(f"\n{'mesh':>8} {'batch':>5} {'MiB/dev':>8} {'tokens/s':>10} {'MFU':>6} {'step s':>8}  status")
     for r in rows:
         memory = f"{r['memory_per_device_mib']:>8,.1f}" if r.get("memory_per_device_mib") else f"{'':>8}"
-        if r["status"] == "ok" and "tokens_per_sec" in r:
+        if r["status"].startswith("ok") and "tokens_per_sec" in r:
             print(f"{r['mesh']:>8} {r['batch_size']:>5} {memory} {r['tokens_per_sec']:>10,.0f} "
-                  f"{r['mfu']:>6.1%} {r['step_sec_median']:>8.4f}  ok {r['overrides']}")
-        elif r["status"] == "ok":
+                  f"{r['mfu']:>6.1%} {r['step_sec_median']:>8.4f}  {r['status']} {r['overrides']}")
+        elif r["status"].startswith("ok"):
             print(f"{r['mesh']:>8} {r['batch_size']:>5} {memory} {'':>10} {'':>6} {'':>8}  ok {r['overrides']}")
         else:
             print(f"{r['mesh']:>8} {r['batch_size']:>5} {memory} {'':>10} {'':>6} {'':>8}  {r['status']}: {r['reason']}")
     print(f"\nwrote {csv_path}")
-    return 0 if any(r["status"] in ("ok", "submitted") for r in rows) else 1
+    return 0 if any(r["status"].startswith("ok") or r["status"] == "submitted" for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -84,6 +84,25 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     return 3 * forward_flops_breakdown(model_cfg, seq_len)["total"]
 
 
+# Forward FLOPs a remat policy computes again in the backward pass: the layer parts it does not
+# save (model.REMAT_POLICIES). The last third of "mlp" is its down projection (the layer's output).
+_RECOMPUTED = {
+    "none": (),
+    "save_dots": ("attention",),  # the attention einsums have batch dimensions: not saved
+    "save_qkv_proj": ("out_proj", "mlp", "attention"),
+    "save_out_proj": ("q_proj", "kv_proj", "attention", "mlp_gate_up"),
+    "full": ("q_proj", "kv_proj", "out_proj", "mlp", "attention"),
+}
+
+
+def hardware_flops_per_token(model_cfg, seq_len: int) -> float:
+    """What the chips compute per token in training: the model FLOPs (`flops_per_token`) plus the
+    forward work `model.remat` recomputes in the backward pass. MFU counts only the former."""
+    parts = forward_flops_breakdown(model_cfg, seq_len)
+    parts["mlp_gate_up"] = parts["mlp"] * 2 / 3
+    return flops_per_token(model_cfg, seq_len) + sum(parts[p] for p in _RECOMPUTED[model_cfg.remat])
+
+
 # ---------------------------------------------------------------------------
 # Peak FLOP/s
 # ---------------------------------------------------------------------------

@@ -23,9 +23,9 @@ from maxlm.targets import Target
 
 ESTIMATE_MODEL = ("step_sec = max(hardware FLOPs / peak FLOP/s, bytes accessed / memory bandwidth) per "
                   "device, a roofline lower bound (no communication, perfect overlap): hardware FLOPs "
-                  "and bytes are XLA's counts scaled from 1- and 2-layer compiles (rematerialisation "
-                  "included) plus the attention FLOPs of a kernel XLA cannot see; mfu = model FLOPs "
-                  "(no rematerialisation) / (step_sec x peak), an upper bound")
+                  "are the model's (6N + attention per token) plus the forward work the remat policy "
+                  "recomputes; bytes are XLA's count, scaled from 1- and 2-layer compiles; mfu = model "
+                  "FLOPs / (step_sec x peak), an upper bound")
 
 
 def _bytes_per_device(tree) -> int:
@@ -137,32 +137,20 @@ def _probe_config(cfg, num_layers: int):
     return probe
 
 
-def probe_costs(cfg, devices) -> dict[str, float]:
-    """XLA's FLOPs and bytes accessed per device for a whole step. XLA counts a loop's body once,
-    whatever its trip count (the scanned layers, the accumulation scan), so the step is compiled
-    twice more with 1 and 2 unrolled layers and one microbatch, and each count is extrapolated:
-    step ≈ accumulation steps × (count(1) + (layers - 1) × (count(2) - count(1))). The optimizer
+def probe_bytes(cfg, devices) -> float:
+    """XLA's bytes accessed per device for a whole step. XLA counts a loop's body once, whatever
+    its trip count (the scanned layers, the accumulation scan), so the step is compiled twice more
+    with 1 and 2 unrolled layers and one microbatch, and the count is extrapolated:
+    step ≈ accumulation steps × (bytes(1) + (layers - 1) × (bytes(2) - bytes(1))). The optimizer
     update is then counted once per microbatch, so this errs high by (accumulation steps - 1)
-    updates. XLA does not see into kernels (splash, cuDNN attention): their FLOPs are not here."""
+    updates."""
     counts = []
     for layers in (1, 2):
         compiled, _, _ = compile_step(_probe_config(cfg, layers), devices)
         analysis = compiled.cost_analysis()
         analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-        counts.append({key: float(analysis.get(key, 0.0)) for key in ("flops", "bytes accessed")})
-    return {key: cfg.optim.grad_accum_steps
-            * (counts[0][key] + (cfg.model.num_layers - 1) * (counts[1][key] - counts[0][key]))
-            for key in counts[0]}
-
-
-def kernel_attention_flops(cfg, devices) -> float:
-    """Per device, the attention FLOPs a kernel backend runs where XLA cannot count them: forward,
-    backward (twice the forward) and, under any remat policy, the forward again."""
-    if _attention(cfg, devices[0].platform)["attention"] == "xla":
-        return 0.0
-    per_token = flops.forward_flops_breakdown(cfg.model, cfg.seq_len)["attention"]
-    passes = 3 + (cfg.model.remat != "none")
-    return passes * per_token * cfg.batch_size * cfg.seq_len / len(devices)
+        counts.append(float(analysis.get("bytes accessed", 0.0)))
+    return cfg.optim.grad_accum_steps * (counts[0] + (cfg.model.num_layers - 1) * (counts[1] - counts[0]))
 
 
 def estimate_step(cfg, target: Target, compiled) -> dict:
@@ -172,17 +160,18 @@ def estimate_step(cfg, target: Target, compiled) -> dict:
         return {"model": "none: this compiler gives no cost analysis without the device"}
     devices = list(target.devices)
     peak = flops.peak_flops(devices, cfg.model.dtype)["per_device_flops_per_sec"]
-    model_flops = flops.flops_per_token(cfg.model, cfg.seq_len) * cfg.batch_size * cfg.seq_len / len(devices)
-    costs = probe_costs(cfg, devices)
-    hardware_flops = costs["flops"] + kernel_attention_flops(cfg, devices)
+    tokens_per_device = cfg.batch_size * cfg.seq_len / len(devices)
+    model_flops = flops.flops_per_token(cfg.model, cfg.seq_len) * tokens_per_device
+    hardware_flops = flops.hardware_flops_per_token(cfg.model, cfg.seq_len) * tokens_per_device
+    bytes_accessed = probe_bytes(cfg, devices)
     compute_sec = hardware_flops / peak
-    memory_sec = costs["bytes accessed"] / target.memory_bytes_per_sec
+    memory_sec = bytes_accessed / target.memory_bytes_per_sec
     step_sec = max(compute_sec, memory_sec)
     return {
         "model": ESTIMATE_MODEL,
         "model_flops_per_device": model_flops,
         "hardware_flops_per_device": hardware_flops,
-        "bytes_accessed_per_device": costs["bytes accessed"],
+        "bytes_accessed_per_device": bytes_accessed,
         "peak_flops_per_device": peak,
         "memory_bytes_per_sec": target.memory_bytes_per_sec,
         "compute_sec": compute_sec,

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -150,3 +151,31 @@ def test_collect_gathers_each_points_metrics_into_the_csv(tmp_path):
     assert float(by_point["003"]["tokens_per_sec"]) == 3004.0  # median of steps 3, 4, 5
     assert float(by_point["003"]["model_tflops_per_sec"]) > 0
     assert "no training steps after the warm-up" in by_point["002"]["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(os.path.join(os.environ.get("MAXLM_TARGET_COMPILERS", ""), "libtpu")),
+                    reason="libtpu is not installed here (`make test` installs it in .venv/target-compilers)")
+def test_a_planned_sweep_for_a_tpu_slice_ranks_points_by_their_estimate(tmp_path):
+    """--plan --target=v5p-8: every point compiled for the slice (no TPU), ranked by estimated
+    tokens/s; a point too big for the chips' HBM is listed as such, with XLA's reason."""
+    sweep_file = tmp_path / "v5p.py"
+    sweep_file.write_text(
+        "def get_config():\n"
+        "    return {'base': 'configs/tiny.py', 'devices': 4, 'steps': 2,\n"
+        "            'overrides': {'seq_len': 256, 'model.dtype': 'bfloat16'},\n"
+        "            'grid': {'mesh': [(4, 1, 1), (1, 4, 1)], 'batch_size': [8],\n"
+        "                     'model.vocab_size': [264, 64000000]}}\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "sweep.py"), str(sweep_file), "--plan", "--target=v5p-8",
+         f"--workdir={tmp_path / 'out'}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.environ["MAXLM_TARGET_COMPILERS"]})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "out" / "sweep.csv")))
+    ranked = [r for r in rows if r["status"] == "ok (estimated)"]
+    assert [r["overrides"] for r in ranked] == ["model.vocab_size=264"] * 2
+    speeds = [float(r["tokens_per_sec"]) for r in ranked]
+    assert speeds == sorted(speeds, reverse=True) and all(0 < float(r["mfu"]) <= 1 for r in ranked)
+    too_big = [r for r in rows if r["status"] == "too big"]
+    assert len(too_big) == 2 and all("RESOURCE_EXHAUSTED" in r["reason"] for r in too_big)

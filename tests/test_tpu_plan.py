@@ -13,8 +13,9 @@ import sys
 
 import pytest
 
+from maxlm import flops
 from maxlm.targets import tpu
-from tests.helpers import ROOT, command_env
+from tests.helpers import ROOT, command_env, load_config
 
 TARGET_COMPILERS = os.environ.get("MAXLM_TARGET_COMPILERS", "")
 needs_libtpu = pytest.mark.skipif(
@@ -35,6 +36,16 @@ def plan(tmp_path, config: str, target: str, *flags: str) -> dict:
     result = run_plan(tmp_path, config, target, *flags)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     return json.loads(result.stdout)
+
+
+def test_hardware_flops_add_the_forward_work_remat_recomputes():
+    cfg = load_config("llama_1b").model
+    parts = flops.forward_flops_breakdown(cfg, 4096)
+    layers = parts["total"] - parts["lm_head"]
+    for remat, recomputed in [("none", 0), ("save_dots", parts["attention"]), ("full", layers),
+                              ("save_out_proj", layers - parts["out_proj"] - parts["mlp"] / 3)]:
+        cfg.remat = remat
+        assert flops.hardware_flops_per_token(cfg, 4096) == pytest.approx(flops.flops_per_token(cfg, 4096) + recomputed)
 
 
 @pytest.mark.parametrize("generation, chips, grid", [
@@ -58,7 +69,7 @@ def test_a_v5p_plan_compiles_splash_natively_and_estimates_the_step(tmp_path):
     assert "tpu_custom_call" in result["kernels"]
     estimate = result["estimate"]
     assert estimate["step_sec"] == max(estimate["compute_sec"], estimate["memory_sec"]) > 0
-    assert estimate["hardware_flops_per_device"] > estimate["model_flops_per_device"] > 0  # splash's FLOPs added
+    assert estimate["hardware_flops_per_device"] == estimate["model_flops_per_device"] > 0  # remat none
     assert 0 < estimate["mfu"] <= 1 and estimate["bytes_accessed_per_device"] > 0
 
 
@@ -88,3 +99,26 @@ def test_libtpu_refuses_a_flag_it_does_not_know(tmp_path):
     result = run_plan(tmp_path, "configs/tiny.py", "v5p-8", "--config.seq_len=256", "--noestimate",
                       libtpu_args=" --xla_tpu_no_such_flag=true")
     assert result.returncode != 0 and "Unknown command line flag 'xla_tpu_no_such_flag'" in result.stderr
+
+
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.parametrize("config, target", [
+    ("configs/llama_1b_v5p8.py", "v5p-8"),
+    ("configs/llama_1b_v5p64.py", "v5p-64"),
+    ("configs/llama_8b_v5p64.py", "v5p-64"),
+])
+def test_the_tpu_presets_fit_their_slices_with_splash_compiled(tmp_path, config, target):
+    result = plan(tmp_path, config, target, "--noestimate")
+    assert result["fits"] and result["bytes_per_device"]["peak"] < 95 * 2**30, result["bytes_per_device"]
+    assert result["attention"] == "splash" and "tpu_custom_call" in result["kernels"]
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_two_slices_over_the_data_center_network(tmp_path):
+    """--num_slices=2: two v5p-8 slices, one process each, joined by mesh.dcn_data."""
+    result = plan(tmp_path, "configs/tiny.py", "v5p-8", "--num_slices=2", "--config.seq_len=256",
+                  "--config.model.dtype=bfloat16", "--config.mesh.data=2", "--config.mesh.dcn_data=2",
+                  "--noestimate")
+    assert result["device_count"] == 8 and result["process_count"] == 2 and result["fits"]
