@@ -179,6 +179,11 @@ def block_size(seq_len: int) -> int:
     raise ValueError(f"splash attention needs a sequence length divisible by {LANES}, got {seq_len}")
 
 
+def splash_tiles(seq_len: int, block_q: int = 0, block_kv: int = 0) -> tuple[int, int]:
+    """The (query, key/value) tiles splash uses for `seq_len`: the given ones, 0 = `block_size`."""
+    return block_q or block_size(seq_len), block_kv or block_size(seq_len)
+
+
 def make_kernel(num_heads: int, seq_len: int, block_q: int, block_kv: int, interpret: bool = False):
     """A causal splash kernel for `num_heads` query heads of `seq_len` tokens (one sequence), with
     query tiles of `block_q` and key/value tiles of `block_kv` tokens."""
@@ -216,9 +221,8 @@ def splash_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q: int 
     `block_q`, `block_kv`: the kernel's query and key/value tiles (0: `block_size(L)`).
     `interpret=True` runs the kernel in the Pallas interpreter on any backend (slow; for tests).
     """
-    L = q_BLHDh.shape[1]
-    local = functools.partial(_splash_local, block_q=block_q or block_size(L),
-                              block_kv=block_kv or block_size(L), interpret=interpret)
+    block_q, block_kv = splash_tiles(q_BLHDh.shape[1], block_q, block_kv)
+    local = functools.partial(_splash_local, block_q=block_q, block_kv=block_kv, interpret=interpret)
     if jax.sharding.get_abstract_mesh().empty:
         return local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL)
     # The axes the active logical rules give batch and heads (none without rules: replicated).

@@ -198,12 +198,12 @@ def bench_attention(cfg, timed_steps: int) -> dict:
     (_, out_c), grads_c = results["cudnn"]
     (_, out_x), grads_x = results["xla"]
     names = ("out", "dq", "dk", "dv")
-
     cudnn_arrays = [x.astype(jnp.float32) for x in (out_c, *grads_c)]
     xla_arrays = [x.astype(jnp.float32) for x in (out_x, *grads_x)]
 
     def largest(x) -> float:
         return float(jnp.abs(x).max())
+
     return {
         "benchmark": "attention", "config": cfg.name, "device_kind": jax.devices()[0].device_kind,
         "batch_size": B, "seq_len": L, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
@@ -242,25 +242,29 @@ def main(argv) -> None:
         granules = target.slices if target.platform == "tpu" else target.hosts
         cfg = cli.resolved_config(len(target.devices), num_granules=granules, platform=target.platform)
         result = plan(cfg, target, estimate=flags.FLAGS.estimate)
-        print(json.dumps(result, indent=2))
-        return
-    distributed.initialize()  # a multi-process benchmark: JAX_COORDINATOR_ADDRESS or auto
-    cfg = cli.resolved_config(jax.device_count())
-    if what == "checkpoint":  # blocking part of an async save, full save, restore
-        result = bench_checkpoint(cfg)
-    elif what == "plan":  # per-device memory, compiled ahead of time; nothing executes
-        result = plan(cfg)
-    elif what == "attention":  # cuDNN against XLA: differences and times (GPU)
-        result = bench_attention(cfg, flags.FLAGS.steps)
-    elif what == "data":
-        try:
-            result = bench_data(cfg)
-        except ValueError as e:  # bad data: one line, exit 2
-            cli.config_error(str(e))
     else:
-        result = bench_train(cfg, flags.FLAGS.warmup_steps, flags.FLAGS.steps, flags.FLAGS.profile_dir)
+        distributed.initialize()  # a multi-process benchmark: JAX_COORDINATOR_ADDRESS or auto
+        result = run_benchmark(what, cli.resolved_config(jax.device_count()))
     if jax.process_index() == 0:  # every process measured its part; one prints
         print(json.dumps(result, indent=2))
+
+
+def run_benchmark(what: str, cfg) -> dict:
+    """The named benchmark on this machine's devices."""
+    from absl import flags
+
+    if what == "checkpoint":  # blocking part of an async save, full save, restore
+        return bench_checkpoint(cfg)
+    if what == "plan":  # per-device memory, compiled ahead of time; nothing executes
+        return plan(cfg)
+    if what == "attention":  # cuDNN against XLA: differences and times (GPU)
+        return bench_attention(cfg, flags.FLAGS.steps)
+    if what == "data":
+        try:
+            return bench_data(cfg)
+        except ValueError as e:  # bad data: one line, exit 2
+            cli.config_error(str(e))
+    return bench_train(cfg, flags.FLAGS.warmup_steps, flags.FLAGS.steps, flags.FLAGS.profile_dir)
 
 
 def _define_flags() -> None:

@@ -112,7 +112,9 @@ def use_compile_cache(cfg) -> None:
     however quick to compile (a restart should compile nothing it compiled before)."""
     import jax
 
+    from maxlm import paths
+
     if cfg.compile_cache_dir:
         path = cfg.compile_cache_dir
-        jax.config.update("jax_compilation_cache_dir", path if "://" in path else os.path.expanduser(path))
+        jax.config.update("jax_compilation_cache_dir", path if paths.is_remote(path) else os.path.expanduser(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -56,8 +56,8 @@ def _attention(cfg, platform: str) -> dict:
     backend = attention.attention_backend(m.attention, model.compute_dtype(m), cfg.seq_len, platform=platform)
     if backend != "splash":
         return {"attention": backend}
-    block = attention.block_size(cfg.seq_len)
-    return {"attention": backend, "splash_blocks": [m.splash_block_q or block, m.splash_block_kv or block]}
+    return {"attention": backend,
+            "splash_blocks": list(attention.splash_tiles(cfg.seq_len, m.splash_block_q, m.splash_block_kv))}
 
 
 def _out_of_memory(error: Exception) -> str | None:

@@ -52,6 +52,7 @@ def load(name: str) -> Target:
     except Exception as e:  # noqa: BLE001 - jax raises several kinds when the plugin is absent
         raise ConfigError(f"--target={name} compiles with JAX's CUDA plugin, which this environment "
                           f"lacks (make install ACCEL=cuda12): {type(e).__name__}: {e}") from e
+
     def field(key: str) -> int:
         return int(re.search(rf"{key}:\s*(\d+)", text).group(1))
 

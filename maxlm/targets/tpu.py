@@ -64,8 +64,6 @@ def load(name: str, num_slices: int = 1) -> Target:
                           f"8, 16, 32, ...), v5e-N or v6e-N (N chips, 1, 4, 8, 16, ...), e.g. {', '.join(NAMES)}")
     one_host = len(grid) == 2 and chips <= 8
     host_bounds = (*grid, 1) if one_host else (2, 2, 1)
-    if len(grid) == 2 and chips == 1:
-        host_bounds = (1, 1, 1)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "true")  # several compiling processes (tests)
     try:
         topology = topologies.get_topology_desc(
