@@ -4,9 +4,11 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -142,6 +144,59 @@ def test_tpu_dry_run_prints_every_command(tmp_path):
     assert "export 'JAX_COMPILATION_CACHE_DIR=gs://b/c c' && source launch/tpu_env.sh && " in remote
     assert any("-r locks/tpu.lock" in line for line in lines)  # the pinned libtpu
     assert lines[-1].startswith("[tpu] gcloud compute tpus queued-resources delete pod")
+
+
+def fake_gcloud(tmp_path) -> tuple[dict, Path]:
+    """The environment to run launch/tpu.py against tests/fake_gcloud.py (one worker, its home
+    under the returned directory), training on the CPU in one process."""
+    bin_dir, state = tmp_path / "bin", tmp_path / "gcloud"
+    bin_dir.mkdir()
+    state.mkdir()
+    (bin_dir / "gcloud").write_text(
+        f'#!/bin/bash\nexec {sys.executable} {ROOT / "tests" / "fake_gcloud.py"} "$@"\n')
+    (bin_dir / "gcloud").chmod(0o755)
+    return env(tmp_path, PATH=f"{bin_dir}:/usr/bin:/bin", FAKE_GCLOUD_DIR=str(state),
+               PYTHON=sys.executable, MAXLM_PLATFORM="cpu", MAXLM_DISTRIBUTED="off"), state
+
+
+def test_tpu_launcher_detaches_attaches_and_restarts_a_preempted_slice(tmp_path, data_dirs):
+    """Against a stand-in gcloud: the training starts detached (its own session; the launcher
+    returns with --detach), --attach follows it, and a spot preemption (SIGTERM to the training,
+    the slice gone) re-creates the slice, ships and starts again: the run resumes from its
+    checkpoint and ends done; every worker's log lands in WORKDIR/logs."""
+    launcher_env, state = fake_gcloud(tmp_path)
+    workdir = tmp_path / "run"
+    tpu = [sys.executable, str(ROOT / "launch" / "tpu.py"), "--name=pod", "--zone=z",
+           "--accelerator=v5p-8", "--spot"]
+    train = train_args(workdir, data_dirs, "--config.steps=40", "--config.log_every_steps=1",
+                       "--config.metrics.tensorboard=False")
+    started = subprocess.run([*tpu, "--detach", "--", *train], cwd=tmp_path, env=launcher_env,
+                             capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert "tpus tpu-vm delete" not in started.stdout  # --detach keeps the slice
+    pid = int((state / "pod.home" / "maxlm-run" / "train.pid").read_text())
+    assert psutil.pid_exists(pid) and os.getsid(pid) == pid  # running on, in a session of its own
+
+    attached = subprocess.Popen([*tpu, "--attach", "--", *train], cwd=tmp_path, env=launcher_env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while max(losses(workdir, partial=True), default=0) < 3:
+        assert time.time() < deadline and attached.poll() is None
+        time.sleep(0.5)
+    (state / "pod.state").write_text("PREEMPTED")
+    os.kill(pid, signal.SIGTERM)
+    output, _ = attached.communicate(timeout=300)
+    assert attached.returncode == 0, output
+    assert "stopped with status 143, slice state PREEMPTED: restart 1 of 20" in output
+    calls = [" ".join(json.loads(line)[2:4]) for line in (state / "calls.jsonl").read_text().splitlines()]
+    after_preemption = calls[calls.index("tpu-vm describe"):]
+    assert ["tpu-vm delete", "tpu-vm create", "tpu-vm scp", "tpu-vm ssh", "tpu-vm ssh"] == [
+        c for c in after_preemption if c != "tpu-vm describe"][:5]  # re-create, ship, install, start
+    assert calls[-1] == "tpu-vm delete"  # done: the slice is deleted
+    assert sorted(losses(workdir)) == list(range(1, 41))
+    log = (workdir / "logs" / f"{socket.gethostname()}.log").read_text()
+    assert "resum" in log.lower() and "the training ended with status 0" in log
+    assert (tmp_path / "pod-train.log").exists()  # worker 0's log, copied back
 
 
 def fake_slurm(tmp_path, srun_body: str) -> dict:
