@@ -104,6 +104,7 @@ def test_libtpu_refuses_a_flag_it_does_not_know(tmp_path):
 @pytest.mark.slow
 @needs_libtpu
 @pytest.mark.parametrize("config, target", [
+    ("configs/llama_1b.py", "v5p-8"),  # the base config as shipped, 1M tokens a step
     ("configs/llama_1b_v5p8.py", "v5p-8"),
     ("configs/llama_1b_v5p64.py", "v5p-64"),
     ("configs/llama_8b_v5p64.py", "v5p-64"),
