@@ -11,6 +11,10 @@ temp (activations) and peak figures, whether that fits the device's memory when 
 kernels XLA called (cuDNN attention, cuBLAS float8 GEMMs, ...). With `--target=h100x8` (or h200x8, h100x16: GPUxN) it
 compiles for that hardware instead of this machine's (maxlm/targets: no GPU needed).
 
+`prepare` writes a generated corpus (`--corpus_mb`, `--corpus_files`) and times the data
+`prepare` of it with each of `--prepare_workers` processes, checks that they wrote the same shards,
+then reads the shards back (rows/s, and a reader's peak memory).
+
 `attention` compares cuDNN's fused attention with the XLA path at the config's shapes (GPU only):
 largest differences of outputs and gradients, and each one's forward+backward time.
 """
@@ -227,8 +231,8 @@ def main(argv) -> None:
     from absl import flags
 
     what = argv[1] if len(argv) > 1 else "train"
-    if what not in ("train", "data", "checkpoint", "plan", "attention"):
-        cli.config_error(f"unknown benchmark {what!r}; available: train, data, checkpoint, plan, attention")
+    if what not in ("train", "data", "prepare", "checkpoint", "plan", "attention"):
+        cli.config_error(f"unknown benchmark {what!r}; available: train, data, prepare, checkpoint, plan, attention")
     cli.setup_logging()
     if flags.FLAGS.target:  # compiled for hardware that is not here: nothing to initialise
         if what != "plan":
@@ -259,8 +263,14 @@ def run_benchmark(what: str, cfg) -> dict:
         return plan(cfg)
     if what == "attention":  # cuDNN against XLA: differences and times (GPU)
         return bench_attention(cfg, flags.FLAGS.steps)
-    if what == "data":
+    if what in ("data", "prepare"):
         try:
+            if what == "prepare":  # a generated corpus prepared by 1 and 2 workers, read back
+                from maxlm.data import throughput
+
+                f = flags.FLAGS
+                return throughput.measure_prepare(cfg, f.corpus_mb, f.corpus_files,
+                                                  [int(w) for w in f.prepare_workers])
             return bench_data(cfg)
         except ValueError as e:  # bad data: one line, exit 2
             cli.config_error(str(e))
@@ -271,6 +281,9 @@ def _define_flags() -> None:
     from absl import flags
 
     flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (the first one compiles).")
+    flags.DEFINE_float("corpus_mb", 1024, "prepare: size of the generated corpus.")
+    flags.DEFINE_integer("corpus_files", 16, "prepare: files of the generated corpus.")
+    flags.DEFINE_list("prepare_workers", ["1", "2"], "prepare: the worker counts to time, in order.")
     flags.DEFINE_integer("steps", 10, "Timed steps; the median is reported.")
     flags.DEFINE_string("target", "", "plan: compile for this hardware instead of this machine's: "
                         "GPUxN (N GPUs on hosts of 8) or a Cloud TPU slice, e.g. " + ", ".join(targets.NAMES)

@@ -146,6 +146,9 @@ def _data_defaults() -> ml_collections.ConfigDict:
     s.bad_records = "error"  # broken JSON line / missing text_key: "error" (exit 2) or "skip" (counted)
     s.tokenizer_vocab_size = 0  # `python -m maxlm.data tokenizer`: 0 = model.vocab_size
     s.tokenizer_sample_docs = 20000  # documents sampled to train the tokenizer
+    s.workers = 0  # processes that prepare the packed cache (maxlm/data/build.py); 0 = one per core
+    s.shard_mb = 64.0  # local files: consecutive files of about this many MB form one shard
+    s.shard_examples = 100_000  # TFDS sources: examples per shard
     s.filters = ml_collections.ConfigDict()
     s.filters.min_words = 0  # 0 = off
     s.filters.max_symbol_ratio = 0.0  # 0 = off; else drop docs with more non-alnum, non-space chars
@@ -174,15 +177,15 @@ POSITIVE = ("steps", "batch_size", "seq_len", "log_every_steps", "optim.lr", "mo
             "model.d_model", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
             "model.vocab_size", "model.rope_theta", "model.norm_eps", "checkpoint.every_steps",
             "checkpoint.max_to_keep", "checkpoint.max_bad_steps", "eval.steps", "debug.nan_steps",
-            "data.tokenizer_sample_docs")
+            "data.tokenizer_sample_docs", "data.shard_mb")
 NON_NEGATIVE = ("seed", "checkpoint.keep_period", "checkpoint.every_minutes", "checkpoint.max_restores",
                 "optim.warmup_steps", "optim.decay_steps", "optim.clip_norm", "optim.weight_decay",
                 "optim.min_lr_ratio", "eval.every_steps", "model.head_dim", "model.init_std",
                 "model.logits_chunk_size", "model.z_loss", "model.label_smoothing",
                 "data.tokenizer_vocab_size", "data.filters.min_words")
-POSITIVE_INTS = {"optim.grad_accum_steps": "", "model.pipeline_microbatches": "",
+POSITIVE_INTS = {"optim.grad_accum_steps": "", "model.pipeline_microbatches": "", "data.shard_examples": "",
                  "optim.loss_scale_growth_interval": " (good steps before the loss scale doubles)"}
-NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps", "num_devices")
+NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps", "num_devices", "data.workers")
 CHOICES = {"platform": PLATFORMS, "model.dtype": DTYPES, "model.remat": REMAT, "model.attention": ATTENTION,
            "optim.mu_dtype": MU_DTYPES, "data.txt_documents": ("file", "paragraph"),
            "data.bad_records": ("error", "skip")}

@@ -211,7 +211,7 @@ def test_batch_is_pure_function_of_config_and_step(tfds_dir, tmp_path):
     # Two fresh datasets, each packing into its own new cache, agree batch for batch.
     a = make_dataset(make_config(tfds_dir, tmp_path / "a"), "train")
     b = make_dataset(make_config(tfds_dir, tmp_path / "b"), "train")
-    assert isinstance(a._rows.targets_T, np.memmap) and a._rows.targets_T.dtype == np.uint16
+    assert a._rows.decoder.dtype == np.uint16  # read from ArrayRecord shards, row by row
     for step in (0, 1, 7, a.steps_per_epoch, 10**9):
         for k, v in a.batch(step).items():
             np.testing.assert_array_equal(v, b.batch(step)[k])
@@ -221,20 +221,20 @@ def test_batch_is_pure_function_of_config_and_step(tfds_dir, tmp_path):
 
 
 def test_interrupted_packing_leaves_no_cache_entry(tfds_dir, tmp_path, monkeypatch):
-    from maxlm.data import pipeline
+    from maxlm.data import build, shards
 
     config = make_config(tfds_dir, tmp_path)
-    real_append = pipeline._NpyWriter.append
-    appended = []
+    real_add = shards.ShardWriter.add
+    added = []
 
-    def failing_append(self, arr):
-        appended.append(len(arr))
-        if len(appended) == 4:  # the second chunk's document starts: mid-stream
+    def failing_add(self, ids):
+        added.append(len(ids))
+        if len(added) == 2:  # the second chunk: mid-shard
             raise OSError("simulated disk full")
-        real_append(self, arr)
+        real_add(self, ids)
 
-    monkeypatch.setattr(pipeline, "CHUNK_DOCUMENTS", 1)
-    monkeypatch.setattr(pipeline._NpyWriter, "append", failing_append)
+    monkeypatch.setattr(build, "CHUNK_DOCUMENTS", 1)
+    monkeypatch.setattr(shards.ShardWriter, "add", failing_add)
     with pytest.raises(OSError, match="disk full"):
         make_dataset(config, "validation")
     assert [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []

@@ -1,5 +1,6 @@
 """maxlm.data's prepare step: streamed in bounded chunks, bitwise the in-memory packing, with
-memory bounded by the chunk rather than the corpus."""
+memory bounded by the chunk rather than the corpus; units packed in parallel into the same shards
+whatever the number of workers."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maxlm.data import PackedStream, make_dataset, pipeline, sources
+from maxlm.data import PackedStream, build, make_dataset, pipeline, sources
+from maxlm.data.shards import encode_rows
 from tests.test_data_sources import REPO, SEQ_LEN, _doc, make_config
-
 
 # ---------------------------------------------------------------------------------------------
 # Streaming prepare: bounded memory, bitwise the in-memory result
@@ -50,8 +51,8 @@ def test_chunked_prepare_is_bitwise_the_in_memory_one(tmp_path, monkeypatch, tok
     runs = {"docs3": (3, 1 << 40), "chars200": (1 << 40, 200), "whole": (1 << 40, 1 << 40)}
     built = {}
     for name, (docs, chars) in runs.items():
-        monkeypatch.setattr(pipeline, "CHUNK_DOCUMENTS", docs)
-        monkeypatch.setattr(pipeline, "CHUNK_CHARS", chars)
+        monkeypatch.setattr(build, "CHUNK_DOCUMENTS", docs)
+        monkeypatch.setattr(build, "CHUNK_CHARS", chars)
         cfg = make_config(src, tmp_path / name, **overrides)
         built[name] = {s: (pipeline.prepare(cfg, s), pipeline.cache_path(cfg, s)[0]) for s in sources.SPLITS}
         built[name]["ds"] = make_dataset(cfg, "train")
@@ -61,18 +62,14 @@ def test_chunked_prepare_is_bitwise_the_in_memory_one(tmp_path, monkeypatch, tok
         tok = pipeline.checked_tokenizer(cfg)
         texts = pipeline.read_clean_documents(cfg.data, split, collections.Counter())
         ref = PackedStream.from_documents(tok.encode_batch(texts), SEQ_LEN, tok.bos_id, tok.eos_id,
-                                          tok.pad_id, dtype=pipeline.token_dtype(tok.vocab_size))  # fmt: skip
-        ref_files = {}
-        for fname, arr in (("targets.npy", ref.targets_T), ("doc_starts.npy", ref.doc_starts_D)):
-            np.save(tmp_path / fname, arr)
-            ref_files[fname] = (tmp_path / fname).read_bytes()
+                                          tok.pad_id, dtype=build.token_dtype(tok.vocab_size))  # fmt: skip
         metas = []
         for name in runs:
-            (stream, info), entry = built[name][split]
+            (rows, info), entry = built[name][split]
             assert entry.name == built["whole"][split][1].name
-            for fname, data in ref_files.items():
-                assert (entry / fname).read_bytes() == data, (name, split, fname)
-            assert sorted(p.name for p in entry.iterdir()) == ["doc_starts.npy", "meta.json", "targets.npy"]
+            # one unit (a small source): one shard, the records of the whole split as one stream
+            assert sorted(p.name for p in entry.iterdir()) == ["meta.json", "rows-00000-of-00001.array_record"]
+            assert [rows.source[i] for i in range(rows.num_rows)] == encode_rows(ref), (name, split)
             metas.append({k: v for k, v in json.loads((entry / "meta.json").read_text()).items()
                           if not k.endswith("_sec")})  # fmt: skip
             assert info["documents"] == len(texts) and info["tokens"] == ref.num_tokens
@@ -94,11 +91,12 @@ c = config_lib.defaults()
 c.seq_len, c.batch_size = 2048, 8
 c.data.source, c.data.cache_dir = sys.argv[1], sys.argv[2]
 c.data.tokenizer, c.data.validation_percent = "byte", 0.0
-pipeline.CHUNK_CHARS = int(sys.argv[3])
+from maxlm.data import build
+build.CHUNK_CHARS = int(sys.argv[3])
 tok = pipeline.checked_tokenizer(c)
 pipeline.cache_path(c, "train", tok)  # fingerprints the source
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-_, info = pipeline.prepare(c, "train", tok)
+_, info = pipeline.prepare(c, "train", tok, workers=1)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"growth_mb": (after - before) / 1024, "tokens": info["tokens"]}))
 """
@@ -121,3 +119,42 @@ def test_prepare_memory_is_bounded_by_the_chunk_not_the_corpus(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert corpus_mb > 190 and result["tokens"] > 190 * 2**20
     assert result["growth_mb"] < 0.25 * corpus_mb, result
+
+
+def _prepare_cli(cache: Path, src: Path, *flags: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "maxlm.data", "prepare", "--config=configs/tiny.py",
+         f"--config.data.source={src}", f"--config.data.cache_dir={cache}", "--config.data.shard_mb=0.004",
+         "--config.data.filters.dedup=True", "--config.data.validation_percent=10", *flags],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_one_or_two_workers_write_the_same_shards_and_dedup_across_them(tmp_path):
+    """`prepare --workers=1` and `--workers=2` on a folder of 24 files in units of ~4 KB: the
+    same shards bitwise, the same statistics, and exact duplicates dropped across units (the
+    serial result: the first copy kept) in a process pool."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(24):  # every document also appears in a file 12 further on: across units
+        (src / f"f{i:02d}.jsonl").write_text("".join(json.dumps({"text": _doc(100 * (i % 12) + j, 20 + j)}) + "\n"
+                                                   for j in range(12)))
+    one = _prepare_cli(tmp_path / "one", src, "--workers=1")
+    two = _prepare_cli(tmp_path / "two", src, "--workers=2")
+    assert one["train"]["shards"] == two["train"]["shards"] >= 8
+    for split in ("train", "validation"):
+        a, b = Path(one[split]["cache"]), Path(two[split]["cache"])
+        assert a.name == b.name
+        for shard in sorted(a.glob("*.array_record")):
+            assert shard.read_bytes() == (b / shard.name).read_bytes(), shard.name
+        meta_a, meta_b = (json.loads((d / "meta.json").read_text()) for d in (a, b))
+        assert {k: v for k, v in meta_a.items() if not k.endswith("_sec")} == {
+            k: v for k, v in meta_b.items() if not k.endswith("_sec")}
+    cfg = make_config(src, tmp_path / "serial", **{"data.filters.dedup": True, "data.validation_percent": 10.0})
+    serial = pipeline.read_clean_documents(cfg.data, "train", collections.Counter())
+    meta = json.loads((Path(two["train"]["cache"]) / "meta.json").read_text())
+    tok = pipeline.checked_tokenizer(cfg)
+    assert meta["documents"] == len(serial) and meta["filtered"]["dedup"] > 0
+    assert meta["tokens"] == sum(len(ids) + 1 for ids in tok.encode_batch(serial))

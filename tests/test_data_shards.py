@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
 
 from maxlm.data.packing import PackedStream
-from maxlm.data.shards import RowDecoder, ShardedRows, encode_rows, write_shard
+from maxlm.data.shards import RowDecoder, ShardedRows, ShardWriter, encode_rows
 
 BOS, EOS, PAD = 2, 3, 0
 
@@ -35,10 +36,30 @@ def test_shards_read_back_in_any_order_across_files(tmp_path):
     paths = []
     for k, (first, stop) in enumerate(zip(bounds, bounds[1:])):
         paths.append(str(tmp_path / f"rows-{k:05d}.array_record"))
-        write_shard(paths[-1], encode_rows(stream, first, stop))
+        writer = ArrayRecordWriter(paths[-1], "group_size:1")
+        for record in encode_rows(stream, first, stop):
+            writer.write(record)
+        writer.close()
     rows = ShardedRows(paths, seq_len, np.uint16, BOS, PAD)
     assert rows.num_rows == stream.num_rows
     ids = np.random.default_rng(1).permutation(stream.num_rows)
     got, want = rows.rows(ids), stream.rows(ids)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+@pytest.mark.parametrize("seq_len", [1, 8, 64])
+def test_the_streaming_writer_writes_the_records_of_the_whole_stream(tmp_path, seq_len):
+    """Documents added in uneven chunks (some empty, some shorter than a row) give the records of
+    the same documents packed as one stream."""
+    docs = documents(seq_len + 5, 70, 1000)
+    stream = PackedStream.from_documents(docs, seq_len, BOS, EOS, PAD, np.uint16)
+    path = str(tmp_path / "shard.array_record")
+    writer = ShardWriter(path, seq_len, np.uint16, EOS)
+    cuts = [0, 1, 1, 4, 30, 31, 70]
+    for a, b in zip(cuts, cuts[1:]):
+        writer.add(docs[a:b])
+    writer.close()
+    assert (writer.rows, writer.tokens, writer.documents) == (stream.num_rows, stream.num_tokens, len(docs))
+    rows = ShardedRows([path], seq_len, np.uint16, BOS, PAD)
+    assert [rows.source[i] for i in range(rows.num_rows)] == encode_rows(stream)

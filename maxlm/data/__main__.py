@@ -3,7 +3,9 @@
   tokenizer --out=PATH.model  trains a byte-fallback BPE sentencepiece model on a sample of the
                               train split (vocab: data.tokenizer_vocab_size, 0 = model.vocab_size;
                               pieces pad=0, unk=1, bos=2, eos=3)
-  prepare                     builds the packed caches (train, and validation unless eval is off)
+  prepare [--runner=local] [--workers=N]
+                              builds the packed caches (train, and validation unless eval is off)
+                              with N processes (default data.workers; 0 = one per core)
   stats [--split=train]       prints one JSON object: documents, tokens, sequences,
                               packing_efficiency, skipped and filtered counts
   peek --step=N [--split=train] [--rows=K]
@@ -79,6 +81,25 @@ def train_tokenizer(cfg, out: str) -> dict:
             "bos_id": tok.bos_id, "eos_id": tok.eos_id, "byte_fallback": True, "model_type": "bpe"}
 
 
+def prepare(cfg, workers: int | None) -> dict:
+    """Builds the caches (`--runner=local`: a process pool); per split: its directory, shards,
+    rows and the seconds it took (0 when it was there already)."""
+    import time
+
+    from maxlm.data import pipeline
+
+    if workers is not None and workers < 0:
+        cli.config_error(f"--workers must be >= 0 (0 = one per core), got {workers}")
+    result = {"runner": "local", "workers": workers if workers is not None else cfg.data.workers}
+    for split in ["train"] + (["validation"] if cfg.eval.every_steps else []):
+        start = time.perf_counter()
+        rows, info = pipeline.prepare(cfg, split, workers=workers)
+        result[split] = {"cache": str(pipeline.cache_path(cfg, split)[0]), "shards": len(info["shards"]),
+                         "rows": rows.num_rows, "tokens": info["tokens"],
+                         "seconds": round(time.perf_counter() - start, 3)}
+    return result
+
+
 def stats(cfg, split: str) -> dict:
     from maxlm.data import pipeline
 
@@ -124,14 +145,7 @@ def main(argv) -> None:
                 cli.config_error("tokenizer needs --out=PATH.model")
             print(json.dumps(train_tokenizer(cfg, F.out), indent=2))
         elif argv[1] == "prepare":
-            from maxlm.data import pipeline
-
-            splits = ["train"] + (["validation"] if cfg.eval.every_steps else [])
-            result = {}
-            for split in splits:
-                pipeline.prepare(cfg, split)
-                result[split] = str(pipeline.cache_path(cfg, split)[0])
-            print(json.dumps(result, indent=2))
+            print(json.dumps(prepare(cfg, F.workers), indent=2))
         elif argv[1] == "stats":
             print(json.dumps(stats(cfg, F.split), indent=2))
         else:
@@ -149,6 +163,8 @@ def _define_flags() -> None:
     flags.DEFINE_enum("split", "train", ["train", "validation"], "stats/peek: which split.")
     flags.DEFINE_integer("step", None, "peek: the global batch to show.")
     flags.DEFINE_integer("rows", 1 << 30, "peek: at most this many rows.")
+    flags.DEFINE_enum("runner", "local", ["local"], "prepare: where it runs (local: a process pool).")
+    flags.DEFINE_integer("workers", None, "prepare: processes (default data.workers; 0 = one per core).")
 
 
 if __name__ == "__main__":

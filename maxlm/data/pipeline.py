@@ -1,8 +1,9 @@
 """Training and eval batches as a pure function of (config, step).
 
 The source is read, cleaned, tokenized and packed once per (source, filters, tokenizer, seq_len,
-split) — `prepare` — into a cache entry: the token stream stored once (uint16 when the vocabulary
-fits) plus document starts, from which any row's four int32 arrays are derived on read.
+split) — `prepare`, in parallel (`build.py`) — into a cache entry of ArrayRecord shards, one
+self-contained record per row (uint16 tokens when the vocabulary fits), from which the row's four
+int32 arrays are derived on read (`shards.py`).
 A grain `MapDataset` of row ids then fixes which rows form each batch, by index alone, with no
 iterator state: `batch(step)` is the same on every run, after any resume and for any number of
 processes, and each process reads only its own rows. Nothing here imports TensorFlow.
@@ -10,32 +11,23 @@ processes, and each process reads only its own rows. Nothing here imports Tensor
 
 from __future__ import annotations
 
-import collections
-import hashlib
-import json
 import logging
-import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
 
 import grain
 import numpy as np
 
-from maxlm.data import filters, sources
-from maxlm.data.corpus import file_lock
+from maxlm.data import build, filters, sources
 from maxlm.data.errors import DataError
-from maxlm.data.packing import PackedStream, token_dtype
+from maxlm.data.packing import PackedStream
 from maxlm.data.prefetch import Prefetcher, batch_parts_key
+from maxlm.data.shards import ShardedRows
 from maxlm.data.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("tfds:python_stdlib", "tfds:NAME[/CONFIG][:VERSION]", "PATH|DIR|GLOB")
 SPLITS = sources.SPLITS
-# Bump when packing or the cache layout changes, so stale caches are not reused.
-_PACKED_FORMAT = 2
 
 
 class TokenDataset:
@@ -55,7 +47,7 @@ class TokenDataset:
 
     def __init__(
         self,
-        rows: PackedStream,
+        rows: ShardedRows | PackedStream,
         *,
         tokenizer: Tokenizer,
         batch_size: int,
@@ -66,7 +58,7 @@ class TokenDataset:
         self.split = split
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        self._rows = rows  # usually memory-mapped
+        self._rows = rows  # read on demand, a row at a time
         self.num_rows, self.seq_len = rows.num_rows, rows.seq_len
         self.steps_per_epoch = self.num_rows // batch_size
         if self.steps_per_epoch == 0:
@@ -182,69 +174,21 @@ def checked_tokenizer(config) -> Tokenizer:
     return tokenizer
 
 
-def cache_meta(config, split: str, tokenizer: Tokenizer, source: sources.Source) -> dict:
-    """Everything the packed cache entry depends on (its key is a hash of this)."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    d = config.data
-    return {
-        "format": _PACKED_FORMAT,
-        "source": d.source,
-        "source_fingerprint": sources.source_fingerprint(source, d),
-        "split": split,
-        "text_key": d.text_key,
-        "txt_documents": d.txt_documents,
-        "validation_percent": d.validation_percent,
-        "bad_records": d.bad_records,
-        "filters": filters.settings(d),
-        "tokenizer": tokenizer.spec,
-        "tokenizer_fingerprint": tokenizer.fingerprint,
-        "vocab_size": tokenizer.vocab_size,
-        "seq_len": config.seq_len,
-    }
-
-
 def cache_path(config, split: str, tokenizer: Tokenizer | None = None,
                source: sources.Source | None = None) -> tuple[Path, dict]:
-    """(the cache entry's directory, its meta) for `split`; `tokenizer` and `source` (the parsed
-    `data.source`) are loaded and parsed here when not given."""
+    """(the cache entry's directory, its meta) for `split` (`build.cache_path`); `tokenizer` and
+    `source` (the parsed `data.source`) are loaded and parsed here when not given."""
     source = source or sources.parse_source(config.data.source)
-    tokenizer = tokenizer or checked_tokenizer(config)
-    meta = cache_meta(config, split, tokenizer, source)
-    key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
-    cache_dir = os.path.expanduser(config.data.cache_dir)
-    return Path(cache_dir) / f"{source.slug}-{split}-L{config.seq_len}-{key}", meta
+    return build.cache_path(config, split, tokenizer or checked_tokenizer(config), source)
 
 
-def prepare(config, split: str, tokenizer: Tokenizer | None = None,
-            source: sources.Source | None = None) -> tuple[PackedStream, dict]:
-    """(memory-mapped packed stream, the cache entry's meta.json), building the entry if missing.
-
-    The entry is written atomically (temporary directory, then rename) under a file lock, so
-    concurrent processes build it once. meta.json carries the statistics `stats` prints.
-    """
+def prepare(config, split: str, tokenizer: Tokenizer | None = None, source: sources.Source | None = None,
+            workers: int | None = None) -> tuple[ShardedRows, dict]:
+    """(the packed rows, the cache entry's meta.json) of `split`, building the entry if missing
+    (`build.prepare`) with `workers` processes (default `data.workers`; 0: one per core)."""
     source = source or sources.parse_source(config.data.source)
-    tokenizer = tokenizer or checked_tokenizer(config)
-    final, meta = cache_path(config, split, tokenizer, source)
-    if not (final / "meta.json").is_file():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        with file_lock(final.parent / f".{final.name}.lock"):
-            if not (final / "meta.json").is_file():  # not built while we waited
-                # Packing runs only under this lock: a temporary dir left is a dead run's.
-                for stale in final.parent.glob(f".{final.name}.tmp-*"):
-                    shutil.rmtree(stale, ignore_errors=True)
-                _pack_into(final, meta, source, config.data, tokenizer)
-    info = json.loads((final / "meta.json").read_text())
-    stream = PackedStream(
-        np.load(final / "targets.npy", mmap_mode="r"),
-        np.load(final / "doc_starts.npy"),
-        info["seq_len"],
-        tokenizer.bos_id,
-        tokenizer.eos_id,
-        tokenizer.pad_id,
-    )
-    log.info("%s: %d packed rows of %d tokens from %s", split, stream.num_rows, info["seq_len"], final)
-    return stream, info
+    return build.prepare(config, split, tokenizer or checked_tokenizer(config), source,
+                         config.data.workers if workers is None else workers)
 
 
 def iter_clean_documents(source: sources.Source, data_cfg, split: str, counts):
@@ -275,139 +219,3 @@ def read_clean_documents(data_cfg, split: str, counts) -> list[str]:
     return list(iter_clean_documents(sources.parse_source(data_cfg.source), data_cfg, split, counts))
 
 
-# `prepare` reads, filters and tokenizes a split this many documents, or characters of text,
-# at a time (whichever limit is hit first), so its memory is bounded by one chunk, not the corpus.
-CHUNK_DOCUMENTS = 10_000
-CHUNK_CHARS = 16 << 20
-
-
-def _chunks(texts, max_docs: int, max_chars: int):
-    chunk, chars = [], 0
-    for text in texts:
-        chunk.append(text)
-        chars += len(text)
-        if len(chunk) >= max_docs or chars >= max_chars:
-            yield chunk
-            chunk, chars = [], 0
-    if chunk:
-        yield chunk
-
-
-def _npy_header(dtype: np.dtype, length: int) -> bytes:
-    """The header `np.save` writes for a 1-D array of `length` items of `dtype`."""
-    import io
-
-    buf = io.BytesIO()
-    d = np.lib.format.header_data_from_array_1_0(np.empty(0, dtype))
-    np.lib.format.write_array_header_1_0(buf, {**d, "shape": (int(length),)})
-    return buf.getvalue()
-
-
-class _NpyWriter:
-    """A 1-D `.npy` file grown by `append`; its bytes equal `np.save` of the concatenation.
-
-    The header's size does not depend on the length for 1-D arrays (it is padded to 64 bytes),
-    so room for it is left first and the real header written over it on `close`.
-    """
-
-    def __init__(self, path: Path, dtype):
-        self.dtype, self.length = np.dtype(dtype), 0
-        self._header_size = len(_npy_header(self.dtype, 0))
-        if len(_npy_header(self.dtype, 2**62)) != self._header_size:  # never for 1-D
-            raise AssertionError("npy header size depends on the length")
-        self._f = open(path, "wb")
-        self._f.write(b"\0" * self._header_size)
-
-    def append(self, arr: np.ndarray) -> None:
-        arr = np.ascontiguousarray(arr, self.dtype)
-        self._f.write(memoryview(arr).cast("B"))
-        self.length += len(arr)
-
-    def close(self) -> None:
-        header = _npy_header(self.dtype, self.length)
-        assert len(header) == self._header_size
-        self._f.seek(0)
-        self._f.write(header)
-        self._f.close()
-
-
-def _pack_into(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer: Tokenizer) -> None:
-    """Reads, cleans, tokenizes and packs a split into `final`, atomically, in chunks.
-
-    Each chunk of `CHUNK_DOCUMENTS` documents or `CHUNK_CHARS` characters is tokenized and
-    appended to the token stream and document starts on disk, so peak memory is bounded by a
-    chunk; the files are bitwise those `PackedStream.from_documents` of the whole split gives.
-    """
-    start = time.perf_counter()
-    seq_len, dtype = meta["seq_len"], token_dtype(tokenizer.vocab_size)
-    counts = collections.Counter()
-    read_sec = tokenize_sec = 0.0
-    num_docs = long_docs = offset = 0
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    writers = []
-    try:
-        targets_w = _NpyWriter(tmp / "targets.npy", dtype)
-        writers.append(targets_w)
-        starts_w = _NpyWriter(tmp / "doc_starts.npy", np.int64)
-        writers.append(starts_w)
-        chunks = _chunks(iter_clean_documents(source, data_cfg, meta["split"], counts),
-                         CHUNK_DOCUMENTS, CHUNK_CHARS)  # fmt: skip
-        while True:
-            t0 = time.perf_counter()
-            texts = next(chunks, None)
-            t1 = time.perf_counter()
-            read_sec += t1 - t0
-            if texts is None:
-                break
-            ids = tokenizer.encode_batch(texts)
-            del texts
-            tokenize_sec += time.perf_counter() - t1
-            # As `PackedStream.from_documents`: each document's ids then eos, end to end.
-            lengths = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))
-            ends = np.cumsum(lengths)
-            eos = np.array([tokenizer.eos_id], dtype)
-            targets = np.concatenate([a for x in ids for a in (x, eos)], dtype=dtype, casting="unsafe")
-            targets_w.append(targets)
-            starts_w.append(offset + ends - lengths)
-            offset += int(ends[-1])
-            num_docs += len(ids)
-            # Longer than a row: split across rows as continuing segments, never truncated.
-            long_docs += int(np.count_nonzero(lengths > seq_len))
-            del ids, targets
-        targets_w.close()
-        starts_w.close()
-        stream = PackedStream(
-            np.load(tmp / "targets.npy", mmap_mode="r"), np.load(tmp / "doc_starts.npy", mmap_mode="r"),
-            seq_len, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id,
-        )  # fmt: skip
-        stats = {
-            "documents": num_docs,
-            "tokens": stream.num_tokens,
-            "sequences": stream.num_rows,
-            "packing_efficiency": stream.packing_efficiency,
-            "long_documents": long_docs,
-            "skipped": {k: v for k, v in sorted(counts.items()) if not k.startswith("filtered_") and k != "files"},
-            "filtered": {k[len("filtered_"):]: counts.get(k, 0) for k in
-                         (f"filtered_{n}" for n in filters.FILTER_KEYS)},
-            **({"files": counts["files"]} if counts.get("files") else {}),
-            "read_sec": round(read_sec, 3),
-            "tokenize_sec": round(tokenize_sec, 3),
-        }
-        del stream
-        (tmp / "meta.json").write_text(json.dumps({**meta, **stats}, indent=2, sort_keys=True))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "meta.json").is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        for w in writers:
-            w._f.close()  # no-op once closed
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info(
-        "prepared %s[%s]: %d docs (skipped %s, filtered %s), %d tokens in %d rows x %d "
-        "(efficiency %.4f), read in %.1fs, tokenized in %.1fs, total %.1fs -> %s",
-        meta["source"], meta["split"], stats["documents"], stats["skipped"], stats["filtered"],
-        stats["tokens"], stats["sequences"], seq_len, stats["packing_efficiency"],
-        read_sec, tokenize_sec, time.perf_counter() - start, final,
-    )  # fmt: skip

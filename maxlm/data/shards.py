@@ -30,19 +30,68 @@ from maxlm.data.packing import KEYS, PackedStream
 HEADER = 3
 
 
+def _encode(targets, starts, seq_len: int, prev: int, rows: range) -> list[bytes]:
+    """Records of `rows` of the token stream `targets` whose documents start at `starts`
+    (ascending offsets into it); `prev`: the token before the stream (-1: none)."""
+    records = []
+    for r in rows:
+        lo, hi = r * seq_len, min((r + 1) * seq_len, len(targets))
+        d_lo, d_hi = np.searchsorted(starts, [lo, hi], side="left")
+        row_starts = (starts[d_lo:d_hi] - lo).astype(np.int32)
+        continues = not (len(row_starts) and row_starts[0] == 0)
+        before = (int(targets[lo - 1]) if lo else prev) if continues else -1
+        header = np.array([hi - lo, len(row_starts), before], np.int32)
+        records.append(header.tobytes() + row_starts.tobytes() + np.asarray(targets[lo:hi]).tobytes())
+    return records
+
+
 def encode_rows(stream: PackedStream, first: int = 0, stop: int | None = None) -> list[bytes]:
     """The records of rows [first, stop) of `stream` (default: all)."""
     stop = stream.num_rows if stop is None else stop
-    seq_len, targets_T, starts_D = stream.seq_len, stream.targets_T, np.asarray(stream.doc_starts_D)
-    records = []
-    for r in range(first, stop):
-        lo, hi = r * seq_len, min((r + 1) * seq_len, stream.num_tokens)
-        d_lo, d_hi = np.searchsorted(starts_D, [lo, hi], side="left")
-        starts = (starts_D[d_lo:d_hi] - lo).astype(np.int32)
-        continues = not (len(starts) and starts[0] == 0)
-        header = np.array([hi - lo, len(starts), int(targets_T[lo - 1]) if continues else -1], np.int32)
-        records.append(header.tobytes() + starts.tobytes() + np.asarray(targets_T[lo:hi]).tobytes())
-    return records
+    return _encode(stream.targets_T, np.asarray(stream.doc_starts_D), stream.seq_len, -1, range(first, stop))
+
+
+class ShardWriter:
+    """Packs documents into one shard file as they come, holding less than a row between calls:
+    `add` a chunk of documents' ids, `close` at the end (the last row is padded on read). The
+    records are those `encode_rows` gives for the same documents packed as one stream."""
+
+    def __init__(self, path: str, seq_len: int, token_dtype, eos_id: int):
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        self.seq_len, self.dtype, self.eos_id = seq_len, np.dtype(token_dtype), eos_id
+        self.rows = self.tokens = self.documents = 0
+        self._pending = np.zeros(0, self.dtype)  # the tokens of a row not yet full
+        self._pending_starts = np.zeros(0, np.int64)
+        self._prev = -1
+        self._writer = ArrayRecordWriter(str(path), "group_size:1")  # each row readable alone
+
+    def add(self, ids: Sequence[np.ndarray]) -> None:
+        if not len(ids):
+            return
+        lengths = np.fromiter((len(x) + 1 for x in ids), np.int64, len(ids))
+        eos = np.array([self.eos_id], self.dtype)
+        targets = np.concatenate([self._pending, *(a for x in ids for a in (x, eos))], dtype=self.dtype,
+                                 casting="unsafe")
+        starts = np.concatenate([self._pending_starts, len(self._pending) + np.cumsum(lengths) - lengths])
+        full = len(targets) // self.seq_len
+        self._write(_encode(targets, starts, self.seq_len, self._prev, range(full)))
+        cut = full * self.seq_len
+        if full:
+            self._prev = int(targets[cut - 1])
+        self._pending, self._pending_starts = targets[cut:].copy(), starts[starts >= cut] - cut
+        self.tokens += int(lengths.sum())
+        self.documents += len(ids)
+
+    def close(self) -> None:
+        if len(self._pending):
+            self._write(_encode(self._pending, self._pending_starts, self.seq_len, self._prev, range(1)))
+        self._writer.close()
+
+    def _write(self, records: list[bytes]) -> None:
+        for record in records:
+            self._writer.write(record)
+        self.rows += len(records)
 
 
 class RowDecoder:
@@ -76,18 +125,6 @@ class RowDecoder:
             if num_tokens < self.seq_len:
                 targets[num_tokens:] = inputs[num_tokens:] = self.pad_id
         return out
-
-
-def write_shard(path: str, records: Sequence[bytes]) -> None:
-    """One shard file of `records` (array_record; `group_size:1` so each row is read alone)."""
-    from array_record.python.array_record_module import ArrayRecordWriter
-
-    writer = ArrayRecordWriter(str(path), "group_size:1")
-    try:
-        for record in records:
-            writer.write(record)
-    finally:
-        writer.close()
 
 
 class ShardedRows:

@@ -122,14 +122,15 @@ def _open_tfds(source: Source, tfds_dir: str, split: str):
     return tfds.data_source(name, data_dir=tfds_dir, split=split, download=False)
 
 
-def _tfds_documents(source, data_cfg, split, counts):
-    """Yields `(where, text)` one example at a time (random access, so memory stays flat)."""
+def _tfds_documents(source, data_cfg, split, counts, first: int = 0, stop: int | None = None):
+    """Yields `(where, text)` of examples [first, stop) one at a time (random access, so memory
+    stays flat)."""
     tfds_dir = os.path.expanduser(data_cfg.tfds_dir)
     ds = _open_tfds(source, tfds_dir, split)
     text_key = data_cfg.text_key
     skip = data_cfg.bad_records == "skip"
     where = f"tfds:{source.tfds_name}[{split}]"
-    for i in range(len(ds)):
+    for i in range(first, len(ds) if stop is None else stop):
         example = ds[i]
         if text_key not in example:
             if i == 0 and not skip:
@@ -290,15 +291,87 @@ def _read_file(path: Path, rel: str, data_cfg, counts):
             reader.close()
 
 
-def _file_documents(source, data_cfg, counts):
-    root, files = list_files(source.spec)
-    counts["files"] += len(files)
+def _file_documents(root: Path, files, data_cfg, counts):
     for path in files:
+        path = Path(path)
         try:
             rel = path.relative_to(root).as_posix()
         except ValueError:
             rel = path.as_posix()
         yield from _read_file(path, rel, data_cfg, counts)
+
+
+# ------------------------------------------------------------------------------------------ units
+
+# A split is read, cleaned and packed in units, each on its own (one shard of the packed cache, so
+# they can run in parallel). Units are fixed by the source and config alone, never by the number
+# of workers: consecutive files of about `data.shard_mb` MB together, or `data.shard_examples`
+# examples of a TFDS split.
+# Counters in `counts` that tally what was read (not skips): files, documents read from the files
+# (either split), documents of the split.
+TALLIES = ("files", "documents_read", "split_documents")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Files `files` (under `root`, which keys the split hash), or TFDS examples [first, stop)."""
+
+    root: str = ""
+    files: tuple[str, ...] = ()
+    first: int = 0
+    stop: int = 0
+
+
+def plan_units(source: Source, data_cfg, split: str) -> list[Unit]:
+    """The units of `split`, in the split's document order."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    if source.kind == "tfds":
+        total, step = len(_open_tfds(source, os.path.expanduser(data_cfg.tfds_dir), split)), data_cfg.shard_examples
+        return [Unit(first=i, stop=min(i + step, total)) for i in range(0, total, step)]
+    root, files = list_files(source.spec)
+    units, group, size = [], [], 0
+    for f in files:
+        group.append(str(f))
+        size += f.stat().st_size
+        if size >= data_cfg.shard_mb * 2**20:
+            units.append(Unit(str(root), tuple(group)))
+            group, size = [], 0
+    if group:
+        units.append(Unit(str(root), tuple(group)))
+    return units
+
+
+def iter_unit_documents(source: Source, data_cfg, split: str, unit: Unit, counts: collections.Counter):
+    """Yields the texts of `split` in `unit`, in order, one at a time; skips (and `TALLIES`) go
+    to `counts`."""
+    if source.kind == "tfds":
+        for _, text in _tfds_documents(source, data_cfg, split, counts, unit.first, unit.stop):
+            counts["split_documents"] += 1
+            yield text
+        return
+    percent, want_val = float(data_cfg.validation_percent), split == "validation"
+    counts["files"] += len(unit.files)
+    for where, text in _file_documents(Path(unit.root), unit.files, data_cfg, counts):
+        counts["documents_read"] += 1
+        if is_validation(where, percent) == want_val:
+            counts["split_documents"] += 1
+            yield text
+
+
+def check_not_empty(source: Source, data_cfg, split: str, counts: collections.Counter) -> None:
+    """DataError when `split` of `source` gave no document (`counts`' tallies), saying why."""
+    if counts["split_documents"]:
+        return
+    if source.kind == "tfds":
+        raise DataError(f"tfds:{source.tfds_name}[{split}]: no non-empty documents (empty source)")
+    if not counts["documents_read"]:
+        raise DataError(f"data.source={source.spec!r} has no non-empty documents (empty source)")
+    raise DataError(
+        f"data.source={source.spec!r}: no documents in the {split!r} split (data.validation_percent="
+        f"{float(data_cfg.validation_percent):g} of {counts['files']} files' documents by hash; raise it, or set "
+        "eval.every_steps=0)"
+    )
 
 
 def is_validation(key: str, percent: float) -> bool:
@@ -307,39 +380,14 @@ def is_validation(key: str, percent: float) -> bool:
 
 def iter_documents(source: Source, data_cfg, split: str, counts: collections.Counter | None = None):
     """Yields the texts of `split` of `source` (`parse_source(data_cfg.source)`) in a fixed order,
-    one at a time: memory stays bounded by one document (or one read of `_RECORDS_PER_READ`
-    records), whatever the source's size. Skips are added to `counts`. Raises DataError (an empty
-    source or split: at the end)."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    one at a time, unit after unit: memory stays bounded by one document (or one read of
+    `_RECORDS_PER_READ` records), whatever the source's size. Skips are added to `counts`. Raises
+    DataError (an empty source or split: at the end)."""
     counts = collections.Counter() if counts is None else counts
-    seen = kept = 0
-    if source.kind == "tfds":
-        empty_where = f"tfds:{source.tfds_name}[{split}]"
-        for _, text in _tfds_documents(source, data_cfg, split, counts):
-            seen += 1
-            yield text
-        kept = seen
-    else:
-        percent = float(data_cfg.validation_percent)
-        want_val = split == "validation"
-        empty_where = f"data.source={source.spec!r}"
-        for where, text in _file_documents(source, data_cfg, counts):
-            seen += 1
-            if is_validation(where, percent) == want_val:
-                kept += 1
-                yield text
-        if not seen:
-            raise DataError(f"data.source={source.spec!r} has no non-empty documents (empty source)")
-        if not kept:
-            raise DataError(
-                f"{empty_where}: no documents in the {split!r} split (data.validation_percent="
-                f"{percent:g} of {counts['files']} files' documents by hash; raise it, or set "
-                "eval.every_steps=0)"
-            )
-    if not kept:
-        raise DataError(f"{empty_where}: no non-empty documents (empty source)")
-    skipped = {k: v for k, v in counts.items() if k != "files" and v}
+    for unit in plan_units(source, data_cfg, split):
+        yield from iter_unit_documents(source, data_cfg, split, unit, counts)
+    check_not_empty(source, data_cfg, split, counts)
+    skipped = {k: v for k, v in counts.items() if k not in TALLIES and v}
     if skipped:
         log.warning("%s[%s]: skipped %s", source.spec, split, skipped)
 

@@ -117,7 +117,7 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
         "batch_read_share_of_1s_step": batch_ms / 1e3,
         "prefetch_wait_ms_median": 1e3 * statistics.median(waits),
         "prefetch_simulated_step_ms": hide_ms,
-        "packed_read_cache_dtype": str(ds._rows.targets_T.dtype),
+        "packed_read_cache_dtype": str(ds._rows.decoder.dtype),
         "packed_read_tokenizer": cfg.data.tokenizer,
         "tokenize_pack_tokens_per_sec_per_core": tp_rate,
         "sp_encode_tokens_per_sec_per_core": raw_rate,
@@ -130,3 +130,102 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
         "times_sec": {"packed_read": read_times, "sp_encode": raw_times, "tokenize_pack": tp_times},
         "targets": {"packed_read_tokens_per_sec_per_core": 5e6, "tokenize_pack_over_sp_encode": 0.5},
     }
+
+
+# ------------------------------------------------------------------------- prepare at scale
+
+_READER_RSS = """
+import json, resource, sys
+import numpy as np
+from maxlm.data.shards import ShardedRows
+info = json.load(open(sys.argv[1] + "/meta.json"))
+rows = ShardedRows([sys.argv[1] + "/" + s["file"] for s in info["shards"]], info["seq_len"],
+                   info["token_dtype"], 2, 0)
+ids = np.random.default_rng(0).integers(0, rows.num_rows, (50, int(sys.argv[2])))
+for batch in ids:
+    rows.rows(batch)
+print(json.dumps({"rows": rows.num_rows, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def write_corpus(out: str, corpus_mb: float, files: int) -> dict:
+    """A generated corpus of `files` .jsonl files holding `corpus_mb` MB in all: the standard
+    library's source files as documents, each copy made unique by its first line."""
+    import json
+
+    from maxlm.data import corpus
+
+    docs, _ = corpus.scan_source(corpus.default_source_root())
+    os.makedirs(out, exist_ok=True)
+    per_file, written, copy = corpus_mb * 2**20 / files, 0, 0
+    for k in range(files):
+        size = 0
+        with open(os.path.join(out, f"part-{k:05d}.jsonl"), "w", encoding="utf-8") as f:
+            while size < per_file:
+                path, text = docs[copy % len(docs)]
+                line = json.dumps({"text": f"# copy {copy} of {path}\n{text}"}) + "\n"
+                f.write(line)
+                size += len(line)
+                copy += 1
+        written += size
+    return {"corpus_bytes": written, "files": files, "documents": copy}
+
+
+def measure_prepare(cfg, corpus_mb: float, files: int, workers: list[int]) -> dict:
+    """`prepare` of a generated corpus with each number of `workers` (fresh caches), the shards
+    compared bitwise, then the shards read back: rows/s and tokens/s, and a reader's peak memory
+    on this corpus and on one a tenth of its size (flat: it does not grow with the corpus)."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    from maxlm.data import pipeline
+
+    with tempfile.TemporaryDirectory(dir=os.path.expanduser("~")) as tmp:
+        corpus_info = write_corpus(os.path.join(tmp, "corpus"), corpus_mb, files)
+        cfg.data.source, cfg.data.validation_percent = os.path.join(tmp, "corpus"), 0.0
+        runs = []
+        for n in workers:
+            cfg.data.cache_dir = os.path.join(tmp, f"cache-{n}")
+            start = time.perf_counter()
+            rows, info = pipeline.prepare(cfg, "train", workers=n)
+            seconds = time.perf_counter() - start
+            entry = pipeline.cache_path(cfg, "train")[0]
+            digest = hashlib.sha256(b"".join((entry / s["file"]).read_bytes() for s in info["shards"])).hexdigest()
+            runs.append({"workers": n, "seconds": seconds, "tokens_per_sec": info["tokens"] / seconds,
+                         "tokens_per_sec_per_worker": info["tokens"] / seconds / n, "shards_sha256": digest[:16]})
+        ids = np.random.default_rng(0).integers(0, rows.num_rows, (20, cfg.batch_size))
+        start = time.perf_counter()
+        for batch in ids:
+            rows.rows(batch)
+        read_sec = time.perf_counter() - start
+        # the same prepared a tenth the size, for the reader's memory at 1x and 10x
+        small = write_corpus(os.path.join(tmp, "small"), corpus_mb / 10, files)
+        cfg.data.source, cfg.data.cache_dir = os.path.join(tmp, "small"), os.path.join(tmp, "cache-small")
+        pipeline.prepare(cfg, "train", workers=max(workers))
+        readers = {}
+        for name, where in (("1x", pipeline.cache_path(cfg, "train")[0]), ("10x", entry)):
+            out = subprocess.run([sys.executable, "-c", _READER_RSS, str(where), str(cfg.batch_size)],
+                                 capture_output=True, text=True, check=True)
+            readers[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        readers["1x"]["corpus_bytes"], readers["10x"]["corpus_bytes"] = small["corpus_bytes"], corpus_info["corpus_bytes"]
+        result = {
+            "benchmark": "prepare",
+            "config": cfg.name,
+            "tokenizer": cfg.data.tokenizer,
+            "seq_len": cfg.seq_len,
+            "cpu_count": os.cpu_count(),
+            **corpus_info,
+            "tokens": info["tokens"],
+            "shards": len(info["shards"]),
+            "shard_mb": cfg.data.shard_mb,
+            "runs": runs,
+            "same_shards": len({r["shards_sha256"] for r in runs}) == 1,
+            "read_rows_per_sec": ids.size / read_sec,
+            "read_tokens_per_sec": ids.size * cfg.seq_len / read_sec,
+            "reader_peak_rss": readers,
+        }
+    if len(runs) > 1:
+        result["speedup"] = runs[0]["seconds"] / runs[-1]["seconds"]
+    return result

@@ -1,0 +1,256 @@
+"""`prepare`: a split of the source read, cleaned, tokenized and packed once into a cache entry
+of ArrayRecord shards, unit by unit, in parallel.
+
+An entry (`cache_path`) is a directory:
+
+    meta.json                           what the entry depends on (the hash of which names it),
+                                        its statistics, and the index: every shard's row count
+    rows-00000-of-00004.array_record    one shard per unit of the source (`sources.plan_units`):
+    ...                                 the unit's documents packed on their own (`shards`)
+
+Units are fixed by the source, never by the number of workers, so any number of workers writes
+the same shards bitwise. Memory per worker is bounded by one chunk of `CHUNK_DOCUMENTS` documents
+or `CHUNK_CHARS` characters, whatever the unit's or the corpus's size.
+
+Exact dedup (`data.filters.dedup`) is global over the split, in three passes:
+1. each unit hashes its documents that pass the other filters (16 bytes each, to a file);
+2. the hashes are split into partitions by value, and each partition finds its duplicates: every
+   copy after the first in the split's order (unit, then position in the unit);
+3. each unit packs its documents, leaving those out.
+A partition holds 1/P of the split's hashes, so no process holds them all. The result is the
+serial one: the first copy of each text is kept.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from maxlm.data import filters, sources
+from maxlm.data.corpus import file_lock
+from maxlm.data.errors import DataError
+from maxlm.data.packing import token_dtype
+from maxlm.data.shards import ShardedRows, ShardWriter
+from maxlm.data.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+# Bump when packing or the cache layout changes, so stale caches are not reused.
+PACKED_FORMAT = 3
+# A unit is read, filtered and tokenized this many documents, or characters of text, at a time.
+CHUNK_DOCUMENTS = 10_000
+CHUNK_CHARS = 16 << 20
+
+
+def cache_meta(config, split: str, tokenizer: Tokenizer, source: sources.Source) -> dict:
+    """Everything the packed cache entry depends on (its key is a hash of this)."""
+    if split not in sources.SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {sources.SPLITS}")
+    d = config.data
+    return {
+        "format": PACKED_FORMAT,
+        "source": d.source,
+        "source_fingerprint": sources.source_fingerprint(source, d),
+        "split": split,
+        "text_key": d.text_key,
+        "txt_documents": d.txt_documents,
+        "validation_percent": d.validation_percent,
+        "bad_records": d.bad_records,
+        "filters": filters.settings(d),
+        # the units: a change repacks (shards are packed on their own)
+        "shard_mb": d.shard_mb if source.kind == "files" else None,
+        "shard_examples": d.shard_examples if source.kind == "tfds" else None,
+        "tokenizer": tokenizer.spec,
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+        "vocab_size": tokenizer.vocab_size,
+        "seq_len": config.seq_len,
+    }
+
+
+def cache_path(config, split: str, tokenizer: Tokenizer, source: sources.Source) -> tuple[Path, dict]:
+    """(the cache entry's directory, its meta) for `split`."""
+    meta = cache_meta(config, split, tokenizer, source)
+    key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
+    cache_dir = os.path.expanduser(config.data.cache_dir)
+    return Path(cache_dir) / f"{source.slug}-{split}-L{config.seq_len}-{key}", meta
+
+
+def prepare(config, split: str, tokenizer: Tokenizer, source: sources.Source,
+            workers: int = 0) -> tuple[ShardedRows, dict]:
+    """(the packed rows of the entry's shards, its meta.json), building the entry if missing
+    with `workers` processes (0: one per core).
+
+    The entry is written atomically (a temporary directory, then a rename) under a file lock, so
+    concurrent processes build it once. meta.json carries the statistics `stats` prints.
+    """
+    final, meta = cache_path(config, split, tokenizer, source)
+    if not (final / "meta.json").is_file():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(final.parent / f".{final.name}.lock"):
+            if not (final / "meta.json").is_file():  # not built while we waited
+                # Building runs only under this lock: a temporary dir left is a dead run's.
+                for stale in final.parent.glob(f".{final.name}.tmp-*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+                _build(final, meta, source, config.data, tokenizer, workers or os.cpu_count() or 1)
+    info = json.loads((final / "meta.json").read_text())
+    rows = ShardedRows([final / s["file"] for s in info["shards"]], info["seq_len"],
+                       info["token_dtype"], tokenizer.bos_id, tokenizer.pad_id)
+    log.info("%s: %d packed rows of %d tokens in %d shards from %s", split, rows.num_rows,
+             info["seq_len"], len(info["shards"]), final)
+    return rows, info
+
+
+def _build(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer: Tokenizer,
+           workers: int) -> None:
+    start = time.perf_counter()
+    split, seq_len = meta["split"], meta["seq_len"]
+    units = sources.plan_units(source, data_cfg, split)
+    workers = max(1, min(workers, len(units)))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        job = {"source": source, "data_cfg": data_cfg, "split": split, "tmp": str(tmp)}
+        dropped = 0
+        if data_cfg.filters.dedup:
+            _parallel(_hash_unit, [{**job, "unit": u, "index": k} for k, u in enumerate(units)], workers)
+            dropped = sum(_parallel(_find_duplicates, [{"tmp": str(tmp), "units": len(units), "partition": p,
+                                                        "partitions": workers} for p in range(workers)], workers))
+        name = "rows-{:05d}-of-{:05d}.array_record"
+        results = _parallel(_pack_unit, [
+            {**job, "unit": u, "index": k, "out": str(tmp / name.format(k, len(units))),
+             "tokenizer": tokenizer.spec, "seq_len": seq_len, "dtype": token_dtype(tokenizer.vocab_size).name,
+             "eos_id": tokenizer.eos_id, "dedup": bool(data_cfg.filters.dedup)}
+            for k, u in enumerate(units)], workers)
+        counts = sum((collections.Counter(r["counts"]) for r in results), collections.Counter())
+        counts["filtered_dedup"] += dropped
+        documents = sum(r["documents"] for r in results)
+        sources.check_not_empty(source, data_cfg, split, counts)
+        if not documents:
+            raise DataError(f"data.source={data_cfg.source!r}: data.filters dropped all "
+                            f"{counts['split_documents']} {split!r} documents ({dict(counts)})")
+        tokens, rows = sum(r["tokens"] for r in results), sum(r["rows"] for r in results)
+        stats = {
+            "documents": documents,
+            "tokens": tokens,
+            "sequences": rows,
+            "packing_efficiency": tokens / (rows * seq_len),
+            "long_documents": sum(r["long_documents"] for r in results),
+            "skipped": {k: v for k, v in sorted(counts.items())
+                        if not k.startswith("filtered_") and k not in sources.TALLIES},
+            "filtered": {k: counts.get(f"filtered_{k}", 0) for k in filters.FILTER_KEYS},
+            **({"files": counts["files"]} if counts.get("files") else {}),
+            "token_dtype": token_dtype(tokenizer.vocab_size).name,
+            "shards": [{"file": name.format(k, len(units)), "rows": r["rows"]} for k, r in enumerate(results)],
+            "read_sec": round(sum(r["read_sec"] for r in results), 3),
+            "tokenize_sec": round(sum(r["tokenize_sec"] for r in results), 3),
+        }
+        for leftover in tmp.glob("*.npy"):  # the dedup passes' hashes and drop lists
+            leftover.unlink()
+        (tmp / "meta.json").write_text(json.dumps({**meta, **stats}, indent=2, sort_keys=True))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "meta.json").is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info(
+        "prepared %s[%s] with %d workers: %d units, %d docs (skipped %s, filtered %s), %d tokens in "
+        "%d rows x %d (efficiency %.4f), total %.1fs -> %s",
+        meta["source"], split, workers, len(units), stats["documents"], stats["skipped"],
+        stats["filtered"], tokens, rows, seq_len, stats["packing_efficiency"], time.perf_counter() - start, final,
+    )  # fmt: skip
+
+
+def _parallel(fn, jobs: list[dict], workers: int) -> list:
+    """`[fn(job) for job in jobs]`, in `workers` fresh processes when more than one (spawned: the
+    caller may have started JAX's threads, which a fork would copy broken)."""
+    if workers <= 1 or len(jobs) <= 1:
+        return [fn(job) for job in jobs]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        return list(pool.map(fn, jobs))
+
+
+def _unit_texts(job: dict, counts: collections.Counter):
+    """The unit's documents that pass the filters other than dedup."""
+    settings = {**filters.settings(job["data_cfg"]), "dedup": False}
+    texts = sources.iter_unit_documents(job["source"], job["data_cfg"], job["split"], job["unit"], counts)
+    return filters.iter_filtered(texts, settings, counts)
+
+
+def _hash_unit(job: dict) -> int:
+    """Pass 1 of dedup: the unit's document hashes, in order, to hashes-K.npy."""
+    digests = [hashlib.sha256(t.encode("utf-8")).digest()[:16] for t in _unit_texts(job, collections.Counter())]
+    array = np.frombuffer(b"".join(digests), np.uint64).reshape(-1, 2) if digests else np.zeros((0, 2), np.uint64)
+    np.save(Path(job["tmp"]) / f"hashes-{job['index']:05d}.npy", array)
+    return len(digests)
+
+
+def _find_duplicates(job: dict) -> int:
+    """Pass 2 of dedup, for one partition of the hash values: every copy after the first (in
+    (unit, position) order), written to drops-P.npy as (unit, position) rows."""
+    tmp, p, parts = Path(job["tmp"]), job["partition"], job["partitions"]
+    keys, where = [], []
+    for k in range(job["units"]):
+        hashes = np.load(tmp / f"hashes-{k:05d}.npy", mmap_mode="r")
+        mine = np.flatnonzero(hashes[:, 0] % parts == p)
+        keys.append(np.asarray(hashes[mine]))
+        where.append(np.stack([np.full(len(mine), k, np.int64), mine.astype(np.int64)], axis=1))
+    keys, where = np.concatenate(keys), np.concatenate(where)
+    order = np.lexsort((where[:, 1], where[:, 0], keys[:, 1], keys[:, 0]))  # by hash, then unit, position
+    keys, where = keys[order], where[order]
+    repeat = np.zeros(len(keys), bool)
+    repeat[1:] = (keys[1:] == keys[:-1]).all(axis=1)
+    np.save(tmp / f"drops-{p:05d}.npy", where[repeat])
+    return int(repeat.sum())
+
+
+def _dropped_positions(tmp: Path, unit: int) -> set[int]:
+    drops = [np.load(f) for f in sorted(tmp.glob("drops-*.npy"))]
+    return {int(i) for d in drops for i in d[d[:, 0] == unit, 1]}
+
+
+def _pack_unit(job: dict) -> dict:
+    """Pass 3: the unit's documents (minus dedup's drops) tokenized and packed into its shard."""
+    tokenizer = load_tokenizer(job["tokenizer"])
+    counts = collections.Counter()
+    drop = _dropped_positions(Path(job["tmp"]), job["index"]) if job["dedup"] else set()
+    writer = ShardWriter(job["out"], job["seq_len"], job["dtype"], job["eos_id"])
+    read_sec = tokenize_sec = 0.0
+    long_docs = 0
+    texts = (t for i, t in enumerate(_unit_texts(job, counts)) if i not in drop)
+    chunk, chars = [], 0
+    t0 = time.perf_counter()
+    for text in _with_end(texts):
+        if text is not None:
+            chunk.append(text)
+            chars += len(text)
+        if chunk and (text is None or len(chunk) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS):
+            t1 = time.perf_counter()
+            read_sec += t1 - t0
+            ids = tokenizer.encode_batch(chunk)
+            long_docs += sum(len(x) + 1 > job["seq_len"] for x in ids)
+            writer.add(ids)
+            chunk, chars = [], 0
+            t0 = time.perf_counter()
+            tokenize_sec += t0 - t1
+    writer.close()
+    return {"counts": dict(counts), "documents": writer.documents, "tokens": writer.tokens,
+            "rows": writer.rows, "long_documents": long_docs, "read_sec": read_sec, "tokenize_sec": tokenize_sec}
+
+
+def _with_end(texts):
+    """`texts`, then None: the end, at which the last chunk is packed."""
+    yield from texts
+    yield None
