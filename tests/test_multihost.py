@@ -107,3 +107,34 @@ def test_a_workdir_the_processes_do_not_share_is_exit_2(tmp_path, data_dirs):
         assert f"--workdir={run} is not shared by the job's processes: process(es) 1 cannot read" in err
         assert "Traceback" not in err
     assert list(run.iterdir()) == []
+
+
+def test_process_0_prepares_the_data_and_a_cache_the_processes_do_not_share_is_exit_2(tmp_path, data_dirs):
+    """With a fresh shared data.cache_dir only process 0 prepares; process 1 reads its shards and
+    the job trains. With process 1 in a mount namespace whose tmpfs hides the cache directory (a
+    host-local cache on a multi-host job), both stop with exit 2 and one line naming the entry."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    def flags(run):
+        return [sys.executable, "-m", "maxlm.train", *train_flags(run, {**data_dirs, "data.cache_dir": cache})]
+    results = two_processes(tmp_path, flags(tmp_path / "shared"))
+    for (out, err), code in results:
+        assert code == 0, err[-3000:]
+    assert "prepared " in results[0][0][1] and "prepared " not in results[1][0][1]
+
+    shutil.rmtree(cache)
+    cache.mkdir()
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs tmpfs {cache}"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"needs a private mount namespace (root, CAP_SYS_ADMIN): {probe.stderr.strip()}")
+
+    def host_local_cache(i, argv):
+        if i == 0:
+            return argv
+        return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs {cache} && exec "$@"', "sh", *argv]
+
+    for (out, err), code in two_processes(tmp_path, flags(tmp_path / "local"), wrap=host_local_cache):
+        assert code == 2, err[-3000:]
+        assert "data.cache_dir is not shared by the job's processes: process(es) 1 cannot read" in err
+        assert str(cache) in err and "Traceback" not in err

@@ -94,7 +94,16 @@ def prepare(config, split: str, tokenizer: Tokenizer, source: sources.Source,
     The entry is written atomically (a temporary directory, then a rename) under a file lock, so
     concurrent processes build it once. meta.json carries the statistics `stats` prints.
     """
-    final, meta = cache_path(config, split, tokenizer, source)
+    def build_once() -> Path:
+        final, meta = cache_path(config, split, tokenizer, source)
+        _build_once(final, meta, source, config.data, tokenizer, workers)
+        return final
+
+    final = _built_by_process_0(build_once) if _process_count() > 1 else build_once()
+    return open_entry(final, split, tokenizer)
+
+
+def _build_once(final: Path, meta: dict, source, data_cfg, tokenizer: Tokenizer, workers: int) -> None:
     if not (final / "meta.json").is_file():
         final.parent.mkdir(parents=True, exist_ok=True)
         with file_lock(final.parent / f".{final.name}.lock"):
@@ -102,13 +111,52 @@ def prepare(config, split: str, tokenizer: Tokenizer, source: sources.Source,
                 # Building runs only under this lock: a temporary dir left is a dead run's.
                 for stale in final.parent.glob(f".{final.name}.tmp-*"):
                     shutil.rmtree(stale, ignore_errors=True)
-                _build(final, meta, source, config.data, tokenizer, workers or os.cpu_count() or 1)
+                _build(final, meta, source, data_cfg, tokenizer, workers or os.cpu_count() or 1)
+
+
+def open_entry(final: Path, split: str, tokenizer: Tokenizer) -> tuple[ShardedRows, dict]:
+    """(the rows of a built entry's shards, its meta.json)."""
     info = json.loads((final / "meta.json").read_text())
     rows = ShardedRows([final / s["file"] for s in info["shards"]], info["seq_len"],
                        info["token_dtype"], tokenizer.bos_id, tokenizer.pad_id)
     log.info("%s: %d packed rows of %d tokens in %d shards from %s", split, rows.num_rows,
              info["seq_len"], len(info["shards"]), final)
     return rows, info
+
+
+def _process_count() -> int:
+    import sys
+
+    # The data CLI and the tests use the data package without JAX's runtime: one process.
+    return sys.modules["jax"].process_count() if "jax" in sys.modules else 1
+
+
+def _built_by_process_0(build_it) -> Path:
+    """A job of several processes prepares once: process 0 builds the entry (or finds it; only it
+    reads the source), the others wait for it and read what it wrote; one that cannot see it (a
+    cache directory local to each host) is a DataError naming the path, on every process."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    message = ""
+    if jax.process_index() == 0:
+        try:
+            message = f"entry:{build_it()}"
+        except DataError as e:  # bad data: every process stops with process 0's message
+            message = f"error:{e}"
+    raw = message.encode()[:4096].ljust(4096, b"\0")
+    raw = multihost_utils.broadcast_one_to_all(np.frombuffer(raw, np.uint8))
+    kind, _, text = bytes(np.asarray(raw)).rstrip(b"\0").decode(errors="replace").partition(":")
+    if kind == "error":
+        raise DataError(text)
+    seen = np.array([(Path(text) / "meta.json").is_file()], np.int32)
+    seen = multihost_utils.process_allgather(seen).reshape(-1)
+    if not seen.all():
+        blind = ", ".join(str(i) for i in np.flatnonzero(seen == 0))
+        raise DataError(f"data.cache_dir is not shared by the job's processes: process(es) {blind} cannot "
+                        f"read {text}, which process 0 prepared; put data.cache_dir on storage every host "
+                        "shares, or prepare it on each host first (`python -m maxlm.data prepare`)")
+    return Path(text)
 
 
 def _build(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer: Tokenizer,
