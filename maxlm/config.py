@@ -137,6 +137,8 @@ def _optim_defaults() -> ml_collections.ConfigDict:
 def _data_defaults() -> ml_collections.ConfigDict:
     s = ml_collections.ConfigDict()
     s.source = "tfds:python_stdlib"
+    # several sources by weight instead: ((name, source, weight), ...); data.source is then unused
+    s.mixture = ()
     s.tfds_dir = "~/.cache/maxlm/tensorflow_datasets"
     s.cache_dir = "~/.cache/maxlm/packed"
     s.tokenizer = "byte"  # "byte" or a sentencepiece .model path
@@ -326,6 +328,16 @@ def _check_model_and_optim(c) -> None:
 def _check_data(c):
     if (vocab := c.data.tokenizer_vocab_size) and vocab > c.model.vocab_size:
         raise ConfigError(f"data.tokenizer_vocab_size={vocab} is more than model.vocab_size={c.model.vocab_size}")
+    names = []
+    for entry in c.data.mixture:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 3 and isinstance(entry[0], str)
+                and entry[0].isidentifier() and isinstance(entry[1], str) and entry[1]
+                and isinstance(entry[2], (int, float)) and not isinstance(entry[2], bool) and entry[2] > 0):
+            raise ConfigError(f"data.mixture entries are (name, source, weight > 0) with a name like "
+                              f"'web', got {entry!r}")
+        names.append(entry[0])
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.mixture names must differ, got {names}")
 
 
 def from_recorded(recorded: dict) -> ml_collections.ConfigDict:

@@ -90,6 +90,8 @@ def prepare(cfg, workers: int | None) -> dict:
 
     if workers is not None and workers < 0:
         cli.config_error(f"--workers must be >= 0 (0 = one per core), got {workers}")
+    if cfg.data.mixture:
+        return {name: prepare(sub, workers) for name, _, sub in pipeline.source_configs(cfg)}
     result = {"runner": "local", "workers": workers if workers is not None else cfg.data.workers}
     for split in ["train"] + (["validation"] if cfg.eval.every_steps else []):
         start = time.perf_counter()
@@ -101,8 +103,11 @@ def prepare(cfg, workers: int | None) -> dict:
 
 
 def stats(cfg, split: str) -> dict:
+    """The split's statistics; with `data.mixture`, those of each source under its name."""
     from maxlm.data import pipeline
 
+    if cfg.data.mixture:
+        return {name: stats(sub, split) for name, _, sub in pipeline.source_configs(cfg)}
     _, info = pipeline.prepare(cfg, split)
     keys = ("source", "split", "tokenizer", "vocab_size", "seq_len", "files", "documents", "tokens",
             "sequences", "packing_efficiency", "long_documents", "skipped", "filtered")
@@ -116,7 +121,12 @@ def peek(cfg, step: int, split: str, max_rows: int) -> str:
 
     ds = make_dataset(cfg, split)
     b = ds.batch(step)
-    out = [f"# step {step} of {split} (epoch {ds.epoch_of(step)}), rows {ds.row_ids(step).tolist()[:max_rows]}"]
+    if cfg.data.mixture:  # each row's source, and its row in that source's order
+        source, sample = ds.slot_sources(np.arange(ds.batch_size) + step * ds.batch_size)
+        where = [f"{ds.names[i]}#{int(k)}" for i, k in zip(source, sample)][:max_rows]
+        out = [f"# step {step} of {split}, rows {where}"]
+    else:
+        out = [f"# step {step} of {split} (epoch {ds.epoch_of(step)}), rows {ds.row_ids(step).tolist()[:max_rows]}"]
     for r in range(min(max_rows, b["inputs"].shape[0])):
         seg, pos, inputs = b["segment_ids"][r], b["positions"][r], b["inputs"][r]
         out.append(f"=== row {r}: {int(seg.max())} segments, {int(np.count_nonzero(seg))} tokens ===")

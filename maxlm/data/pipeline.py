@@ -149,6 +149,8 @@ def make_dataset(config, split: str) -> TokenDataset:
     Reads `seed, batch_size, seq_len, model.vocab_size` and `data.*`. Prepares the packed cache
     on first use (`prepare`). Raises `DataError` (a ValueError) on bad data, naming file and line.
     """
+    if config.data.mixture:
+        return _mixture(config, split)
     source = sources.parse_source(config.data.source)  # a malformed source fails before anything loads
     tokenizer = checked_tokenizer(config)
     stream, info = prepare(config, split, tokenizer, source)
@@ -160,6 +162,33 @@ def make_dataset(config, split: str) -> TokenDataset:
         split=split,
         efficiency=info["packing_efficiency"],
     )
+
+
+def source_configs(config) -> list[tuple[str, float, object]]:
+    """(name, weight, the config with `data.source` = that source) per `data.mixture` entry."""
+    out = []
+    for name, spec, weight in config.data.mixture:
+        sub = config.copy_and_resolve_references()
+        sub.data.source, sub.data.mixture = spec, ()
+        out.append((name, float(weight), sub))
+    return out
+
+
+def _mixture(config, split: str):
+    """`data.mixture`'s sources, each prepared as `data.source` would be, drawn by weight."""
+    from maxlm.data.mixture import MixtureDataset
+
+    tokenizer = checked_tokenizer(config)
+    parts, weights, stats = [], [], {}
+    for name, weight, sub in source_configs(config):
+        source = sources.parse_source(sub.data.source)
+        rows, info = prepare(sub, split, tokenizer, source)
+        parts.append((name, rows))
+        weights.append(weight)
+        stats[name] = info
+    return MixtureDataset(parts, weights, tokenizer=tokenizer, batch_size=config.batch_size,
+                          seq_len=config.seq_len, seed=config.seed if split == "train" else None,
+                          split=split, stats=stats)
 
 
 def checked_tokenizer(config) -> Tokenizer:
