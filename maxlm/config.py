@@ -156,6 +156,10 @@ def _data_defaults() -> ml_collections.ConfigDict:
     s.filters.max_symbol_ratio = 0.0  # 0 = off; else drop docs with more non-alnum, non-space chars
     s.filters.max_repeated_word_share = 0.0  # 0 = off; else drop docs whose top word exceeds this share
     s.filters.dedup = False  # drop exact duplicates (content hash) within a split
+    s.filters.near_dedup = False  # drop near duplicates (MinHash-LSH) within a split
+    s.filters.near_dedup_ngram = 5  # words per shingle
+    s.filters.near_dedup_bands = 14  # LSH bands ...
+    s.filters.near_dedup_rows = 8  # ... of this many hashes each (FineWeb's 14 x 8)
     return s
 
 
@@ -186,6 +190,8 @@ NON_NEGATIVE = ("seed", "checkpoint.keep_period", "checkpoint.every_minutes", "c
                 "model.logits_chunk_size", "model.z_loss", "model.label_smoothing",
                 "data.tokenizer_vocab_size", "data.filters.min_words")
 POSITIVE_INTS = {"optim.grad_accum_steps": "", "model.pipeline_microbatches": "", "data.shard_examples": "",
+                 "data.filters.near_dedup_ngram": "", "data.filters.near_dedup_bands": "",
+                 "data.filters.near_dedup_rows": "",
                  "optim.loss_scale_growth_interval": " (good steps before the loss scale doubles)"}
 NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps", "num_devices", "data.workers")
 CHOICES = {"platform": PLATFORMS, "model.dtype": DTYPES, "model.remat": REMAT, "model.attention": ATTENTION,

@@ -125,24 +125,31 @@ def _prepare_cli(cache: Path, src: Path, *flags: str) -> dict:
     result = subprocess.run(
         [sys.executable, "-m", "maxlm.data", "prepare", "--config=configs/tiny.py",
          f"--config.data.source={src}", f"--config.data.cache_dir={cache}", "--config.data.shard_mb=0.004",
-         "--config.data.filters.dedup=True", "--config.data.validation_percent=10", *flags],
+         "--config.data.validation_percent=10", *flags],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
 
-def test_one_or_two_workers_write_the_same_shards_and_dedup_across_them(tmp_path):
+def _long_doc(i: int, changed: int = -1) -> str:
+    return " ".join("CHANGED" if j == changed else f"w{i}_{j}" for j in range(200))
+
+
+@pytest.mark.parametrize("kind", ["dedup", "near_dedup"])
+def test_one_or_two_workers_write_the_same_shards_and_dedup_across_them(tmp_path, kind):
     """`prepare --workers=1` and `--workers=2` on a folder of 24 files in units of ~4 KB: the
-    same shards bitwise, the same statistics, and exact duplicates dropped across units (the
-    serial result: the first copy kept) in a process pool."""
+    same shards bitwise, the same statistics, and duplicates dropped across units (the serial
+    result: the first of each group kept) in a process pool. Files 12-23 repeat the documents of
+    files 0-11: exactly (dedup), or with one word of 200 changed (near_dedup, MinHash-LSH)."""
     src = tmp_path / "src"
     src.mkdir()
-    for i in range(24):  # every document also appears in a file 12 further on: across units
-        (src / f"f{i:02d}.jsonl").write_text("".join(json.dumps({"text": _doc(100 * (i % 12) + j, 20 + j)}) + "\n"
-                                                   for j in range(12)))
-    one = _prepare_cli(tmp_path / "one", src, "--workers=1")
-    two = _prepare_cli(tmp_path / "two", src, "--workers=2")
+    for i in range(24):
+        docs = [_long_doc(100 * (i % 12) + j, changed=-1 if kind == "dedup" or i < 12 else j) for j in range(3)]
+        (src / f"f{i:02d}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    flag = f"--config.data.filters.{kind}=True"
+    one = _prepare_cli(tmp_path / "one", src, "--workers=1", flag)
+    two = _prepare_cli(tmp_path / "two", src, "--workers=2", flag)
     assert one["train"]["shards"] == two["train"]["shards"] >= 8
     for split in ("train", "validation"):
         a, b = Path(one[split]["cache"]), Path(two[split]["cache"])
@@ -152,9 +159,24 @@ def test_one_or_two_workers_write_the_same_shards_and_dedup_across_them(tmp_path
         meta_a, meta_b = (json.loads((d / "meta.json").read_text()) for d in (a, b))
         assert {k: v for k, v in meta_a.items() if not k.endswith("_sec")} == {
             k: v for k, v in meta_b.items() if not k.endswith("_sec")}
-    cfg = make_config(src, tmp_path / "serial", **{"data.filters.dedup": True, "data.validation_percent": 10.0})
-    serial = pipeline.read_clean_documents(cfg.data, "train", collections.Counter())
+    cfg = make_config(src, tmp_path / "serial", **{f"data.filters.{kind}": True, "data.validation_percent": 10.0})
+    serial_counts = collections.Counter()
+    serial = pipeline.read_clean_documents(cfg.data, "train", serial_counts)
     meta = json.loads((Path(two["train"]["cache"]) / "meta.json").read_text())
     tok = pipeline.checked_tokenizer(cfg)
-    assert meta["documents"] == len(serial) and meta["filtered"]["dedup"] > 0
+    assert meta["documents"] == len(serial) and meta["filtered"][kind] == serial_counts[f"filtered_{kind}"] > 0
     assert meta["tokens"] == sum(len(ids) + 1 for ids in tok.encode_batch(serial))
+
+
+def test_minhash_keys_find_near_duplicates_not_different_texts():
+    from maxlm.data import minhash
+
+    def shared(a, b):
+        return len(set(minhash.band_keys(a, 5, 14, 8)) & set(minhash.band_keys(b, 5, 14, 8)))
+
+    base = _long_doc(1)
+    assert shared(base, _long_doc(1, changed=100)) > 0  # Jaccard of the 5-grams ~0.95
+    assert shared(base, base.upper()) == 14  # case-insensitive: all bands
+    assert shared(base, _long_doc(2)) == 0
+    half = " ".join(base.split()[:100] + _long_doc(3).split()[100:])  # Jaccard ~0.32
+    assert shared(base, half) == 0

@@ -238,7 +238,8 @@ def test_filters_count_what_they_drop(tmp_path):
         "data.filters.dedup": True,
     })  # fmt: skip
     _, info = pipeline.prepare(cfg, "train")
-    assert info["filtered"] == {"min_words": 1, "max_symbol_ratio": 1, "max_repeated_word_share": 1, "dedup": 1}
+    assert info["filtered"] == {"min_words": 1, "max_symbol_ratio": 1, "max_repeated_word_share": 1, "dedup": 1,
+                                "near_dedup": 0}
     assert info["documents"] == 2
     cfg.data.filters.min_words = 10_000
     with pytest.raises(DataError, match="filters dropped all"):

@@ -12,13 +12,15 @@ Units are fixed by the source, never by the number of workers, so any number of 
 the same shards bitwise. Memory per worker is bounded by one chunk of `CHUNK_DOCUMENTS` documents
 or `CHUNK_CHARS` characters, whatever the unit's or the corpus's size.
 
-Exact dedup (`data.filters.dedup`) is global over the split, in three passes:
-1. each unit hashes its documents that pass the other filters (16 bytes each, to a file);
-2. the hashes are split into partitions by value, and each partition finds its duplicates: every
-   copy after the first in the split's order (unit, then position in the unit);
+Exact and near dedup (`data.filters.dedup`, `near_dedup`) are global over the split, in three
+passes:
+1. each unit computes the keys of its documents that pass the other filters (16 bytes each, to a
+   file): the text's hash for exact dedup, its MinHash-LSH band keys for near dedup;
+2. the keys are split into partitions by value, and each partition finds its repeats: every
+   document after the first in the split's order (unit, then position) with a key seen before;
 3. each unit packs its documents, leaving those out.
-A partition holds 1/P of the split's hashes, so no process holds them all. The result is the
-serial one: the first copy of each text is kept.
+A partition holds 1/P of the split's keys, so no process holds them all. The result is the serial
+one (`filters.iter_filtered`): the first of each group is kept.
 """
 
 from __future__ import annotations
@@ -168,19 +170,18 @@ def _build(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         job = {"source": source, "data_cfg": data_cfg, "split": split, "tmp": str(tmp)}
-        dropped = 0
-        if data_cfg.filters.dedup:
-            _parallel(_hash_unit, [{**job, "unit": u, "index": k} for k, u in enumerate(units)], workers)
-            dropped = sum(_parallel(_find_duplicates, [{"tmp": str(tmp), "units": len(units), "partition": p,
-                                                        "partitions": workers} for p in range(workers)], workers))
+        kinds = [k for k in DEDUP_KINDS if data_cfg.filters[k]]
+        if kinds:
+            _parallel(_key_unit, [{**job, "unit": u, "index": k} for k, u in enumerate(units)], workers)
+            _parallel(_find_repeats, [{"tmp": str(tmp), "units": len(units), "kinds": kinds, "partition": p,
+                                       "partitions": workers} for p in range(workers)], workers)
         name = "rows-{:05d}-of-{:05d}.array_record"
         results = _parallel(_pack_unit, [
             {**job, "unit": u, "index": k, "out": str(tmp / name.format(k, len(units))),
              "tokenizer": tokenizer.spec, "seq_len": seq_len, "dtype": token_dtype(tokenizer.vocab_size).name,
-             "eos_id": tokenizer.eos_id, "dedup": bool(data_cfg.filters.dedup)}
+             "eos_id": tokenizer.eos_id, "kinds": kinds}
             for k, u in enumerate(units)], workers)
         counts = sum((collections.Counter(r["counts"]) for r in results), collections.Counter())
-        counts["filtered_dedup"] += dropped
         documents = sum(r["documents"] for r in results)
         sources.check_not_empty(source, data_cfg, split, counts)
         if not documents:
@@ -202,7 +203,7 @@ def _build(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer:
             "read_sec": round(sum(r["read_sec"] for r in results), 3),
             "tokenize_sec": round(sum(r["tokenize_sec"] for r in results), 3),
         }
-        for leftover in tmp.glob("*.npy"):  # the dedup passes' hashes and drop lists
+        for leftover in tmp.glob("*.npy"):  # the dedup passes' keys and drop lists
             leftover.unlink()
         (tmp / "meta.json").write_text(json.dumps({**meta, **stats}, indent=2, sort_keys=True))
         try:
@@ -231,41 +232,56 @@ def _parallel(fn, jobs: list[dict], workers: int) -> list:
 
 
 def _unit_texts(job: dict, counts: collections.Counter):
-    """The unit's documents that pass the filters other than dedup."""
-    settings = {**filters.settings(job["data_cfg"]), "dedup": False}
+    """The unit's documents that pass the filters other than the dedups."""
+    settings = {**filters.settings(job["data_cfg"]), "dedup": False, "near_dedup": False}
     texts = sources.iter_unit_documents(job["source"], job["data_cfg"], job["split"], job["unit"], counts)
     return filters.iter_filtered(texts, settings, counts)
 
 
-def _hash_unit(job: dict) -> int:
-    """Pass 1 of dedup: the unit's document hashes, in order, to hashes-K.npy."""
-    digests = [hashlib.sha256(t.encode("utf-8")).digest()[:16] for t in _unit_texts(job, collections.Counter())]
-    array = np.frombuffer(b"".join(digests), np.uint64).reshape(-1, 2) if digests else np.zeros((0, 2), np.uint64)
-    np.save(Path(job["tmp"]) / f"hashes-{job['index']:05d}.npy", array)
-    return len(digests)
+DEDUP_KINDS = ("dedup", "near_dedup")
 
 
-def _find_duplicates(job: dict) -> int:
-    """Pass 2 of dedup, for one partition of the hash values: every copy after the first (in
-    (unit, position) order), written to drops-P.npy as (unit, position) rows."""
+def _key_unit(job: dict) -> None:
+    """Pass 1: per dedup kind, the unit's document keys and each key's document position, to
+    KIND-keys-K.npy and KIND-where-K.npy."""
+    settings = filters.settings(job["data_cfg"])
+    keys = {kind: [] for kind in DEDUP_KINDS if settings[kind]}
+    where = {kind: [] for kind in keys}
+    for i, text in enumerate(_unit_texts(job, collections.Counter())):
+        for kind, found in (("dedup", lambda: [filters.exact_key(text)]),
+                            ("near_dedup", lambda: filters.near_keys(text, settings))):
+            if kind in keys:
+                new = found()
+                keys[kind] += new
+                where[kind] += [i] * len(new)
+    for kind in keys:
+        array = np.frombuffer(b"".join(keys[kind]), np.uint64).reshape(-1, 2)
+        np.save(Path(job["tmp"]) / f"{kind}-keys-{job['index']:05d}.npy", array)
+        np.save(Path(job["tmp"]) / f"{kind}-where-{job['index']:05d}.npy", np.asarray(where[kind], np.int64))
+
+
+def _find_repeats(job: dict) -> None:
+    """Pass 2, for one partition of the key values: the documents with a key an earlier document
+    (in (unit, position) order) has, written to KIND-drops-P.npy as (unit, position) rows."""
     tmp, p, parts = Path(job["tmp"]), job["partition"], job["partitions"]
-    keys, where = [], []
-    for k in range(job["units"]):
-        hashes = np.load(tmp / f"hashes-{k:05d}.npy", mmap_mode="r")
-        mine = np.flatnonzero(hashes[:, 0] % parts == p)
-        keys.append(np.asarray(hashes[mine]))
-        where.append(np.stack([np.full(len(mine), k, np.int64), mine.astype(np.int64)], axis=1))
-    keys, where = np.concatenate(keys), np.concatenate(where)
-    order = np.lexsort((where[:, 1], where[:, 0], keys[:, 1], keys[:, 0]))  # by hash, then unit, position
-    keys, where = keys[order], where[order]
-    repeat = np.zeros(len(keys), bool)
-    repeat[1:] = (keys[1:] == keys[:-1]).all(axis=1)
-    np.save(tmp / f"drops-{p:05d}.npy", where[repeat])
-    return int(repeat.sum())
+    for kind in job["kinds"]:
+        keys, where = [], []
+        for k in range(job["units"]):
+            unit_keys = np.load(tmp / f"{kind}-keys-{k:05d}.npy", mmap_mode="r")
+            mine = np.flatnonzero(unit_keys[:, 0] % parts == p)
+            keys.append(np.asarray(unit_keys[mine]))
+            positions = np.load(tmp / f"{kind}-where-{k:05d}.npy", mmap_mode="r")[mine]
+            where.append(np.stack([np.full(len(mine), k, np.int64), positions], axis=1))
+        keys, where = np.concatenate(keys), np.concatenate(where)
+        order = np.lexsort((where[:, 1], where[:, 0], keys[:, 1], keys[:, 0]))  # by key, then unit, position
+        keys, where = keys[order], where[order]
+        repeat = np.zeros(len(keys), bool)
+        repeat[1:] = (keys[1:] == keys[:-1]).all(axis=1)
+        np.save(tmp / f"{kind}-drops-{p:05d}.npy", np.unique(where[repeat], axis=0))
 
 
-def _dropped_positions(tmp: Path, unit: int) -> set[int]:
-    drops = [np.load(f) for f in sorted(tmp.glob("drops-*.npy"))]
+def _dropped_positions(tmp: Path, unit: int, kind: str) -> set[int]:
+    drops = [np.load(f) for f in sorted(tmp.glob(f"{kind}-drops-*.npy"))]
     return {int(i) for d in drops for i in d[d[:, 0] == unit, 1]}
 
 
@@ -273,7 +289,10 @@ def _pack_unit(job: dict) -> dict:
     """Pass 3: the unit's documents (minus dedup's drops) tokenized and packed into its shard."""
     tokenizer = load_tokenizer(job["tokenizer"])
     counts = collections.Counter()
-    drop = _dropped_positions(Path(job["tmp"]), job["index"]) if job["dedup"] else set()
+    drops = {kind: _dropped_positions(Path(job["tmp"]), job["index"], kind) for kind in job["kinds"]}
+    drop = set().union(*drops.values())
+    for position in drop:  # counted under the first dedup that drops it: exact, then near
+        counts["filtered_dedup" if position in drops.get("dedup", ()) else "filtered_near_dedup"] += 1
     writer = ShardWriter(job["out"], job["seq_len"], job["dtype"], job["eos_id"])
     read_sec = tokenize_sec = 0.0
     long_docs = 0
