@@ -25,8 +25,7 @@ MEGASCALE_* variables (coordinator: slice 0's first worker) and the mesh splits 
 with `--config.mesh.dcn_data` / `dcn_fsdp` (docs/launching.md).
 
 The workdir must be one every worker shares: a `gs://bucket/run` URL (every workdir write goes
-through etils.epath; `gcsfs` is then installed too), Filestore/NFS, or a bucket mounted with
-gcsfuse. Each worker's log is copied to WORKDIR/logs/HOSTNAME.log when its training ends.
+through etils.epath and its pinned gcsfs), Filestore/NFS, or a bucket mounted with gcsfuse. Each worker's log is copied to WORKDIR/logs/HOSTNAME.log when its training ends.
 """
 
 from __future__ import annotations
@@ -108,13 +107,11 @@ class Pod:
         return self.gcloud(kind, "scp", f"{self.args.name}:~/{remote}", local, *nodes, "--worker=0")
 
 
-def install_command(args, train_args: list[str] = ()) -> str:
+def install_command(args) -> str:
     """Unpack the shipped code and make its virtualenv: uv brings a Python ≥ 3.11 whatever the
     image has (TPU images ship 3.10), the runtime lock and the pinned libtpu, no test packages."""
     uv = "~/.local/bin/uv"
     venv_pip = f"{uv} pip install --python .venv/bin/python --quiet"
-    # A gs:// workdir is written through etils.epath, whose GCS backend is gcsfs.
-    remote = any(a.startswith("--workdir=gs://") for a in train_args)
     return " && ".join([
         f"rm -rf maxlm && mkdir maxlm && tar -xzf {TARBALL} -C maxlm",
         "cd maxlm",
@@ -124,7 +121,6 @@ def install_command(args, train_args: list[str] = ()) -> str:
         f"{uv} venv --python {args.python} .venv",
         f"{venv_pip} -r requirements.lock -r locks/tpu.lock",
         f"{venv_pip} --no-deps -e .",
-        *([f"{venv_pip} gcsfs"] if remote else []),
     ])
 
 
@@ -183,7 +179,7 @@ class Launcher:
             tarball = os.path.join(scratch, TARBALL)
             self.check(["git", "-C", ROOT, "archive", "--format=tar.gz", f"--output={tarball}", "HEAD"])
             self.check(self.pod.scp_to_all(tarball))
-        self.check(self.pod.ssh(install_command(self.args, self.train_args)))
+        self.check(self.pod.ssh(install_command(self.args)))
 
     def start(self) -> None:
         a = self.args

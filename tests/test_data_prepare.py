@@ -180,3 +180,42 @@ def test_minhash_keys_find_near_duplicates_not_different_texts():
     assert shared(base, _long_doc(2)) == 0
     half = " ".join(base.split()[:100] + _long_doc(3).split()[100:])  # Jaccard ~0.32
     assert shared(base, half) == 0
+
+
+@pytest.mark.slow
+def test_a_gs_cache_is_prepared_once_and_read_in_place(tmp_path, data_dirs):
+    """data.cache_dir=gs://... against a Cloud Storage stand-in on 127.0.0.1: `prepare` (2
+    workers) builds locally and copies the entry up, meta.json last; training then reads the
+    shards in place through array_record's GCS reader, with the local cache's losses."""
+    from etils import epath
+
+    from tests.gcs import BUCKET, fake_gcs
+    from tests.helpers import command_env
+
+    with fake_gcs() as gcs_env:
+        env = command_env(tmp_path, devices=None, **gcs_env)
+        common = ["--config=configs/tiny.py", f"--config.data.tfds_dir={data_dirs['data.tfds_dir']}",
+                  "--config.eval.every_steps=0", "--config.steps=6", "--config.log_every_steps=1",
+                  "--config.metrics.tensorboard=False"]
+        cache = f"gs://{BUCKET}/packed"
+        prepared = subprocess.run([sys.executable, "-m", "maxlm.data", "prepare", *common,
+                                   f"--config.data.cache_dir={cache}", "--workers=2"],
+                                  cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert prepared.returncode == 0, prepared.stderr[-3000:]
+        assert prepared.stdout.lstrip().startswith("{"), prepared.stdout[:500]
+        entry = epath.Path(json.loads(prepared.stdout)["train"]["cache"])
+        assert str(entry).startswith(cache) and (entry / "meta.json").exists()
+        assert any(p.name.endswith(".array_record") for p in entry.iterdir())
+
+        def train(workdir, cache_dir):
+            result = subprocess.run([sys.executable, "-m", "maxlm.train", *common, f"--workdir={workdir}",
+                                     f"--config.data.cache_dir={cache_dir}"],
+                                    cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, result.stderr[-3000:]
+            rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+            return result.stderr, [r["loss"] for r in rows if "loss" in r]
+
+        log, remote = train(tmp_path / "remote", cache)
+        assert "prepared " not in log and f"from {cache}" in log  # read in place, not built again
+        _, local = train(tmp_path / "local", tmp_path / "local-cache")
+        assert remote == local and len(remote) == 6

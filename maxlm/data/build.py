@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from maxlm import paths
 from maxlm.data import filters, sources
 from maxlm.data.corpus import file_lock
 from maxlm.data.errors import DataError
@@ -81,11 +82,15 @@ def cache_meta(config, split: str, tokenizer: Tokenizer, source: sources.Source)
 
 
 def cache_path(config, split: str, tokenizer: Tokenizer, source: sources.Source) -> tuple[Path, dict]:
-    """(the cache entry's directory, its meta) for `split`."""
+    """(the cache entry's directory, its meta) for `split`: a local path, or an epath for a URL
+    such as `gs://bucket/packed`."""
     meta = cache_meta(config, split, tokenizer, source)
     key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
-    cache_dir = os.path.expanduser(config.data.cache_dir)
-    return Path(cache_dir) / f"{source.slug}-{split}-L{config.seq_len}-{key}", meta
+    return _cache_root(config.data.cache_dir) / f"{source.slug}-{split}-L{config.seq_len}-{key}", meta
+
+
+def _cache_root(cache_dir: str):
+    return paths.workdir_path(cache_dir) if paths.is_remote(cache_dir) else Path(os.path.expanduser(cache_dir))
 
 
 def prepare(config, split: str, tokenizer: Tokenizer, source: sources.Source,
@@ -106,6 +111,10 @@ def prepare(config, split: str, tokenizer: Tokenizer, source: sources.Source,
 
 
 def _build_once(final: Path, meta: dict, source, data_cfg, tokenizer: Tokenizer, workers: int) -> None:
+    if paths.is_remote(str(final)):
+        if not (final / "meta.json").exists():
+            _build_and_upload(final, meta, source, data_cfg, tokenizer, workers or os.cpu_count() or 1)
+        return
     if not (final / "meta.json").is_file():
         final.parent.mkdir(parents=True, exist_ok=True)
         with file_lock(final.parent / f".{final.name}.lock"):
@@ -116,10 +125,24 @@ def _build_once(final: Path, meta: dict, source, data_cfg, tokenizer: Tokenizer,
                 _build(final, meta, source, data_cfg, tokenizer, workers or os.cpu_count() or 1)
 
 
+def _build_and_upload(final, meta: dict, source, data_cfg, tokenizer: Tokenizer, workers: int) -> None:
+    """A remote entry: built in a local temporary directory, then copied up, meta.json last (its
+    presence is what marks the entry complete: an object store has no rename). No lock: builders
+    racing on one entry write the same bytes."""
+    with tempfile.TemporaryDirectory(prefix="maxlm-packed-") as scratch:
+        local = Path(scratch) / final.name
+        _build(local, meta, source, data_cfg, tokenizer, workers)
+        final.mkdir(parents=True, exist_ok=True)
+        for name in sorted(os.listdir(local), key=lambda n: n == "meta.json"):
+            with open(local / name, "rb") as src, (final / name).open("wb") as dst:
+                shutil.copyfileobj(src, dst, 16 << 20)
+    log.info("copied %s up to %s", final.name, final)
+
+
 def open_entry(final: Path, split: str, tokenizer: Tokenizer) -> tuple[ShardedRows, dict]:
     """(the rows of a built entry's shards, its meta.json)."""
     info = json.loads((final / "meta.json").read_text())
-    rows = ShardedRows([final / s["file"] for s in info["shards"]], info["seq_len"],
+    rows = ShardedRows([str(final / s["file"]) for s in info["shards"]], info["seq_len"],
                        info["token_dtype"], tokenizer.bos_id, tokenizer.pad_id)
     log.info("%s: %d packed rows of %d tokens in %d shards from %s", split, rows.num_rows,
              info["seq_len"], len(info["shards"]), final)
@@ -151,14 +174,15 @@ def _built_by_process_0(build_it) -> Path:
     kind, _, text = bytes(np.asarray(raw)).rstrip(b"\0").decode(errors="replace").partition(":")
     if kind == "error":
         raise DataError(text)
-    seen = np.array([(Path(text) / "meta.json").is_file()], np.int32)
+    entry = paths.workdir_path(text) if paths.is_remote(text) else Path(text)
+    seen = np.array([(entry / "meta.json").exists()], np.int32)
     seen = multihost_utils.process_allgather(seen).reshape(-1)
     if not seen.all():
         blind = ", ".join(str(i) for i in np.flatnonzero(seen == 0))
         raise DataError(f"data.cache_dir is not shared by the job's processes: process(es) {blind} cannot "
                         f"read {text}, which process 0 prepared; put data.cache_dir on storage every host "
                         "shares, or prepare it on each host first (`python -m maxlm.data prepare`)")
-    return Path(text)
+    return entry
 
 
 def _build(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer: Tokenizer,

@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import sysconfig
 import tempfile
 import time
@@ -185,7 +186,10 @@ def ensure_corpus(
             start = time.perf_counter()
             builder = PythonStdlib(data_dir=str(tmp), source_root=source_root)
             with _no_progress_bar():
-                builder.download_and_prepare(download_dir=str(tmp / "downloads"))
+                # TFDS prints its progress to stdout: to stderr instead, so that a command whose
+                # output is JSON (`python -m maxlm.data prepare`, `bench`) stays JSON
+                with contextlib.redirect_stdout(sys.stderr):
+                    builder.download_and_prepare(download_dir=str(tmp / "downloads"))
             final = _version_dir(data_dir)
             final.parent.mkdir(parents=True, exist_ok=True)
             try:
