@@ -151,10 +151,14 @@ def run_point(sweep, overrides: dict, point_dir: str, plan_only: bool, target: s
 
 
 def train_args(sweep, overrides: dict, point_dir: str) -> list[str]:
-    """`maxlm.train` arguments of a point: a short run logging every step, no eval."""
+    """`maxlm.train` arguments of a point: a short run logging every step, no eval. The packed
+    data lives next to the points (DIR/packed), which every host of a point shares and every
+    point reuses, unless the sweep sets data.cache_dir."""
+    cache = [] if "data.cache_dir" in overrides else [
+        f"--config.data.cache_dir={point_dir.rstrip('/').rsplit('/', 1)[0]}/packed"]
     return [f"--config={sweep['base']}", f"--workdir={point_dir}",
             f"--config.steps={WARMUP_STEPS + sweep['steps']}", "--config.log_every_steps=1",
-            "--config.eval.every_steps=0", *(f"--config.{k}={v}" for k, v in overrides.items())]
+            "--config.eval.every_steps=0", *cache, *(f"--config.{k}={v}" for k, v in overrides.items())]
 
 
 def tpu_command(launcher_args: list[str], train: list[str], first: bool, last: bool,

@@ -99,6 +99,7 @@ def test_tpu_dry_run_runs_each_point_through_tpu_py_on_one_reused_tpu(tmp_path):
         assert "--config=configs/tiny.py " in command  # 2 warm-up steps + 3 timed, every one logged
         assert "--config.steps=5 --config.log_every_steps=1 --config.eval.every_steps=0" in command
         assert "--config.seq_len=32" in command and "--config.batch_size=8" in command
+        assert "--config.data.cache_dir=gs://bucket/sweep/packed " in command  # shared by the hosts
     assert "--config.mesh.data=8 --config.mesh.fsdp=1 --config.mesh.tensor=1" in points[0]
     assert "--config.mesh.data=2 --config.mesh.fsdp=2 --config.mesh.tensor=2" in points[1]
     # create once and keep; reuse without reinstalling; the last point deletes
