@@ -98,8 +98,10 @@ def prepare(config, split: str, tokenizer: Tokenizer, source: sources.Source,
     """(the packed rows of the entry's shards, its meta.json), building the entry if missing
     with `workers` processes (0: one per core).
 
-    The entry is written atomically (a temporary directory, then a rename) under a file lock, so
-    concurrent processes build it once. meta.json carries the statistics `stats` prints.
+    A local entry is written atomically (a temporary directory, then a rename) under a file lock,
+    so concurrent processes build it once; a remote one is built locally and copied up, meta.json
+    last. On a job of several processes only process 0 builds. meta.json carries the statistics
+    `stats` prints and the shards' row counts.
     """
     def build_once() -> Path:
         final, meta = cache_path(config, split, tokenizer, source)
