@@ -219,3 +219,28 @@ def test_a_gs_cache_is_prepared_once_and_read_in_place(tmp_path, data_dirs):
         assert "prepared " not in log and f"from {cache}" in log  # read in place, not built again
         _, local = train(tmp_path / "local", tmp_path / "local-cache")
         assert remote == local and len(remote) == 6
+
+
+@pytest.mark.slow
+def test_the_beam_runner_writes_the_local_runners_shards(tmp_path):
+    """`prepare --runner=beam` on Beam's DirectRunner in multi-processing mode (2 workers), exact
+    and near dedup on: the same shards bitwise and the same statistics as `--runner=local`."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(24):
+        docs = [_long_doc(100 * (i % 12) + j, changed=-1 if i < 12 or j else 7) for j in range(3)]
+        (src / f"f{i:02d}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    flags = ["--config.data.filters.dedup=True", "--config.data.filters.near_dedup=True",
+             "--config.eval.every_steps=0"]
+    local = _prepare_cli(tmp_path / "local", src, "--workers=1", *flags)
+    beam = _prepare_cli(tmp_path / "beam", src, "--runner=beam", *flags, "--",
+                        "--direct_num_workers=2", "--direct_running_mode=multi_processing")
+    assert beam["runner"] == "beam" and beam["train"]["shards"] == local["train"]["shards"] >= 8
+    a, b = Path(local["train"]["cache"]), Path(beam["train"]["cache"])
+    assert a.name == b.name and sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for shard in a.glob("*.array_record"):
+        assert shard.read_bytes() == (b / shard.name).read_bytes(), shard.name
+    meta_a, meta_b = (json.loads((d / "meta.json").read_text()) for d in (a, b))
+    assert {k: v for k, v in meta_a.items() if not k.endswith("_sec")} == {
+        k: v for k, v in meta_b.items() if not k.endswith("_sec")}
+    assert meta_a["filtered"]["dedup"] > 0 and meta_a["filtered"]["near_dedup"] > 0

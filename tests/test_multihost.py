@@ -51,6 +51,23 @@ def two_processes(tmp_path, command, wrap=lambda i, argv: argv, **env):
                 p.kill()
 
 
+def hidden_from_process_1(path):
+    """A `wrap` for `two_processes`: process 1 runs in a mount namespace of its own with an empty
+    tmpfs over `path` (a host-local directory on a multi-host job). Skips the test where a
+    private mount namespace is not allowed."""
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs tmpfs {path}"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"needs a private mount namespace (root, CAP_SYS_ADMIN): {probe.stderr.strip()}")
+
+    def wrap(i, argv):
+        if i == 0:
+            return argv
+        return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs {path} && exec "$@"', "sh", *argv]
+
+    return wrap
+
+
 def losses(workdir):
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
@@ -91,16 +108,7 @@ def test_a_workdir_the_processes_do_not_share_is_exit_2(tmp_path, data_dirs):
     path, and nothing is left in the workdir."""
     run = tmp_path / "run"
     run.mkdir()
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs tmpfs {run}"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"needs a private mount namespace (root, CAP_SYS_ADMIN): {probe.stderr.strip()}")
-
-    def node_local(i, argv):
-        if i == 0:
-            return argv
-        return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs {run} && exec "$@"', "sh", *argv]
-
+    node_local = hidden_from_process_1(run)
     command = [sys.executable, "-m", "maxlm.train", *train_flags(run, data_dirs)]
     for (out, err), code in two_processes(tmp_path, command, wrap=node_local):
         assert code == 2, err[-3000:]
@@ -124,16 +132,7 @@ def test_process_0_prepares_the_data_and_a_cache_the_processes_do_not_share_is_e
 
     shutil.rmtree(cache)
     cache.mkdir()
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs tmpfs {cache}"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"needs a private mount namespace (root, CAP_SYS_ADMIN): {probe.stderr.strip()}")
-
-    def host_local_cache(i, argv):
-        if i == 0:
-            return argv
-        return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs {cache} && exec "$@"', "sh", *argv]
-
+    host_local_cache = hidden_from_process_1(cache)
     for (out, err), code in two_processes(tmp_path, flags(tmp_path / "local"), wrap=host_local_cache):
         assert code == 2, err[-3000:]
         assert "data.cache_dir is not shared by the job's processes: process(es) 1 cannot read" in err

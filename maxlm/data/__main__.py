@@ -3,9 +3,12 @@
   tokenizer --out=PATH.model  trains a byte-fallback BPE sentencepiece model on a sample of the
                               train split (vocab: data.tokenizer_vocab_size, 0 = model.vocab_size;
                               pieces pad=0, unk=1, bos=2, eos=3)
-  prepare [--runner=local] [--workers=N]
+  prepare [--runner=local] [--workers=N] | --runner=beam [-- BEAM_OPTIONS]
                               builds the packed caches (train, and validation unless eval is off)
-                              with N processes (default data.workers; 0 = one per core)
+                              with N processes (default data.workers; 0 = one per core), or as
+                              Apache Beam pipelines (`pip install -e .[beam]`) with the options
+                              after `--` (e.g. --runner=DataflowRunner ..., or DirectRunner's
+                              --direct_num_workers=N --direct_running_mode=multi_processing)
   stats [--split=train]       prints one JSON object: documents, tokens, sequences,
                               packing_efficiency, skipped and filtered counts
   peek --step=N [--split=train] [--rows=K]
@@ -81,9 +84,9 @@ def train_tokenizer(cfg, out: str) -> dict:
             "bos_id": tok.bos_id, "eos_id": tok.eos_id, "byte_fallback": True, "model_type": "bpe"}
 
 
-def prepare(cfg, workers: int | None) -> dict:
-    """Builds the caches (`--runner=local`: a process pool); per split: its directory, shards,
-    rows and the seconds it took (0 when it was there already)."""
+def prepare(cfg, workers: int | None, beam_args: tuple[str, ...] | None = None) -> dict:
+    """Builds the caches (a local process pool, or Beam pipelines with `beam_args`); per split:
+    its directory, shards, rows and the seconds it took."""
     import time
 
     from maxlm.data import pipeline
@@ -91,11 +94,12 @@ def prepare(cfg, workers: int | None) -> dict:
     if workers is not None and workers < 0:
         cli.config_error(f"--workers must be >= 0 (0 = one per core), got {workers}")
     if cfg.data.mixture:
-        return {name: prepare(sub, workers) for name, _, sub in pipeline.source_configs(cfg)}
-    result = {"runner": "local", "workers": workers if workers is not None else cfg.data.workers}
+        return {name: prepare(sub, workers, beam_args) for name, _, sub in pipeline.source_configs(cfg)}
+    result = ({"runner": "beam", "beam_options": list(beam_args)} if beam_args is not None else
+              {"runner": "local", "workers": workers if workers is not None else cfg.data.workers})
     for split in ["train"] + (["validation"] if cfg.eval.every_steps else []):
         start = time.perf_counter()
-        rows, info = pipeline.prepare(cfg, split, workers=workers)
+        rows, info = pipeline.prepare(cfg, split, workers=workers, beam_args=beam_args)
         result[split] = {"cache": str(pipeline.cache_path(cfg, split)[0]), "shards": len(info["shards"]),
                          "rows": rows.num_rows, "tokens": info["tokens"],
                          "seconds": round(time.perf_counter() - start, 3)}
@@ -144,7 +148,7 @@ def main(argv) -> None:
     import jax
     from absl import flags
 
-    if len(argv) != 2 or argv[1] not in COMMANDS:
+    if len(argv) < 2 or argv[1] not in COMMANDS or (len(argv) > 2 and argv[1] != "prepare"):
         cli.config_error(f"usage: python -m maxlm.data {{{','.join(COMMANDS)}}} --config=...; got {argv[1:]}")
     cli.setup_logging()
     cfg = cli.resolved_config(jax.device_count())
@@ -155,7 +159,15 @@ def main(argv) -> None:
                 cli.config_error("tokenizer needs --out=PATH.model")
             print(json.dumps(train_tokenizer(cfg, F.out), indent=2))
         elif argv[1] == "prepare":
-            print(json.dumps(prepare(cfg, F.workers), indent=2))
+            if F.runner == "local" and len(argv) > 2:
+                cli.config_error(f"options after -- are Beam's (--runner=beam); got {argv[2:]}")
+            beam_args = tuple(argv[2:]) if F.runner == "beam" else None
+            if beam_args is not None:
+                try:
+                    import apache_beam  # noqa: F401
+                except ImportError:
+                    cli.config_error("--runner=beam needs Apache Beam: pip install -e .[beam]")
+            print(json.dumps(prepare(cfg, F.workers, beam_args), indent=2))
         elif argv[1] == "stats":
             print(json.dumps(stats(cfg, F.split), indent=2))
         else:
@@ -173,7 +185,8 @@ def _define_flags() -> None:
     flags.DEFINE_enum("split", "train", ["train", "validation"], "stats/peek: which split.")
     flags.DEFINE_integer("step", None, "peek: the global batch to show.")
     flags.DEFINE_integer("rows", 1 << 30, "peek: at most this many rows.")
-    flags.DEFINE_enum("runner", "local", ["local"], "prepare: where it runs (local: a process pool).")
+    flags.DEFINE_enum("runner", "local", ["local", "beam"], "prepare: where it runs (local: a process pool; "
+                      "beam: Apache Beam pipelines with the options after --).")
     flags.DEFINE_integer("workers", None, "prepare: processes (default data.workers; 0 = one per core).")
 
 

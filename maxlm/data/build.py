@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import logging
@@ -93,29 +94,32 @@ def _cache_root(cache_dir: str):
     return paths.workdir_path(cache_dir) if paths.is_remote(cache_dir) else Path(os.path.expanduser(cache_dir))
 
 
-def prepare(config, split: str, tokenizer: Tokenizer, source: sources.Source,
-            workers: int = 0) -> tuple[ShardedRows, dict]:
+def prepare(config, split: str, tokenizer: Tokenizer, source: sources.Source, workers: int = 0,
+            beam_args: tuple[str, ...] | None = None) -> tuple[ShardedRows, dict]:
     """(the packed rows of the entry's shards, its meta.json), building the entry if missing
-    with `workers` processes (0: one per core).
+    with `workers` processes (0: one per core), or as Apache Beam pipelines with `beam_args`
+    (their options: the runner and its settings) when that is given.
 
     A local entry is written atomically (a temporary directory, then a rename) under a file lock,
     so concurrent processes build it once; a remote one is built locally and copied up, meta.json
     last. On a job of several processes only process 0 builds. meta.json carries the statistics
     `stats` prints and the shards' row counts.
     """
+    runner = Runner(workers or os.cpu_count() or 1, beam_args)
+
     def build_once() -> Path:
         final, meta = cache_path(config, split, tokenizer, source)
-        _build_once(final, meta, source, config.data, tokenizer, workers)
+        _build_once(final, meta, source, config.data, tokenizer, runner)
         return final
 
     final = _built_by_process_0(build_once) if _process_count() > 1 else build_once()
     return open_entry(final, split, tokenizer)
 
 
-def _build_once(final: Path, meta: dict, source, data_cfg, tokenizer: Tokenizer, workers: int) -> None:
+def _build_once(final: Path, meta: dict, source, data_cfg, tokenizer: Tokenizer, runner: Runner) -> None:
     if paths.is_remote(str(final)):
         if not (final / "meta.json").exists():
-            _build_and_upload(final, meta, source, data_cfg, tokenizer, workers or os.cpu_count() or 1)
+            _build_and_upload(final, meta, source, data_cfg, tokenizer, runner)
         return
     if not (final / "meta.json").is_file():
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -124,16 +128,16 @@ def _build_once(final: Path, meta: dict, source, data_cfg, tokenizer: Tokenizer,
                 # Building runs only under this lock: a temporary dir left is a dead run's.
                 for stale in final.parent.glob(f".{final.name}.tmp-*"):
                     shutil.rmtree(stale, ignore_errors=True)
-                _build(final, meta, source, data_cfg, tokenizer, workers or os.cpu_count() or 1)
+                _build(final, meta, source, data_cfg, tokenizer, runner)
 
 
-def _build_and_upload(final, meta: dict, source, data_cfg, tokenizer: Tokenizer, workers: int) -> None:
+def _build_and_upload(final, meta: dict, source, data_cfg, tokenizer: Tokenizer, runner: Runner) -> None:
     """A remote entry: built in a local temporary directory, then copied up, meta.json last (its
     presence is what marks the entry complete: an object store has no rename). No lock: builders
     racing on one entry write the same bytes."""
     with tempfile.TemporaryDirectory(prefix="maxlm-packed-") as scratch:
         local = Path(scratch) / final.name
-        _build(local, meta, source, data_cfg, tokenizer, workers)
+        _build(local, meta, source, data_cfg, tokenizer, runner)
         final.mkdir(parents=True, exist_ok=True)
         for name in sorted(os.listdir(local), key=lambda n: n == "meta.json"):
             with open(local / name, "rb") as src, (final / name).open("wb") as dst:
@@ -188,25 +192,26 @@ def _built_by_process_0(build_it) -> Path:
 
 
 def _build(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer: Tokenizer,
-           workers: int) -> None:
+           runner: Runner) -> None:
     start = time.perf_counter()
     split, seq_len = meta["split"], meta["seq_len"]
     units = sources.plan_units(source, data_cfg, split)
-    workers = max(1, min(workers, len(units)))
+    runner = runner.at_most(len(units))
+    partitions = runner.workers
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         job = {"source": source, "data_cfg": data_cfg, "split": split, "tmp": str(tmp)}
         kinds = [k for k in DEDUP_KINDS if data_cfg.filters[k]]
         if kinds:
-            _parallel(_key_unit, [{**job, "unit": u, "index": k} for k, u in enumerate(units)], workers)
-            _parallel(_find_repeats, [{"tmp": str(tmp), "units": len(units), "kinds": kinds, "partition": p,
-                                       "partitions": workers} for p in range(workers)], workers)
+            runner.map(_key_unit, [{**job, "unit": u, "index": k} for k, u in enumerate(units)])
+            runner.map(_find_repeats, [{"tmp": str(tmp), "units": len(units), "kinds": kinds, "partition": p,
+                                        "partitions": partitions} for p in range(partitions)])
         name = "rows-{:05d}-of-{:05d}.array_record"
-        results = _parallel(_pack_unit, [
+        results = runner.map(_pack_unit, [
             {**job, "unit": u, "index": k, "out": str(tmp / name.format(k, len(units))),
              "tokenizer": tokenizer.spec, "seq_len": seq_len, "dtype": token_dtype(tokenizer.vocab_size).name,
              "eos_id": tokenizer.eos_id, "kinds": kinds}
-            for k, u in enumerate(units)], workers)
+            for k, u in enumerate(units)])
         counts = sum((collections.Counter(r["counts"]) for r in results), collections.Counter())
         documents = sum(r["documents"] for r in results)
         sources.check_not_empty(source, data_cfg, split, counts)
@@ -240,21 +245,59 @@ def _build(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info(
-        "prepared %s[%s] with %d workers: %d units, %d docs (skipped %s, filtered %s), %d tokens in "
+        "prepared %s[%s] with %s: %d units, %d docs (skipped %s, filtered %s), %d tokens in "
         "%d rows x %d (efficiency %.4f), total %.1fs -> %s",
-        meta["source"], split, workers, len(units), stats["documents"], stats["skipped"],
+        meta["source"], split, runner, len(units), stats["documents"], stats["skipped"],
         stats["filtered"], tokens, rows, seq_len, stats["packing_efficiency"], time.perf_counter() - start, final,
     )  # fmt: skip
 
 
-def _parallel(fn, jobs: list[dict], workers: int) -> list:
-    """`[fn(job) for job in jobs]`, in `workers` fresh processes when more than one (spawned: the
-    caller may have started JAX's threads, which a fork would copy broken)."""
-    if workers <= 1 or len(jobs) <= 1:
-        return [fn(job) for job in jobs]
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        return list(pool.map(fn, jobs))
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """Where prepare's passes run: a local process pool of `workers`, or, with `beam_args` (the
+    pipeline's options), Apache Beam: one pipeline per pass, each a map over the pass's jobs. The
+    jobs talk through files in the entry's scratch directory, so both write the same shards."""
+
+    workers: int
+    beam_args: tuple[str, ...] | None = None
+
+    def at_most(self, jobs: int) -> Runner:
+        return dataclasses.replace(self, workers=max(1, min(self.workers, jobs)))
+
+    def map(self, fn, jobs: list[dict]) -> list:
+        """`[fn(job) for job in jobs]`, in parallel."""
+        if self.beam_args is not None:
+            return _beam_map(fn, jobs, self.beam_args)
+        if self.workers <= 1 or len(jobs) <= 1:
+            return [fn(job) for job in jobs]
+        # spawned: the caller may have started JAX's threads, which a fork would copy broken
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=context) as pool:
+            return list(pool.map(fn, jobs))
+
+    def __str__(self) -> str:
+        return f"beam {' '.join(self.beam_args)}".strip() if self.beam_args is not None else f"{self.workers} workers"
+
+
+def _beam_map(fn, jobs: list[dict], beam_args) -> list:
+    """`fn` over `jobs` as one Beam pipeline; each result comes back through a JSON file in the
+    job's scratch directory (the pipeline's workers may be other machines sharing it)."""
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    with beam.Pipeline(options=PipelineOptions(list(beam_args))) as pipeline:
+        _ = (pipeline | beam.Create(list(enumerate(jobs))) | beam.Map(_run_and_record, fn))
+    out = []
+    for i, job in enumerate(jobs):
+        path = Path(job["tmp"]) / f"result-{fn.__name__}-{i:05d}.json"
+        out.append(json.loads(path.read_text()))
+        path.unlink()
+    return out
+
+
+def _run_and_record(indexed_job, fn) -> None:
+    i, job = indexed_job
+    (Path(job["tmp"]) / f"result-{fn.__name__}-{i:05d}.json").write_text(json.dumps(fn(job)))
 
 
 def _unit_texts(job: dict, counts: collections.Counter):

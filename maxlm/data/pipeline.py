@@ -212,12 +212,13 @@ def cache_path(config, split: str, tokenizer: Tokenizer | None = None,
 
 
 def prepare(config, split: str, tokenizer: Tokenizer | None = None, source: sources.Source | None = None,
-            workers: int | None = None) -> tuple[ShardedRows, dict]:
+            workers: int | None = None, beam_args: tuple[str, ...] | None = None) -> tuple[ShardedRows, dict]:
     """(the packed rows, the cache entry's meta.json) of `split`, building the entry if missing
-    (`build.prepare`) with `workers` processes (default `data.workers`; 0: one per core)."""
+    (`build.prepare`) with `workers` processes (default `data.workers`; 0: one per core), or as
+    Apache Beam pipelines with `beam_args`."""
     source = source or sources.parse_source(config.data.source)
     return build.prepare(config, split, tokenizer or checked_tokenizer(config), source,
-                         config.data.workers if workers is None else workers)
+                         config.data.workers if workers is None else workers, beam_args)
 
 
 def iter_clean_documents(source: sources.Source, data_cfg, split: str, counts):
