@@ -185,8 +185,9 @@ def test_minhash_keys_find_near_duplicates_not_different_texts():
 @pytest.mark.slow
 def test_a_gs_cache_is_prepared_once_and_read_in_place(tmp_path, data_dirs):
     """data.cache_dir=gs://... against a Cloud Storage stand-in on 127.0.0.1: `prepare` (2
-    workers) builds locally and copies the entry up, meta.json last; training then reads the
-    shards in place through array_record's GCS reader, with the local cache's losses."""
+    workers) writes the entry in place, meta.json last, and Beam's DirectRunner (2 worker
+    processes, its scratch files in the bucket too) writes the same shards; training then reads
+    the shards in place through array_record's GCS reader, with the local cache's losses."""
     from etils import epath
 
     from tests.gcs import BUCKET, fake_gcs
@@ -205,7 +206,15 @@ def test_a_gs_cache_is_prepared_once_and_read_in_place(tmp_path, data_dirs):
         assert prepared.stdout.lstrip().startswith("{"), prepared.stdout[:500]
         entry = epath.Path(json.loads(prepared.stdout)["train"]["cache"])
         assert str(entry).startswith(cache) and (entry / "meta.json").exists()
-        assert any(p.name.endswith(".array_record") for p in entry.iterdir())
+        shards = {p.name: p.read_bytes() for p in entry.iterdir() if p.name.endswith(".array_record")}
+        assert shards and not (entry / ".scratch").exists()
+        beam = subprocess.run([sys.executable, "-m", "maxlm.data", "prepare", *common,
+                               f"--config.data.cache_dir=gs://{BUCKET}/beam", "--runner=beam", "--",
+                               "--direct_num_workers=2", "--direct_running_mode=multi_processing"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert beam.returncode == 0, beam.stderr[-3000:]
+        beam_entry = epath.Path(json.loads(beam.stdout)["train"]["cache"])
+        assert {p.name: p.read_bytes() for p in beam_entry.iterdir() if p.name.endswith(".array_record")} == shards
 
         def train(workdir, cache_dir):
             result = subprocess.run([sys.executable, "-m", "maxlm.train", *common, f"--workdir={workdir}",

@@ -118,8 +118,10 @@ def prepare(config, split: str, tokenizer: Tokenizer, source: sources.Source, wo
 
 def _build_once(final: Path, meta: dict, source, data_cfg, tokenizer: Tokenizer, runner: Runner) -> None:
     if paths.is_remote(str(final)):
+        # An object store has no rename and no lock: the entry is written in place, meta.json
+        # last (its presence marks the entry complete); builders racing on it write the same bytes.
         if not (final / "meta.json").exists():
-            _build_and_upload(final, meta, source, data_cfg, tokenizer, runner)
+            _build(final, meta, source, data_cfg, tokenizer, runner)
         return
     if not (final / "meta.json").is_file():
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -131,18 +133,20 @@ def _build_once(final: Path, meta: dict, source, data_cfg, tokenizer: Tokenizer,
                 _build(final, meta, source, data_cfg, tokenizer, runner)
 
 
-def _build_and_upload(final, meta: dict, source, data_cfg, tokenizer: Tokenizer, runner: Runner) -> None:
-    """A remote entry: built in a local temporary directory, then copied up, meta.json last (its
-    presence is what marks the entry complete: an object store has no rename). No lock: builders
-    racing on one entry write the same bytes."""
-    with tempfile.TemporaryDirectory(prefix="maxlm-packed-") as scratch:
-        local = Path(scratch) / final.name
-        _build(local, meta, source, data_cfg, tokenizer, runner)
-        final.mkdir(parents=True, exist_ok=True)
-        for name in sorted(os.listdir(local), key=lambda n: n == "meta.json"):
-            with open(local / name, "rb") as src, (final / name).open("wb") as dst:
-                shutil.copyfileobj(src, dst, 16 << 20)
-    log.info("copied %s up to %s", final.name, final)
+def _scratch(path: str):
+    """A path of the build's scratch directory: local, or on the remote entry's storage (where
+    the workers of a distributed Beam runner can all reach it)."""
+    return paths.workdir_path(path) if paths.is_remote(path) else Path(path)
+
+
+def _save(path, array: np.ndarray) -> None:
+    with path.open("wb") as f:
+        np.save(f, array)
+
+
+def _load(path) -> np.ndarray:
+    with path.open("rb") as f:
+        return np.load(f)
 
 
 def open_entry(final: Path, split: str, tokenizer: Tokenizer) -> tuple[ShardedRows, dict]:
@@ -198,7 +202,12 @@ def _build(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer:
     units = sources.plan_units(source, data_cfg, split)
     runner = runner.at_most(len(units))
     partitions = runner.workers
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    remote = paths.is_remote(str(final))
+    if remote:  # shards straight into the entry, the passes' files under .scratch
+        out, tmp = final, final / ".scratch"
+        tmp.mkdir(parents=True, exist_ok=True)
+    else:  # everything in a temporary sibling, renamed into place at the end
+        out = tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         job = {"source": source, "data_cfg": data_cfg, "split": split, "tmp": str(tmp)}
         kinds = [k for k in DEDUP_KINDS if data_cfg.filters[k]]
@@ -208,7 +217,7 @@ def _build(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer:
                                         "partitions": partitions} for p in range(partitions)])
         name = "rows-{:05d}-of-{:05d}.array_record"
         results = runner.map(_pack_unit, [
-            {**job, "unit": u, "index": k, "out": str(tmp / name.format(k, len(units))),
+            {**job, "unit": u, "index": k, "out": str(out / name.format(k, len(units))),
              "tokenizer": tokenizer.spec, "seq_len": seq_len, "dtype": token_dtype(tokenizer.vocab_size).name,
              "eos_id": tokenizer.eos_id, "kinds": kinds}
             for k, u in enumerate(units)])
@@ -236,14 +245,18 @@ def _build(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer:
         }
         for leftover in tmp.glob("*.npy"):  # the dedup passes' keys and drop lists
             leftover.unlink()
-        (tmp / "meta.json").write_text(json.dumps({**meta, **stats}, indent=2, sort_keys=True))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "meta.json").is_file():  # not a lost race: a real failure
-                raise
+        if remote:
+            tmp.rmtree(missing_ok=True)
+        (out / "meta.json").write_text(json.dumps({**meta, **stats}, indent=2, sort_keys=True))
+        if not remote:
+            try:
+                os.rename(out, final)
+            except OSError:
+                if not (final / "meta.json").is_file():  # not a lost race: a real failure
+                    raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not remote:
+            shutil.rmtree(tmp, ignore_errors=True)
     log.info(
         "prepared %s[%s] with %s: %d units, %d docs (skipped %s, filtered %s), %d tokens in "
         "%d rows x %d (efficiency %.4f), total %.1fs -> %s",
@@ -289,7 +302,7 @@ def _beam_map(fn, jobs: list[dict], beam_args) -> list:
         _ = (pipeline | beam.Create(list(enumerate(jobs))) | beam.Map(_run_and_record, fn))
     out = []
     for i, job in enumerate(jobs):
-        path = Path(job["tmp"]) / f"result-{fn.__name__}-{i:05d}.json"
+        path = _scratch(job["tmp"]) / f"result-{fn.__name__}-{i:05d}.json"
         out.append(json.loads(path.read_text()))
         path.unlink()
     return out
@@ -297,7 +310,7 @@ def _beam_map(fn, jobs: list[dict], beam_args) -> list:
 
 def _run_and_record(indexed_job, fn) -> None:
     i, job = indexed_job
-    (Path(job["tmp"]) / f"result-{fn.__name__}-{i:05d}.json").write_text(json.dumps(fn(job)))
+    (_scratch(job["tmp"]) / f"result-{fn.__name__}-{i:05d}.json").write_text(json.dumps(fn(job)))
 
 
 def _unit_texts(job: dict, counts: collections.Counter):
@@ -325,44 +338,59 @@ def _key_unit(job: dict) -> None:
                 where[kind] += [i] * len(new)
     for kind in keys:
         array = np.frombuffer(b"".join(keys[kind]), np.uint64).reshape(-1, 2)
-        np.save(Path(job["tmp"]) / f"{kind}-keys-{job['index']:05d}.npy", array)
-        np.save(Path(job["tmp"]) / f"{kind}-where-{job['index']:05d}.npy", np.asarray(where[kind], np.int64))
+        _save(_scratch(job["tmp"]) / f"{kind}-keys-{job['index']:05d}.npy", array)
+        _save(_scratch(job["tmp"]) / f"{kind}-where-{job['index']:05d}.npy", np.asarray(where[kind], np.int64))
 
 
 def _find_repeats(job: dict) -> None:
     """Pass 2, for one partition of the key values: the documents with a key an earlier document
     (in (unit, position) order) has, written to KIND-drops-P.npy as (unit, position) rows."""
-    tmp, p, parts = Path(job["tmp"]), job["partition"], job["partitions"]
+    tmp, p, parts = _scratch(job["tmp"]), job["partition"], job["partitions"]
     for kind in job["kinds"]:
         keys, where = [], []
         for k in range(job["units"]):
-            unit_keys = np.load(tmp / f"{kind}-keys-{k:05d}.npy", mmap_mode="r")
+            unit_keys = _load(tmp / f"{kind}-keys-{k:05d}.npy")
             mine = np.flatnonzero(unit_keys[:, 0] % parts == p)
             keys.append(np.asarray(unit_keys[mine]))
-            positions = np.load(tmp / f"{kind}-where-{k:05d}.npy", mmap_mode="r")[mine]
+            positions = _load(tmp / f"{kind}-where-{k:05d}.npy")[mine]
             where.append(np.stack([np.full(len(mine), k, np.int64), positions], axis=1))
         keys, where = np.concatenate(keys), np.concatenate(where)
         order = np.lexsort((where[:, 1], where[:, 0], keys[:, 1], keys[:, 0]))  # by key, then unit, position
         keys, where = keys[order], where[order]
         repeat = np.zeros(len(keys), bool)
         repeat[1:] = (keys[1:] == keys[:-1]).all(axis=1)
-        np.save(tmp / f"{kind}-drops-{p:05d}.npy", np.unique(where[repeat], axis=0))
+        _save(tmp / f"{kind}-drops-{p:05d}.npy", np.unique(where[repeat], axis=0))
 
 
 def _dropped_positions(tmp: Path, unit: int, kind: str) -> set[int]:
-    drops = [np.load(f) for f in sorted(tmp.glob(f"{kind}-drops-*.npy"))]
+    drops = [_load(f) for f in sorted(tmp.glob(f"{kind}-drops-*.npy"))]
     return {int(i) for d in drops for i in d[d[:, 0] == unit, 1]}
 
 
 def _pack_unit(job: dict) -> dict:
     """Pass 3: the unit's documents (minus dedup's drops) tokenized and packed into its shard."""
-    tokenizer = load_tokenizer(job["tokenizer"])
     counts = collections.Counter()
-    drops = {kind: _dropped_positions(Path(job["tmp"]), job["index"], kind) for kind in job["kinds"]}
+    drops = {kind: _dropped_positions(_scratch(job["tmp"]), job["index"], kind) for kind in job["kinds"]}
     drop = set().union(*drops.values())
     for position in drop:  # counted under the first dedup that drops it: exact, then near
         counts["filtered_dedup" if position in drops.get("dedup", ()) else "filtered_near_dedup"] += 1
-    writer = ShardWriter(job["out"], job["seq_len"], job["dtype"], job["eos_id"])
+    # array_record writes local files only: a remote shard is written here, then copied up
+    local_dir = tempfile.mkdtemp(prefix="maxlm-shard-") if paths.is_remote(job["out"]) else None
+    path = os.path.join(local_dir, "shard.array_record") if local_dir else job["out"]
+    try:
+        result = _pack_texts(job, counts, drop, ShardWriter(path, job["seq_len"], job["dtype"], job["eos_id"]))
+        if local_dir:
+            with open(path, "rb") as src, _scratch(job["out"]).open("wb") as dst:
+                shutil.copyfileobj(src, dst, 16 << 20)
+    finally:
+        if local_dir:
+            shutil.rmtree(local_dir, ignore_errors=True)
+    return result
+
+
+def _pack_texts(job: dict, counts: collections.Counter, drop: set[int], writer: ShardWriter) -> dict:
+    """The unit's documents but `drop` tokenized in chunks and packed by `writer`."""
+    tokenizer = load_tokenizer(job["tokenizer"])
     read_sec = tokenize_sec = 0.0
     long_docs = 0
     texts = (t for i, t in enumerate(_unit_texts(job, counts)) if i not in drop)
