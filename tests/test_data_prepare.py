@@ -183,6 +183,7 @@ def test_minhash_keys_find_near_duplicates_not_different_texts():
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_a_gs_cache_is_prepared_once_and_read_in_place(tmp_path, data_dirs):
     """data.cache_dir=gs://... against a Cloud Storage stand-in on 127.0.0.1: `prepare` (2
     workers) writes the entry in place, meta.json last, and Beam's DirectRunner (2 worker
@@ -231,6 +232,7 @@ def test_a_gs_cache_is_prepared_once_and_read_in_place(tmp_path, data_dirs):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_the_beam_runner_writes_the_local_runners_shards(tmp_path):
     """`prepare --runner=beam` on Beam's DirectRunner in multi-processing mode (2 workers), exact
     and near dedup on: the same shards bitwise and the same statistics as `--runner=local`."""

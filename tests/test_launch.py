@@ -40,6 +40,7 @@ def losses(workdir, partial=False):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.ci
 def test_2x4_hybrid_run_preempted_resumes_on_4x2_with_the_1x8_losses(tmp_path, data_dirs):
     """One job, three shapes, the single-process numbers throughout (1e-4 relative):
     2 processes x 4 devices on a hybrid mesh (data split across the processes: mesh.dcn_data=2),
@@ -90,6 +91,7 @@ def test_2x4_hybrid_run_preempted_resumes_on_4x2_with_the_1x8_losses(tmp_path, d
         assert got[step] == pytest.approx(loss, rel=1e-4), step
 
 
+@pytest.mark.ci
 def test_a_dead_process_restarts_the_job_which_resumes(tmp_path, data_dirs):
     workdir = tmp_path / "run"
     launcher = subprocess.Popen(

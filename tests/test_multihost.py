@@ -117,6 +117,7 @@ def test_a_workdir_the_processes_do_not_share_is_exit_2(tmp_path, data_dirs):
     assert list(run.iterdir()) == []
 
 
+@pytest.mark.ci
 def test_process_0_prepares_the_data_and_a_cache_the_processes_do_not_share_is_exit_2(tmp_path, data_dirs):
     """With a fresh shared data.cache_dir only process 0 prepares; process 1 reads its shards and
     the job trains. With process 1 in a mount namespace whose tmpfs hides the cache directory (a

@@ -52,6 +52,7 @@ def losses(workdir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.ci
 def test_a_2_node_job_preempted_requeues_and_resumes_to_the_single_process_losses(
         slurm, tmp_path, data_dirs):
     reference = tmp_path / "reference"
@@ -86,6 +87,7 @@ def test_a_2_node_job_preempted_requeues_and_resumes_to_the_single_process_losse
         assert got[step] == pytest.approx(want[step], rel=1e-4), step
 
 
+@pytest.mark.ci
 def test_a_sweep_runs_its_points_as_slurm_jobs(slurm, tmp_path, data_dirs):
     """Both points submitted at once (--no_wait; sbatch --wait polls SLURM every few tens of
     seconds), then gathered from their metrics.jsonl (--collect)."""
