@@ -69,7 +69,9 @@ def test_a_2_node_job_preempted_requeues_and_resumes_to_the_single_process_losse
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
     log = tmp_path / f"job-{job}.log"
-    deadline = time.monotonic() + 240
+    # A first start can fail under load (jax.distributed's registration has raced on a busy
+    # host): the script then requeues the job, which is what it is for; the deadline allows it.
+    deadline = time.monotonic() + 480
     while len(losses(run)) < 6:  # under way, past its first checkpoint
         assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else "no log"
         time.sleep(0.2)
