@@ -178,7 +178,7 @@ class Checkpointer:
         self.prune()
         if step in self.manager.all_steps():  # e.g. the final step, already saved
             return
-        meta = dict(meta, step=step, data_position=step, kind=kind,
+        meta = dict({"data_position": step}, **meta, step=step, kind=kind,
                     saved_at=datetime.datetime.now().isoformat(timespec="seconds"))
         self.manager.save(
             step,
@@ -219,8 +219,9 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def restore_latest(self, abstract_state) -> tuple[Any, dict] | None:
-        """(state, meta) of the newest checkpoint that restores and is finite, or None.
+    def restore_latest(self, abstract_state, before: int | None = None) -> tuple[Any, dict] | None:
+        """(state, meta) of the newest checkpoint that restores and is finite, or None; with
+        `before`, the newest of those with a step below it.
 
         `abstract_state` holds jax.ShapeDtypeStructs with shardings, so a checkpoint written on
         one mesh (or device or process count) lands directly, resharded, on the current one.
@@ -229,6 +230,8 @@ class Checkpointer:
         """
         self.manager.reload()
         for step in sorted(self.manager.all_steps(), reverse=True):
+            if before is not None and step >= before:
+                continue
             path = os.path.join(self.directory, str(step))
             problem = agreed(file_problem(path), path)
             if problem is None:
@@ -245,6 +248,18 @@ class Checkpointer:
             _sync(f"maxlm_checkpoint_quarantine_{step}")
             self.manager.reload()
         return None
+
+
+    def discard_after(self, step: int) -> None:
+        """Deletes the checkpoints newer than `step`: after a loss-spike rollback to `step` they
+        hold states from within the spike, and the steps they hold are trained again."""
+        self.manager.wait_until_finished()
+        self.manager.reload()
+        for newer in sorted(s for s in self.manager.all_steps() if s > step):
+            cli.warn(f"removing checkpoint {os.path.join(self.directory, str(newer))}: written after "
+                     "the loss spike began")
+            self.manager.delete(newer)
+            self.temporary.discard(newer)
 
 
 def _content_problem(state, step: int) -> str | None:

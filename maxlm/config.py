@@ -55,6 +55,18 @@ def defaults() -> ml_collections.ConfigDict:
     c.debug.nan_at_step = -1  # fault injection: step N's gradients are NaN (-1 = off)
     c.debug.nan_steps = 1  # ... and the next nan_steps - 1 steps' too
     c.debug.nan_transient = True  # only the first time those steps run in this process
+    c.debug.spike_at_batch = -1  # fault injection: the batch at this data position trains at a
+    c.debug.spike_batches = 1  # ... higher lr (and the next spike_batches - 1 batches) (-1 = off)
+    c.debug.spike_lr_scale = 1000.0  # ... of lr times this: a loss spike (maxlm/anomaly.py)
+
+    c.anomaly = ml_collections.ConfigDict()  # loss-spike recovery (maxlm/anomaly.py), off by default
+    c.anomaly.enabled = False
+    c.anomaly.warmup = 100  # losses seen before spikes are looked for
+    c.anomaly.ema = 0.99  # decay of the loss's running mean and variance
+    c.anomaly.spike_sigma = 6.0  # a spike: loss > mean + spike_sigma x deviation
+    c.anomaly.max_spikes = 3  # consecutive spikes before rolling back
+    c.anomaly.skip_batches = 200  # batches skipped from the restored step on (at least through the spike)
+    c.anomaly.max_rollbacks = 3  # rollbacks without a checkpoint past the spike before stopping (exit 3)
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every_steps = 100  # 0 disables periodic eval
@@ -186,7 +198,7 @@ POSITIVE = ("steps", "batch_size", "seq_len", "log_every_steps", "optim.lr", "mo
             "model.d_model", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
             "model.vocab_size", "model.rope_theta", "model.norm_eps", "checkpoint.every_steps",
             "checkpoint.max_to_keep", "checkpoint.max_bad_steps", "eval.steps", "debug.nan_steps",
-            "data.tokenizer_sample_docs", "data.shard_mb")
+            "data.tokenizer_sample_docs", "data.shard_mb", "debug.spike_lr_scale", "anomaly.spike_sigma")
 NON_NEGATIVE = ("seed", "checkpoint.keep_period", "checkpoint.every_minutes", "checkpoint.max_restores",
                 "optim.warmup_steps", "optim.decay_steps", "optim.clip_norm", "optim.weight_decay",
                 "optim.min_lr_ratio", "eval.every_steps", "model.head_dim", "model.init_std",
@@ -194,9 +206,11 @@ NON_NEGATIVE = ("seed", "checkpoint.keep_period", "checkpoint.every_minutes", "c
                 "data.tokenizer_vocab_size", "data.filters.min_words")
 POSITIVE_INTS = {"optim.grad_accum_steps": "", "model.pipeline_microbatches": "", "data.shard_examples": "",
                  "data.filters.near_dedup_ngram": "", "data.filters.near_dedup_bands": "",
-                 "data.filters.near_dedup_rows": "",
+                 "data.filters.near_dedup_rows": "", "anomaly.max_spikes": "", "anomaly.skip_batches": "",
+                 "debug.spike_batches": "",
                  "optim.loss_scale_growth_interval": " (good steps before the loss scale doubles)"}
-NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps", "num_devices", "data.workers")
+NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps", "num_devices", "data.workers",
+                     "anomaly.warmup", "anomaly.max_rollbacks")
 CHOICES = {"platform": PLATFORMS, "model.dtype": DTYPES, "model.remat": REMAT, "model.attention": ATTENTION,
            "optim.mu_dtype": MU_DTYPES, "data.txt_documents": ("file", "paragraph"),
            "data.bad_records": ("error", "skip")}
@@ -212,6 +226,7 @@ RANGES = {  # key: (test, what the message says it must be)
     "data.filters.max_symbol_ratio": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
     "data.filters.max_repeated_word_share": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
     "data.filters.min_language_score": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "anomaly.ema": (lambda v: 0 < v < 1, "in (0, 1)"),
 }
 
 
@@ -249,8 +264,12 @@ def _check_values(c) -> None:
     for key, (test, what) in RANGES.items():
         if not _is_number(value := _get(c, key)) or not test(value):
             raise ConfigError(f"{key} must be {what}, got {value!r}")
-    if not isinstance(c.model.fp8, bool):
-        raise ConfigError(f"model.fp8 must be True or False, got {c.model.fp8!r}")
+    for key in ("model.fp8", "anomaly.enabled"):
+        if not isinstance(value := _get(c, key), bool):
+            raise ConfigError(f"{key} must be True or False, got {value!r}")
+    if not _is_number(c.debug.spike_at_batch, int) or c.debug.spike_at_batch < -1:
+        raise ConfigError(f"debug.spike_at_batch must be a data position >= 0 or -1 (off), got "
+                          f"{c.debug.spike_at_batch!r}")
 
 
 def load_file(path: str) -> ml_collections.ConfigDict:

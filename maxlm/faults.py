@@ -116,16 +116,18 @@ class FaultPolicy:
         self._minutes_passed = self.broadcast(self.clock() - self.last_save >= 60 * minutes)
         return due is not None and read(due)
 
-    def at_save_point(self, done: int, kind: str, bad_streak: int) -> str:
-        """SAVE, POSTPONE (step `done` was non-finite: save at the next good step) or RECOVER
-        (it ended a streak of `max_bad_steps`). A preemption or the final step saves regardless:
-        the state saved is the last good one (skipped steps leave it unchanged)."""
+    def at_save_point(self, done: int, kind: str, bad_streak: int, spiking: bool = False) -> str:
+        """SAVE, POSTPONE (step `done` was non-finite, or a loss-spike streak is running
+        (`spiking`, maxlm/anomaly.py): save at the next good step) or RECOVER (it ended a streak of
+        `max_bad_steps`). A preemption or the final step saves regardless: the state saved is the
+        last good one (skipped steps leave it unchanged)."""
         forced = kind in ("preemption", "final")
         if bad_streak >= self.cfg.max_bad_steps and kind != "preemption":
             return RECOVER
-        if bad_streak and not forced:
+        if (bad_streak or spiking) and not forced:
             if not self.save_due:
-                log.info("step %d was non-finite: its checkpoint waits for a good step", done)
+                log.info("step %d was %s: its checkpoint waits for a good step", done,
+                         "non-finite" if bad_streak else "in a loss spike")
             self.save_due = self.save_due or ("regular" if kind == "regular" else "temporary")
             return POSTPONE
         return SAVE
@@ -135,10 +137,14 @@ class FaultPolicy:
         if done > self.failed_at >= 0:  # got past the failure: restores start counting afresh
             self.restores, self.failed_at = 0, -1
 
+    def restarted(self) -> None:
+        """The loop went back to a checkpoint: no save is due, no streak is being read."""
+        self.save_due, self._previous = None, None
+
     def recovering(self, bad_step: int, newest: int | None) -> int:
         """Counts a restore after the streak ending at `bad_step` (`newest`: the newest checkpoint,
         for the message); raises NonFiniteLossError past `max_restores`. Returns the count."""
-        self.save_due, self._previous = None, None
+        self.restarted()
         self.restores += 1
         if self.restores > self.cfg.max_restores:
             raise NonFiniteLossError(

@@ -52,6 +52,8 @@ TENSORBOARD_TAGS = {
     "update_ratio": "train/update_ratio",
     "skipped_steps": "train/skipped_steps",
     "bad_streak": "train/bad_streak",
+    "spikes": "train/spikes",
+    "rollbacks": "train/rollbacks",
     "loss_scale": "train/loss_scale",
     "overflow_steps": "train/overflow_steps",
     "eval_loss": "eval/loss",

@@ -67,10 +67,12 @@ class StepLogger:
 
     `tokens_per_step`, `flops_per_token` and `peak_flops_per_sec` (total) give tokens/s and MFU;
     `total_steps` the ETA; rows are kept every `log_every` steps and at the last step.
+    `counters()`: host-side values added to each row, taken when its step is dispatched.
     """
 
     def __init__(self, writer, *, start_step: int, total_steps: int, log_every: int,
-                 tokens_per_step: int, flops_per_token: float, peak_flops_per_sec: float):
+                 tokens_per_step: int, flops_per_token: float, peak_flops_per_sec: float,
+                 counters=dict):
         self.writer, self.total_steps, self.log_every = writer, total_steps, log_every
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak = peak_flops_per_sec
@@ -79,6 +81,7 @@ class StepLogger:
         self._pending = None  # (step, device metrics) of a log step not yet read back
         self._extra: dict = {}  # added to the next training row written (compile_sec)
         self._compiled: set = set()  # step functions already called once
+        self.counters = counters  # host-side counts added to each row (maxlm/anomaly.py's)
         self.restart(start_step)
 
     def restart(self, step: int) -> None:
@@ -112,13 +115,13 @@ class StepLogger:
             if done % self.log_every:
                 self.restart_clock(done)
         if done % self.log_every == 0 or done == self.total_steps:
-            self._pending = (done, step_metrics)
+            self._pending = (done, step_metrics, self.counters())
 
     def flush(self) -> None:
         """Reads back and writes the pending log step's row, if any."""
         if self._pending is None:
             return
-        step, device_metrics = self._pending
+        step, device_metrics, counters = self._pending
         self._pending = None
         row = {k: float(v) for k, v in jax.device_get(device_metrics).items()}  # waits for it
         now = time.perf_counter()
@@ -132,6 +135,7 @@ class StepLogger:
             mfu=flops.mfu(tokens_per_sec, self.flops_per_token, self.peak),
             **device_memory(),  # nothing where the platform reports nothing (CPU)
             **self._extra,
+            **counters,
         )
         self._extra.clear()
         del row["num_tokens"]

@@ -17,7 +17,7 @@ import sys
 import jax
 import ml_collections
 
-from maxlm import (attention, checkpoint, cli, config as config_lib, distributed, evaluate, faults,
+from maxlm import (anomaly, attention, checkpoint, cli, config as config_lib, distributed, evaluate, faults,
                    flops, fp8, hf, mesh as mesh_lib, metrics, model, optim, paths, profiler,
                    state as state_lib, step as step_lib)
 from maxlm.data import make_dataset
@@ -52,20 +52,21 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     state, shardings = fresh_state()
     abstract = state_lib.abstract_state(cfg, tx, shardings)
     ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint)
-    state, lr_scale = starting_state(cfg, ckpt, state, abstract)
-    build_step = step_builder(cfg, mesh, rules, shardings)
+    state, lr_scale, meta = starting_state(cfg, ckpt, state, abstract)
+    anomalies = anomaly.Anomalies(cfg.anomaly, meta)  # loss spikes: detector, skipped batches
+    build_step = step_builder(cfg, mesh, rules, shardings, anomalies.position)
     train_fn = build_step(lr_scale)
     policy = faults.FaultPolicy(cfg.checkpoint, cfg.steps, clock_every=cfg.log_every_steps)
     writer = metrics.make_writers(workdir, jax.process_index() == 0, cfg.metrics.tensorboard)
     writer.write_hparams(metrics.flatten_config(cfg.to_dict()))
     trace = profiler.StepProfiler(cfg.profile, workdir, enabled=jax.process_index() == 0)
     step = int(state["step"])
-    logger = step_logger(cfg, writer, step)
+    logger = step_logger(cfg, writer, step, anomalies.counters)
     try:
         with mesh_lib.activate(mesh, rules), faults.PreemptionWatcher() as preemption:
             while step < cfg.steps:
                 trace.before_step(step)
-                batch = mesh_lib.read_batch(train_data.prefetch(), step, mesh, rules)
+                batch = mesh_lib.read_batch(train_data.prefetch(), anomalies.position(step), mesh, rules)
                 state, step_metrics = logger.call(train_fn, state, batch)
                 done = step = step + 1
                 if trace.after_step(done, step_metrics):  # waited for the step, wrote the trace
@@ -74,6 +75,14 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                 logger.step_done(done, step_metrics)  # the previous log step's row; `done` queued
                 # a streak of non-finite steps, read one step late (`done - 1`) or at a save point
                 bad_step = done - 1 if policy.streak_ended(step_metrics) else None
+                # a streak of loss spikes, read one step late like the above
+                spike_step = anomalies.spiked(done - 1, step_metrics) if bad_step is None else None
+                if spike_step is not None:
+                    state = roll_back(cfg, ckpt, anomalies, abstract, fresh_state, state, spike_step)
+                    policy.restarted()
+                    step = int(state["step"])
+                    logger.restart(step)
+                    continue
                 if bad_step is None and eval_due(cfg, done):
                     logger.flush()
                     result = evaluate.evaluate(cfg, state["params"], eval_data, mesh, rules,
@@ -84,16 +93,19 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                 kind = policy.save_kind(done, preempted) if bad_step is None else None
                 if kind:
                     logger.flush()
-                    action = policy.at_save_point(done, kind, int(step_metrics["bad_streak"]))
+                    action = policy.at_save_point(done, kind, int(step_metrics["bad_streak"]),
+                                                  spiking=anomalies.in_streak())
                     if action == faults.SAVE:
-                        ckpt.save(done, state, checkpoint_meta(cfg, lr_scale), cfg.to_dict(),
-                                  kind=kind)
+                        ckpt.save(done, state, checkpoint_meta(cfg, lr_scale, anomalies, done),
+                                  cfg.to_dict(), kind=kind)
                         policy.saved(done)
+                        anomalies.saved(done)
                     bad_step = done if action == faults.RECOVER else None
                     logger.restart_clock(done)
                 if bad_step is not None:  # back to the last good checkpoint
-                    state, lr_scale = recover(cfg, ckpt, policy, abstract, fresh_state, state,
-                                              lr_scale, bad_step)
+                    state, lr_scale, meta = recover(cfg, ckpt, policy, abstract, fresh_state, state,
+                                                    lr_scale, bad_step)
+                    anomalies.restored(meta)
                     step, train_fn = int(state["step"]), build_step(lr_scale)
                     logger.restart(step)
                 elif preempted:
@@ -108,26 +120,29 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
 
 
 def starting_state(cfg, ckpt: checkpoint.Checkpointer, state, abstract):
-    """(state, lr scale) to start from: the workdir's newest good checkpoint; else, for an empty
-    workdir, `checkpoint.restore_from` or `checkpoint.init_from_hf`; else `state` (fresh)."""
+    """(state, lr scale, meta) to start from: the workdir's newest good checkpoint; else, for an
+    empty workdir, `checkpoint.restore_from` or `checkpoint.init_from_hf`; else `state` (fresh).
+    `meta`: the checkpoint's meta when a whole state was restored (its skipped batches and spike
+    statistics carry on), else {}."""
     ckpt_cfg = cfg.checkpoint
     restored = ckpt.restore_latest(abstract)
     if restored is not None:
         log.info("resumed from %s at step %d", ckpt.directory, int(restored[0]["step"]))
         lr_scale = float(restored[1].get("lr_scale", 1.0))
-        return state_lib.with_missing_from(restored[0], state, ckpt.directory), lr_scale
+        return state_lib.with_missing_from(restored[0], state, ckpt.directory), lr_scale, restored[1]
     if ckpt_cfg.restore_from:
         path = checkpoint.resolve_restore_from(ckpt_cfg.restore_from)
         only = ckpt_cfg.restore_params_only
-        loaded, _ = checkpoint.restore_state(path, abstract, params_only=only)
+        loaded, meta = checkpoint.restore_state(path, abstract, params_only=only)
         log.info("started from %s (%s)", path, "params only" if only else "full state")
-        return (dict(state, params=loaded["params"]) if only else
-                state_lib.with_missing_from(loaded, state, path)), 1.0
+        if only:
+            return dict(state, params=loaded["params"]), 1.0, {}
+        return state_lib.with_missing_from(loaded, state, path), 1.0, meta
     if ckpt_cfg.init_from_hf:  # a Hugging Face Llama folder: params only, step 0
         log.info("starting from Hugging Face checkpoint %s (params only)", ckpt_cfg.init_from_hf)
         params = hf.load_params(ckpt_cfg.init_from_hf, cfg.model, abstract["params"])
-        return dict(state, params=params), 1.0
-    return state, 1.0
+        return dict(state, params=params), 1.0, {}
+    return state, 1.0, {}
 
 
 def check_start(cfg, workdir: str) -> None:
@@ -140,13 +155,15 @@ def check_start(cfg, workdir: str) -> None:
         hf.check_init_from_hf(cfg)
 
 
-def step_builder(cfg, mesh, rules, shardings):
+def step_builder(cfg, mesh, rules, shardings, position):
     """`build(lr_scale)`: the jitted train step with the learning rate times `lr_scale` (restores
-    lower it), wrapped for NaN injection when `debug.nan_at_step` asks for it; every step it builds
-    shares one record of the steps injected, so `nan_transient` steps replay clean after a restore."""
+    lower it), wrapped for fault injection when a `debug.` key asks for it: NaN gradients
+    (`debug.nan_at_step`; every step it builds shares one record of the steps injected, so
+    `nan_transient` steps replay clean after a restore) and loss spikes (`debug.spike_at_batch`,
+    at the data positions `position(step)` says)."""
     injecting, injected = cfg.debug.nan_at_step >= 0, set()
 
-    def build(lr_scale: float):
+    def jitted(lr_scale: float):
         run_cfg = cfg
         if lr_scale != 1.0:
             run_cfg = ml_collections.ConfigDict(cfg.to_dict())
@@ -154,6 +171,12 @@ def step_builder(cfg, mesh, rules, shardings):
         train_fn = step_lib.make_train_step(run_cfg, optim.make_optimizer(run_cfg.optim), mesh, rules,
                                             shardings, inject_nan=injecting)
         return faults.with_nan_injection(train_fn, cfg.debug, injected) if injecting else train_fn
+
+    def build(lr_scale: float):
+        if cfg.debug.spike_at_batch < 0:
+            return jitted(lr_scale)
+        return anomaly.with_spike_injection(jitted(lr_scale), jitted(lr_scale * cfg.debug.spike_lr_scale),
+                                            cfg.debug, position)
 
     return build
 
@@ -179,15 +202,35 @@ def recover(cfg, ckpt, policy: faults.FaultPolicy, abstract, fresh_state, state,
     cli.warn(f"{cfg.checkpoint.max_bad_steps} consecutive non-finite steps up to step {bad_step}: "
              f"restored {'step %d' % step if back else 'the initial state'} "
              f"(restore {restores} of {cfg.checkpoint.max_restores}, lr scale {lr_scale:g})")
-    return state, lr_scale
+    return state, lr_scale, back[1] if back else None
 
 
-def checkpoint_meta(cfg, lr_scale: float) -> dict:
+def roll_back(cfg, ckpt, anomalies: anomaly.Anomalies, abstract, fresh_state, state, last_spike: int):
+    """After `anomaly.max_spikes` consecutive loss spikes ending at `last_spike`: the state of the
+    newest good checkpoint from before the first spike (or `fresh_state()`'s), with the checkpoints
+    written since removed and the batches from there on skipped (maxlm/anomaly.py)."""
+    first = anomalies.detector.stats.first
+    threshold = anomalies.detector.threshold()
+    anomalies.check_rollback(last_spike)  # raises past max_rollbacks, before anything changes
+    ckpt.wait()
+    back = ckpt.restore_latest(abstract, before=first)
+    ckpt.discard_after(int(back[0]["step"]) if back else -1)
+    state = state_lib.with_missing_from(back[0], state, ckpt.directory) if back else fresh_state()[0]
+    step = int(state["step"])
+    skipped = anomalies.rolled_back(last_spike, step, back[1] if back else None)
+    cli.warn(f"{cfg.anomaly.max_spikes} consecutive loss spikes (steps {first}-{last_spike}, above "
+             f"{threshold:.4g}): rolled back to {'step %d' % step if back else 'the initial state'}, "
+             f"skipping {skipped} batches from there (rollback {anomalies.rollbacks})")
+    return state
+
+
+def checkpoint_meta(cfg, lr_scale: float, anomalies: anomaly.Anomalies, step: int) -> dict:
     return {"seed": cfg.seed, "lr_scale": lr_scale, "process_count": jax.process_count(),
-            "device_count": jax.device_count(), "mesh": {a: cfg.mesh[a] for a in config_lib.MESH_AXES}}
+            "device_count": jax.device_count(), "mesh": {a: cfg.mesh[a] for a in config_lib.MESH_AXES},
+            "data_position": anomalies.position(step), **anomalies.meta()}
 
 
-def step_logger(cfg, writer, start_step: int) -> StepLogger:
+def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
     """The run's StepLogger; logs what the run is (model size, FLOPs, peak, kernels, parallelism)."""
     per_token = flops.flops_per_token(cfg.model, cfg.seq_len)
     peak = flops.peak_flops(jax.devices(), cfg.model.dtype)
@@ -212,7 +255,7 @@ def step_logger(cfg, writer, start_step: int) -> StepLogger:
                  "not faster (float8 GEMMs need an NVIDIA GPU of compute capability >= 8.9)")
     return StepLogger(writer, start_step=start_step, total_steps=cfg.steps, log_every=cfg.log_every_steps,
                       tokens_per_step=cfg.batch_size * cfg.seq_len, flops_per_token=per_token,
-                      peak_flops_per_sec=peak["total_flops_per_sec"])
+                      peak_flops_per_sec=peak["total_flops_per_sec"], counters=counters)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -61,6 +61,18 @@ def test_a_save_in_a_bad_streak_waits_for_a_good_step():
     assert p.at_save_point(40, "final", bad_streak=3) == faults.RECOVER
 
 
+def test_a_save_in_a_loss_spike_waits_unless_forced():
+    p = policy()
+    assert p.at_save_point(10, "regular", bad_streak=0, spiking=True) == faults.POSTPONE
+    assert p.save_kind(11, preempted=False) == "regular"
+    assert p.at_save_point(11, "regular", bad_streak=0, spiking=False) == faults.SAVE
+    assert p.at_save_point(20, "final", bad_streak=0, spiking=True) == faults.SAVE
+    p.restarted()  # a rollback: nothing stays due
+    assert p.at_save_point(13, "temporary", bad_streak=0, spiking=True) == faults.POSTPONE
+    p.restarted()
+    assert p.save_kind(14, preempted=False) is None
+
+
 def test_streak_is_read_one_step_late():
     p = policy()
     verdicts = [p.streak_ended({"bad_streak": np.int32(s)}) for s in (0, 3, 0, 1)]
