@@ -175,8 +175,8 @@ def eval_row(cfg, params, data: EvalData, mesh, rules) -> dict:
     `eval/<set>/perplexity` per set; `eval/<task>/<metric>` per task (`tasks.METRICS`)."""
     result = evaluate(cfg, params, data.validation, mesh, rules, cfg.eval.steps)
     row = {"eval_loss": result["loss"], "eval_perplexity": result["perplexity"]}
-    for name, result in evaluate_sets(cfg, params, data.sets, mesh, rules).items():
-        row.update({f"eval/{name}/loss": result["loss"], f"eval/{name}/perplexity": result["perplexity"]})
+    for name, on_set in evaluate_sets(cfg, params, data.sets, mesh, rules).items():
+        row.update({f"eval/{name}/loss": on_set["loss"], f"eval/{name}/perplexity": on_set["perplexity"]})
     for prepared in data.tasks:
         row.update(tasks_lib.metrics_row(tasks_lib.score(cfg, params, prepared, mesh, rules)))
     return row

@@ -152,8 +152,8 @@ def _cloze(context, target, line: int, fail) -> Example:
 def check_shots(task: Task, shots: int) -> None:
     """DataError unless the task has `shots` examples besides each one."""
     if shots >= len(task.examples):
-        raise DataError(f"{shots} shots need {shots + 1} examples; the task has {len(task.examples)}",
-                        task.path)
+        raise DataError(f"{shots} shots (--shots, eval.task_shots) need {shots + 1} examples; the task "
+                        f"has {len(task.examples)}", task.path)
 
 
 def shot_indices(num_examples: int, index: int, shots: int, seed: int) -> list[int]:

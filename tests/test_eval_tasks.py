@@ -213,7 +213,7 @@ def test_few_shot_prompts_are_seeded_and_exclude_the_example():
                                                 f"{examples[second].context}{examples[second].continuations[second % 2]}\n\nq2:")
     assert tasks.prompt(task, 4, 0, seed=7) == "q4:"
     tasks.shot_indices(6, 5, 5, seed=0)  # every other example
-    with pytest.raises(DataError, match="6 shots need 7 examples; the task has 6"):
+    with pytest.raises(DataError, match=r"t.jsonl: 6 shots \(--shots, eval.task_shots\) need 7 examples; the task has 6"):
         tasks.check_shots(task, 6)
 
 
