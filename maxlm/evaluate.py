@@ -114,8 +114,8 @@ def check_not_trained_on(cfg, source: str) -> None:
         shared = sorted(files & {f.resolve() for f in sources.list_files(spec)[1]})
         if shared:
             raise DataError(f"{len(shared)} of its files ({shared[0]}, ...) are in the training source "
-                            f"{spec!r}: give that source as {spec!r} to evaluate the share it holds "
-                            "out (data.validation_percent), or files it does not train on")
+                            f"{spec!r}: give the set that same spec to evaluate the share training "
+                            "holds out (data.validation_percent), or files the run does not train on")
 
 
 def load_eval_sets(cfg) -> dict:
