@@ -71,6 +71,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.every_steps = 100  # 0 disables periodic eval
     c.eval.steps = 4  # validation batches per eval
+    c.eval.sets = ()  # more held-out sets: ((name, source), ...), each logged as eval/<name>/loss
+    c.eval.tasks = ()  # task .jsonl files scored at each eval (maxlm/tasks.py): eval/<stem>/acc, ...
+    c.eval.task_shots = 0  # few-shot examples before each task example
 
     c.metrics = ml_collections.ConfigDict()
     c.metrics.tensorboard = True
@@ -210,7 +213,7 @@ POSITIVE_INTS = {"optim.grad_accum_steps": "", "model.pipeline_microbatches": ""
                  "debug.spike_batches": "",
                  "optim.loss_scale_growth_interval": " (good steps before the loss scale doubles)"}
 NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps", "num_devices", "data.workers",
-                     "anomaly.warmup", "anomaly.max_rollbacks")
+                     "anomaly.warmup", "anomaly.max_rollbacks", "eval.task_shots")
 CHOICES = {"platform": PLATFORMS, "model.dtype": DTYPES, "model.remat": REMAT, "model.attention": ATTENTION,
            "optim.mu_dtype": MU_DTYPES, "data.txt_documents": ("file", "paragraph"),
            "data.bad_records": ("error", "skip")}
@@ -298,6 +301,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
     _check_model_and_optim(c)
     axes.check_mesh(c, num_devices, num_granules)
     _check_data(c)
+    _check_eval(c)
     return c
 
 
@@ -370,6 +374,26 @@ def _check_data(c):
         names.append(entry[0])
     if len(set(names)) != len(names):
         raise ConfigError(f"data.mixture names must differ, got {names}")
+
+
+def _check_eval(c):
+    """eval.sets: (identifier, source) pairs; eval.tasks: .jsonl paths; every name (a set's, a
+    task file's stem) used once, since each names metrics `eval/<name>/...`."""
+    for key in ("eval.sets", "eval.tasks"):
+        if not isinstance(value := _get(c, key), (tuple, list)):
+            raise ConfigError(f"{key} must be a tuple, got {value!r}")
+    names = []
+    for entry in c.eval.sets:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
+                and entry[0].isidentifier() and isinstance(entry[1], str) and entry[1]):
+            raise ConfigError(f"eval.sets entries are (name, source) with a name like 'web', got {entry!r}")
+        names.append(entry[0])
+    for path in c.eval.tasks:
+        if not (isinstance(path, str) and path.endswith(".jsonl")):
+            raise ConfigError(f"eval.tasks entries are paths of .jsonl task files, got {path!r}")
+        names.append(os.path.splitext(os.path.basename(path))[0])
+    if len(set(names)) != len(names):
+        raise ConfigError(f"eval.sets names and eval.tasks file stems must all differ, got {names}")
 
 
 def from_recorded(recorded: dict) -> ml_collections.ConfigDict:

@@ -1,6 +1,7 @@
 """Evaluation: the eval step and loop of the training loop and of `python -m maxlm.eval`.
 
     python -m maxlm.eval --workdir=DIR [--split=validation] [--step=N] [--eval_steps=N]
+    python -m maxlm.eval --workdir=DIR --task=FILE.jsonl[,FILE.jsonl ...] [--shots=K] [--seed=S]
 
 (`eval.py` is the entry point; `python -m maxlm.evaluate` is the same command.) The command reads
 the run back (`runs.load_run`: DIR/config.json, one checkpoint's parameters, default the newest)
@@ -12,11 +13,16 @@ and prints one JSON object:
 `eval_steps` batches of the split (default `eval.steps`): the validation batches the training
 loop's own eval reads, with the same jitted step, so at a step where the run evaluated, `loss`
 equals its `eval_loss`. `accuracy` is the share of those tokens whose argmax prediction is the
-target.
+target. With the run's `eval.sets` (and the validation split), `"sets"` holds the same for each
+named set. With `--task`, it prints one object per task instead (`maxlm/tasks.py`).
+
+The training loop's eval (`load_eval_data` before anything compiles, `eval_row` at each eval)
+covers the validation split, `eval.sets` and `eval.tasks` in one metrics row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -24,7 +30,8 @@ import math
 import jax
 import ml_collections
 
-from maxlm import cli, distributed, mesh as mesh_lib, model, runs, state as state_lib
+from maxlm import cli, distributed, mesh as mesh_lib, model, runs, state as state_lib, tasks as tasks_lib
+from maxlm.data.errors import DataError
 
 
 def eval_step(model_cfg, params, batch) -> dict:
@@ -72,6 +79,112 @@ def evaluate(cfg, params, dataset, mesh, rules, num_batches: int) -> dict:
             "tokens": int(totals["num_tokens"]), "batches": num_batches}
 
 
+# ----------------------------------------------------------------------------- eval.sets
+
+
+def training_sources(cfg) -> list[str]:
+    """The source specs the run trains on: `data.mixture`'s, else `data.source`."""
+    return [spec for _, spec, _ in cfg.data.mixture] or [cfg.data.source]
+
+
+def eval_set_config(cfg, source: str):
+    """The config that prepares eval set `source` as its `data.source`, with the run's tokenizer,
+    filters and seq_len. Its `validation` split is what is evaluated: a TFDS source's own, or for
+    local files given as the run gives a training source, the `data.validation_percent` share that
+    training holds out (same spec, same hash). Other local files are held out whole."""
+    from maxlm.data import sources
+
+    sub = cfg.copy_and_resolve_references()
+    sub.data.source, sub.data.mixture = source, ()
+    if sources.parse_source(source).kind == "files" and source not in training_sources(cfg):
+        check_not_trained_on(cfg, source)
+        sub.data.validation_percent = 100.0  # every document is held out
+    return sub
+
+
+def check_not_trained_on(cfg, source: str) -> None:
+    """DataError when local files `source` include a file of a training source: held out whole,
+    they would score documents the run trains on."""
+    from maxlm.data import sources
+
+    files = {f.resolve() for f in sources.list_files(source)[1]}
+    for spec in training_sources(cfg):
+        if sources.parse_source(spec).kind != "files":
+            continue
+        shared = sorted(files & {f.resolve() for f in sources.list_files(spec)[1]})
+        if shared:
+            raise DataError(f"{len(shared)} of its files ({shared[0]}, ...) are in the training source "
+                            f"{spec!r}: give the set that same spec to evaluate the share training "
+                            "holds out (data.validation_percent), or files the run does not train on")
+
+
+def load_eval_sets(cfg) -> dict:
+    """`eval.sets`' validation datasets by name, each prepared like `data.source` (on first use).
+    Raises DataError naming the set."""
+    from maxlm.data import make_dataset
+
+    datasets = {}
+    for name, source in cfg.eval.sets:
+        try:
+            datasets[name] = make_dataset(eval_set_config(cfg, source), "validation")
+        except ValueError as e:
+            raise DataError(f"eval.sets {name!r}: {e}") from None
+    return datasets
+
+
+def evaluate_sets(cfg, params, datasets: dict, mesh, rules) -> dict:
+    """`evaluate`'s result per named set, over `eval.steps` batches or the set's whole rows if it
+    has fewer (a row is never counted twice)."""
+    return {name: evaluate(cfg, params, dataset, mesh, rules, min(cfg.eval.steps, dataset.steps_per_epoch))
+            for name, dataset in datasets.items()}
+
+
+# ----------------------------------------------------------------------------- the training loop's eval
+
+
+@dataclasses.dataclass
+class EvalData:
+    """What the training loop's eval reads (`load_eval_data`)."""
+
+    validation: object  # the run's validation split (data.source or data.mixture)
+    sets: dict  # eval.sets: name -> its validation dataset
+    tasks: list  # eval.tasks: tasks.PreparedTask each
+
+
+def load_eval_data(cfg) -> EvalData:
+    """The validation split, `eval.sets` and `eval.tasks` (with `eval.task_shots`, drawn with the
+    run's seed), loaded, prepared and checked before anything compiles. Raises ValueError
+    (DataError: FILE:LINE, or the set's name)."""
+    from maxlm.data import make_dataset
+
+    return EvalData(make_dataset(cfg, "validation"), load_eval_sets(cfg),
+                    load_tasks(cfg, cfg.eval.tasks, cfg.eval.task_shots, cfg.seed))
+
+
+def load_tasks(cfg, paths, shots: int, seed: int) -> list:
+    """Task files read, checked and packed with the run's tokenizer and batch shape."""
+    from maxlm.data.pipeline import checked_tokenizer
+
+    tokenizer = checked_tokenizer(cfg)
+    return [tasks_lib.prepare(tasks_lib.load_task(path), tokenizer, cfg.seq_len, cfg.batch_size, shots, seed)
+            for path in paths]
+
+
+def eval_row(cfg, params, data: EvalData, mesh, rules) -> dict:
+    """One eval's metrics row: `eval_loss`, `eval_perplexity`; `eval/<set>/loss`,
+    `eval/<set>/perplexity` per set; `eval/<task>/<metric>` per task (`tasks.METRICS`)."""
+    result = evaluate(cfg, params, data.validation, mesh, rules, cfg.eval.steps)
+    row = {"eval_loss": result["loss"], "eval_perplexity": result["perplexity"]}
+    for name, on_set in evaluate_sets(cfg, params, data.sets, mesh, rules).items():
+        row.update({f"eval/{name}/loss": on_set["loss"], f"eval/{name}/perplexity": on_set["perplexity"]})
+    for prepared in data.tasks:
+        row.update(tasks_lib.metrics_row(tasks_lib.score(cfg, params, prepared, mesh, rules)))
+    return row
+
+
+# ----------------------------------------------------------------------------- a run read back
+
+
 def evaluate_run(workdir: str, split: str = "validation", step: int | None = None,
                  eval_steps: int | None = None) -> dict:
     """The JSON object `python -m maxlm.eval` prints. Raises RunError (a ValueError) on a
@@ -84,11 +197,30 @@ def evaluate_run(workdir: str, split: str = "validation", step: int | None = Non
     if eval_steps is not None and eval_steps < 1:
         raise runs.RunError(f"--eval_steps={eval_steps} must be >= 1")
     run = runs.load_run(workdir, step)
-    cfg = run["config"]
+    cfg, params, mesh, rules = run["config"], run["params"], run["mesh"], run["rules"]
     dataset = make_dataset(cfg, split)  # ValueError (DataError) on data that does not load
-    result = evaluate(cfg, run["params"], dataset, run["mesh"], run["rules"],
-                      eval_steps or cfg.eval.steps)
-    return {"step": run["step"], "split": split, **result, "checkpoint": run["path"]}
+    out = {"step": run["step"], "split": split,
+           **evaluate(cfg, params, dataset, mesh, rules, eval_steps or cfg.eval.steps)}
+    if split == "validation" and cfg.eval.sets:
+        out["sets"] = evaluate_sets(cfg, params, load_eval_sets(cfg), mesh, rules)
+    return {**out, "checkpoint": run["path"]}
+
+
+def evaluate_tasks(workdir: str, paths, shots: int | None = None, seed: int | None = None,
+                   step: int | None = None) -> list[dict]:
+    """The objects `--task` prints: `tasks.score`'s result per task file, with step and
+    checkpoint. `shots` and `seed` default to the run's `eval.task_shots` and `seed`, so at a step
+    where the run evaluated its `eval.tasks`, the numbers are the ones it logged."""
+    if shots is not None and shots < 0:
+        raise runs.RunError(f"--shots={shots} must be >= 0")
+    if seed is not None and seed < 0:
+        raise runs.RunError(f"--seed={seed} must be >= 0")
+    run = runs.load_run(workdir, step)
+    cfg = run["config"]
+    prepared = load_tasks(cfg, paths, cfg.eval.task_shots if shots is None else shots,
+                          cfg.seed if seed is None else seed)  # every file checked before scoring
+    return [{**tasks_lib.score(cfg, run["params"], p, run["mesh"], run["rules"]), "step": run["step"],
+             "checkpoint": run["path"]} for p in prepared]
 
 
 # ----------------------------------------------------------------------------- command line
@@ -96,13 +228,20 @@ def evaluate_run(workdir: str, split: str = "validation", step: int | None = Non
 
 def main(argv) -> None:
     f = cli.start(argv, required=("workdir",))
+    task_paths = [path for flag in f.task or () for path in flag.split(",") if path]
+    if task_paths and (f["split"].present or f["eval_steps"].present):
+        cli.config_error("--split and --eval_steps set the loss's batches; --task scores tasks instead")
     distributed.initialize()
     try:
-        result = evaluate_run(f.workdir, f.split, f.step, f.eval_steps)
+        if task_paths:
+            results = evaluate_tasks(f.workdir, task_paths, f.shots, f.seed, f.step)
+        else:
+            results = [evaluate_run(f.workdir, f.split, f.step, f.eval_steps)]
     except ValueError as e:  # RunError, DataError: the user's to fix
         cli.config_error(str(e))
     if jax.process_index() == 0:
-        print(json.dumps(result), flush=True)
+        for result in results:
+            print(json.dumps(result), flush=True)
 
 
 def define_flags() -> None:
@@ -112,6 +251,11 @@ def define_flags() -> None:
     flags.DEFINE_string("split", "validation", "Data split: validation or train.")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest complete one).")
     flags.DEFINE_integer("eval_steps", None, "Batches to evaluate (default: the config's eval.steps).")
+    flags.DEFINE_multi_string("task", None, "A task .jsonl file to score instead of the loss (repeat "
+                              "the flag or give a comma list); one JSON object per task.")
+    flags.DEFINE_integer("shots", None, "Few-shot examples before each one (default: the run's "
+                         "eval.task_shots).")
+    flags.DEFINE_integer("seed", None, "Seed that draws the few-shot examples (default: the run's seed).")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """Sample from a run's checkpoint: `python -m maxlm.generate --workdir=DIR --prompt="..."
-[--max_new_tokens=64] [--temperature=0.8] [--top_k=0] [--top_p=1.0] [--seed=0] [--step=N] [--json]`.
+[--max_new_tokens=64] [--temperature=0.8] [--top_k=0] [--top_p=1.0] [--seed=0] [--num_samples=1]
+[--step=N] [--json]`.
 
 Loads the run like `python -m maxlm.eval` (DIR/config.json, a checkpoint's parameters sharded by
 the config's mesh rules), tokenizes the prompt with the run's tokenizer as training framed a
 document (`[bos] + tokens`, positions from 0), and samples with a KV cache: one prefill over the
 prompt, then one token per iteration of a jitted `lax.while_loop` that feeds only the new token and
 attends to the cached keys and values. Greedy when temperature is 0; top-k and nucleus (top-p)
-filtering otherwise; a row stops at EOS (the loop ends when every row has). Prints the completion,
-or with --json one object: prompt, completion, token_ids, num_tokens, stopped_at_eos, step,
-tokens_per_sec (generation only, compilation excluded), compile_sec.
+filtering otherwise; a row stops at EOS (the loop ends when every row has). `--num_samples=N`
+draws N samples of the prompt at once (N rows of one batch). Prints the completion(s), or with
+--json one object: prompt, completion, token_ids, num_tokens, stopped_at_eos (of the first
+sample), step, tokens_per_sec (generation only, compilation excluded), compile_sec, distinct_1 and
+distinct_2 (`distinct_n`, over every sample), and with N > 1 `samples` (each sample's completion,
+token_ids, num_tokens, stopped_at_eos).
 
 The cached forward is a functional twin of `model.apply` over the same parameter pytree (scanned
 `layers` with a leading layer axis, or unrolled `layer_i`): it calls model.py's own pieces (the
@@ -254,6 +258,13 @@ def generate(cfg, params, prompts, *, max_new_tokens: int, mesh=None, rules=None
     return [row[:n].tolist() for row, n in zip(tokens_BN, counts_B)]
 
 
+def distinct_n(samples, n: int) -> float | None:
+    """Distinct-n (Li et al. 2016): distinct n-grams / all n-grams, over the n-grams of every
+    sample (token id lists; an n-gram never spans two samples). None when no sample has n tokens."""
+    ngrams = [tuple(ids[i:i + n]) for ids in samples for i in range(len(ids) - n + 1)]
+    return len(set(ngrams)) / len(ngrams) if ngrams else None
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -268,6 +279,8 @@ def _check_flags(f) -> None:
         cli.config_error(f"--top_p={f.top_p} must be in (0, 1] (1 = off)")
     if f.seed < 0:
         cli.config_error(f"--seed={f.seed} must be >= 0")
+    if f.num_samples < 1:
+        cli.config_error(f"--num_samples={f.num_samples} must be >= 1")
 
 
 def main(argv) -> None:
@@ -287,7 +300,7 @@ def main(argv) -> None:
         cli.warn(f"prompt ({len(prompt_ids)} tokens) + --max_new_tokens={f.max_new_tokens} is "
                  f"longer than the run's seq_len={cfg.seq_len}: positions past it were never trained")
     mesh, rules = run["mesh"], run["rules"]
-    prompt_BP, lengths_B = pad_prompts([prompt_ids], tokenizer.pad_id)
+    prompt_BP, lengths_B = pad_prompts([prompt_ids] * f.num_samples, tokenizer.pad_id)
     fn = make_generate_fn(cfg, mesh, rules, max_new_tokens=f.max_new_tokens)
     args = (run["params"], prompt_BP, lengths_B,
             settings(seed=f.seed, temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
@@ -299,20 +312,29 @@ def main(argv) -> None:
         start = time.perf_counter()
         tokens_BN, counts_B = jax.device_get(compiled(*args))
         seconds = time.perf_counter() - start
-    ids = tokens_BN[0, : counts_B[0]].tolist()
-    stopped = bool(ids) and ids[-1] == tokenizer.eos_id
-    completion = tokenizer.decode(ids)
+    samples = [sample_json(tokens_BN[b, : counts_B[b]].tolist(), tokenizer) for b in range(f.num_samples)]
     if jax.process_index() != 0:
         return
     if f.json:
+        generated = [s["token_ids"][:-1] if s["stopped_at_eos"] else s["token_ids"] for s in samples]
+        num_tokens = sum(s["num_tokens"] for s in samples)
         print(json.dumps({
-            "prompt": f.prompt, "completion": completion, "prompt_ids": prompt_ids,
-            "token_ids": ids, "num_tokens": len(ids), "stopped_at_eos": stopped,
-            "step": run["step"], "tokens_per_sec": len(ids) / max(seconds, 1e-9),
-            "compile_sec": compile_sec,
+            "prompt": f.prompt, **samples[0], "prompt_ids": prompt_ids, "step": run["step"],
+            "tokens_per_sec": num_tokens / max(seconds, 1e-9), "compile_sec": compile_sec,
+            "distinct_1": distinct_n(generated, 1), "distinct_2": distinct_n(generated, 2),
+            **({"samples": samples} if f.num_samples > 1 else {}),
         }), flush=True)
+    elif f.num_samples == 1:
+        print(samples[0]["completion"], flush=True)
     else:
-        print(completion, flush=True)
+        for i, s in enumerate(samples):
+            print(f"--- sample {i} ---\n{s['completion']}", flush=True)
+
+
+def sample_json(ids: list[int], tokenizer) -> dict:
+    """One sample's completion, token_ids, num_tokens and stopped_at_eos."""
+    return {"completion": tokenizer.decode(ids), "token_ids": ids, "num_tokens": len(ids),
+            "stopped_at_eos": bool(ids) and ids[-1] == tokenizer.eos_id}
 
 
 def define_flags() -> None:
@@ -325,6 +347,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0 = all).")
     flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set with this probability (1 = all).")
     flags.DEFINE_integer("seed", 0, "Sampling seed: same seed, same sample.")
+    flags.DEFINE_integer("num_samples", 1, "Samples of the prompt, drawn together (rows of one batch).")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest complete one).")
     flags.DEFINE_bool("json", False, "Print one JSON object instead of the completion.")
 

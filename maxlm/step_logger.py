@@ -30,6 +30,7 @@ def format_line(step: int, row: dict, eta_sec: float | None = None) -> str:
     """One console line: `step 100 | loss 2.3456 | ... | tokens/s 41,000 | mfu 16.5% | eta 1h02m`."""
     parts = [f"step {step:>6}"]
     parts += [f"{label} " + fmt.format(row[key]) for key, label, fmt in CONSOLE if key in row]
+    parts += [f"{key} {value:.4g}" for key, value in row.items() if key.startswith("eval/")]  # sets, tasks
     if eta_sec is not None:
         parts.append(f"eta {format_eta(eta_sec)}")
     return " | ".join(parts)

@@ -27,9 +27,9 @@ log = logging.getLogger("maxlm")
 
 
 def load_data(cfg):
-    """(train, validation) datasets; raises ValueError on bad data, before anything compiles."""
+    """(train dataset, evaluate.EvalData); raises ValueError on bad data, before anything compiles."""
     train_data = make_dataset(cfg, "train")
-    eval_data = make_dataset(cfg, "validation") if cfg.eval.every_steps else None
+    eval_data = evaluate.load_eval_data(cfg) if cfg.eval.every_steps else None
     return train_data, eval_data
 
 
@@ -85,10 +85,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                     continue
                 if bad_step is None and eval_due(cfg, done):
                     logger.flush()
-                    result = evaluate.evaluate(cfg, state["params"], eval_data, mesh, rules,
-                                               cfg.eval.steps)
-                    logger.eval_done(done, {"eval_loss": result["loss"],
-                                            "eval_perplexity": result["perplexity"]})
+                    logger.eval_done(done, evaluate.eval_row(cfg, state["params"], eval_data, mesh, rules))
                 preempted = bad_step is None and preemption.reached(done)
                 kind = policy.save_kind(done, preempted) if bad_step is None else None
                 if kind:

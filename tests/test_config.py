@@ -44,12 +44,30 @@ def test_mesh_fill():
         ({"mesh.data": 2, "mesh.dcn_data": 4}, "mesh.dcn_data=4 must divide mesh.data=2"),
         ({"mesh.fsdp": -1, "mesh.dcn_fsdp": 3}, "mesh.dcn_fsdp=3 must divide mesh.fsdp=8"),
         ({"mesh.dcn_data": 0}, "mesh.dcn_data must be a positive int, got 0"),
+        ({"eval.sets": ("web", "/data")}, "eval.sets entries are (name, source) with a name like 'web', got 'web'"),
+        ({"eval.sets": (("my-web", "/data"),)}, "eval.sets entries are (name, source)"),
+        ({"eval.sets": (("web", ""),)}, "eval.sets entries are (name, source)"),
+        ({"eval.sets": (("a", "/x"), ("a", "/y"))}, "eval.sets names and eval.tasks file stems must all differ, got ['a', 'a']"),
+        ({"eval.sets": (("hs", "/x"),), "eval.tasks": ("t/hs.jsonl",)}, "must all differ, got ['hs', 'hs']"),
+        ({"eval.tasks": ("t/hs.json",)}, "eval.tasks entries are paths of .jsonl task files, got 't/hs.json'"),
+        ({"eval.task_shots": -1}, "eval.task_shots must be an int >= 0, got -1"),
     ],
 )
 def test_config_errors(overrides, expected):
     with pytest.raises(config_lib.ConfigError, match=None) as info:
         resolve(**overrides)
     assert expected in str(info.value)
+
+
+def test_eval_sets_and_tasks_resolve():
+    cfg = resolve(**{"eval.sets": (("web", "/data/web"), ["code", "tfds:python_stdlib"]),
+                     "eval.tasks": ("tasks/hellaswag.jsonl",), "eval.task_shots": 5})
+    assert cfg.eval.sets[1][0] == "code" and cfg.eval.task_shots == 5
+    assert resolve().eval.sets == () and resolve().eval.tasks == ()
+    recorded = load_config("tiny").to_dict()
+    recorded["eval"]["tasks"] = "t/hs.jsonl"  # a config.json written by hand: not a tuple
+    with pytest.raises(config_lib.ConfigError, match="eval.tasks must be a tuple, got 't/hs.jsonl'"):
+        config_lib.resolve(config_lib.ml_collections.ConfigDict(recorded), 8)
 
 
 def test_dcn_factors_must_multiply_to_the_granule_count():

@@ -230,10 +230,32 @@ def test_generate_cli(run):
                             rules=loaded["rules"], max_new_tokens=24, eos_id=tokenizer.eos_id,
                             vocab_limit=tokenizer.vocab_size)[0]
     done = _cli("maxlm.generate", f"--workdir={workdir}", f"--prompt={prompt}", "--max_new_tokens=24",
-                "--temperature=0", "--json", devices=8)
+                "--temperature=0", "--num_samples=2", "--json", devices=8)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["token_ids"] == expected and result["prompt_ids"] == prompt_ids
     assert result["completion"] == tokenizer.decode(expected) and result["step"] == 10
     assert 1 <= result["num_tokens"] <= 24 and result["tokens_per_sec"] > 0
     assert result["stopped_at_eos"] == (expected[-1] == tokenizer.eos_id)
+    first = {k: result[k] for k in ("completion", "token_ids", "num_tokens", "stopped_at_eos")}
+    assert result["samples"] == [first, first]  # greedy: both samples alike
+    content = expected[:-1] if result["stopped_at_eos"] else expected  # EOS is not generated text
+    assert result["distinct_1"] == gen.distinct_n([content, content], 1) == len(set(content)) / (2 * len(content))
+    assert result["distinct_2"] == gen.distinct_n([content, content], 2)
+
+
+def test_distinct_n_on_a_hand_made_case():
+    """Distinct n-grams over all n-grams of every sample; an n-gram never spans two samples."""
+    samples = [[1, 2, 3, 1, 2], [1, 2]]
+    assert gen.distinct_n(samples, 1) == 3 / 7  # 1 2 3 1 2 1 2: three distinct
+    assert gen.distinct_n(samples, 2) == 3 / 5  # (1,2) (2,3) (3,1) (1,2) | (1,2); not (2,1) across samples
+    assert gen.distinct_n([[7, 7, 7, 7]], 2) == 1 / 3
+    assert gen.distinct_n([[5], []], 2) is None  # no sample has two tokens
+
+
+def test_samples_of_one_prompt_differ():
+    """--num_samples draws rows of one batch: each row its own draw, the same for the same seed."""
+    cfg, params = small()
+    draw = lambda seed: gen.generate(cfg, params, [[1, 10, 20]] * 3, max_new_tokens=12, temperature=1.0, seed=seed)
+    rows = draw(3)
+    assert len({tuple(r) for r in rows}) == 3 and draw(3) == rows

@@ -226,14 +226,15 @@ def test_tensorboard_writer_groups_names_and_records_hparams(tmp_path):
     writer = metrics.TensorBoardWriter(tmp_path)
     writer.write_hparams({"optim.lr": 3e-4, "model.dtype": "bfloat16", "model.fp8": False, "steps": 10})
     writer.write(3, {"loss": 2.5, "eval_loss": 2.75, "mfu": 0.25, "memory_peak_bytes_in_use": 2**30,
-                     "loss_scale": 1024.0, "custom_thing": 1.0})
+                     "loss_scale": 1024.0, "custom_thing": 1.0, "eval/web/loss": 3.0})
     writer.close()
     acc = ea.EventAccumulator(str(tmp_path), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
     acc.Reload()
     scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
     assert scalars == {"train/loss": [(3, 2.5)], "eval/loss": [(3, 2.75)], "perf/mfu": [(3, 0.25)],
                        "memory/peak_bytes_in_use": [(3, 2.0**30)], "train/loss_scale": [(3, 1024.0)],
-                       "custom_thing": [(3, 1.0)]}  # a name without a group keeps its name
+                       "custom_thing": [(3, 1.0)],  # a name without a group keeps its name ...
+                       "eval/web/loss": [(3, 3.0)]}  # ... as eval.sets' names do: in the eval/ group
     start = plugin_data_pb2.HParamsPluginData.FromString(
         acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info
     assert {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()} == {
