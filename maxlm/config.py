@@ -374,7 +374,7 @@ def _check_optimizer(c) -> None:
         if start < o.warmup_steps:
             raise ConfigError(f"optim.schedule='wsd' decays over the last optim.decay_fraction="
                               f"{o.decay_fraction:g} of optim.decay_steps={o.decay_steps} (from step {start}), "
-                              f"which starts before optim.warmup_steps={o.warmup_steps} end")
+                              f"which starts before the warmup (optim.warmup_steps={o.warmup_steps}) ends")
 
 
 def _check_boundaries(c) -> None:

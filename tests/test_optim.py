@@ -120,7 +120,7 @@ def test_lr_batch_scaling(scaling, factor):
          "optim.decay_fraction=0.01 of optim.decay_steps=20 is less than one step"),
         ({"optim.schedule": "wsd", "optim.decay_fraction": 0.9},
          "decays over the last optim.decay_fraction=0.9 of optim.decay_steps=20 (from step 2), which "
-         "starts before optim.warmup_steps=5 end"),
+         "starts before the warmup (optim.warmup_steps=5) ends"),
     ],
 )
 def test_config_rejects(overrides, message):
