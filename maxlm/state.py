@@ -6,9 +6,9 @@
 A plain dict of arrays: `params` is `model.init_params`'s pytree, `opt_state` optax's, the rest
 replicated int32/float32 scalars. Shardings come from the parameters' logical axis names through
 the config's mesh rules (optimizer moments follow their parameter, Adafactor's factored ones
-without the dim averaged away; with ZeRO-1 they also split over `data`). `create_sharded_state` initialises every shard where it lives, and `abstract_state`
-(ShapeDtypeStructs with those shardings) is orbax's restore target, so a checkpoint lands on any
-mesh.
+without the dim averaged away; with ZeRO-1 they also split over `data`). `create_sharded_state`
+initialises every shard where it lives, and `abstract_state` (ShapeDtypeStructs with those
+shardings) is orbax's restore target, so a checkpoint lands on any mesh.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def factored_specs(state: optax.FactoredState, param_shapes, param_specs) -> opt
     placeholders as `v_row`/`v_col`. Placeholders are replicated.
     """
 
-    def moment_specs(moments, averaged: int | None):
+    def moment_specs(moments, averaged: int | None):  # averaged: 0 for v_row, 1 for v_col, None for v
         def spec_of(param, spec, moment):
             if moment.shape == param.shape:  # the full second moment of a parameter not factored
                 return spec
