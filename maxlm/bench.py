@@ -60,7 +60,7 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "")
     profiler's overhead never reaches the figures)."""
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    tx = optim.make_optimizer(cfg.optim)
+    tx = optim.make_optimizer(cfg)
     state, shardings = state_lib.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
     train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings)
     batch = mesh_lib.read_batch(SyntheticData(cfg), 0, mesh, rules)
@@ -129,7 +129,7 @@ def bench_checkpoint(cfg, repeats: int = 2) -> dict:
 
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    tx = optim.make_optimizer(cfg.optim)
+    tx = optim.make_optimizer(cfg)
     state, shardings = state_lib.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
     jax.block_until_ready(state)
     abstract = state_lib.abstract_state(cfg, tx, shardings)

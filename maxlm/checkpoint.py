@@ -340,12 +340,34 @@ def _entries(directory: str):
     return sorted(rows, key=lambda r: (r[0], r[2]))
 
 
+def optimizer_problem(path: str, cfg) -> str | None:
+    """Why `cfg` cannot resume the full train state of the checkpoint at `path`: another
+    `optim.name` wrote it (its optimizer state has another structure), or None."""
+    saved = config_lib.from_recorded(read_json(path, "config")).optim.name
+    if saved == cfg.optim.name:
+        return None
+    return (f"optim.name={cfg.optim.name!r}, but the checkpoint {path} holds {saved!r} optimizer state: "
+            f"resume with optim.name={saved!r}, or start a new workdir from its parameters "
+            f"(checkpoint.restore_from={path} checkpoint.restore_params_only=True)")
+
+
 def expected_state(config_dict: dict):
     """The state's ShapeDtypeStructs (on one device) for a recorded config: what a checkpoint of
     it must hold, and the target to restore it into."""
     cfg = config_lib.from_recorded(config_dict)
-    tx = optim.make_optimizer(cfg.optim)
+    tx = optim.make_optimizer(cfg)
     return state_lib.abstract_state(cfg, tx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+
+def _shapes_by_path(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{path: shape} of a pytree's leaves, a path being the names of its keys, indices and fields
+    alike: orbax's metadata holds optax's namedtuples (Adam's, Adafactor's states) as dicts of
+    their fields, sorted by name, and its tuples as lists."""
+    def name(key) -> str:
+        return str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {tuple(name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
 
 
 def verify_one(path: str, config_dict: dict | None = None) -> str | None:
@@ -356,12 +378,11 @@ def verify_one(path: str, config_dict: dict | None = None) -> str | None:
     try:
         expected = expected_state(config_dict or read_json(path, "config"))
         saved_tree = _saved_tree(ocp.PyTreeCheckpointer(), os.path.join(path, "state"))
-        # orbax's metadata has lists where optax has namedtuples: compare leaves in order
-        saved_shapes = [tuple(m.shape) for m in jax.tree.leaves(saved_tree)]
-        expected_shapes = [tuple(s.shape) for s in jax.tree.leaves(expected)]
+        saved_shapes, expected_shapes = _shapes_by_path(saved_tree), _shapes_by_path(expected)
         if saved_shapes != expected_shapes:
+            first = min(set(saved_shapes.items()) ^ set(expected_shapes.items()))[0]
             return (f"shapes differ from the config ({len(saved_shapes)} arrays saved, "
-                    f"{len(expected_shapes)} expected)")
+                    f"{len(expected_shapes)} expected; first at {'/'.join(first)})")
         state, meta = restore_state(path, expected)
     except Exception as e:  # noqa: BLE001
         return f"does not restore ({short(e)})"

@@ -21,6 +21,9 @@ from maxlm.errors import ConfigError
 PLATFORMS = ("", "cpu", "gpu", "tpu")  # platform: what jax.default_backend() must say ("" = any)
 DTYPES = ("float32", "bfloat16", "float16")  # model.dtype: compute; float16 turns on loss scaling
 MU_DTYPES = ("float32", "bfloat16")  # optim.mu_dtype
+OPTIMIZERS = ("adamw", "lion", "adafactor")  # optim.name; see maxlm/optim.py
+SCHEDULES = ("cosine", "linear", "polynomial", "step", "wsd", "constant", "inverse_sqrt")  # optim.schedule
+LR_BATCH_SCALING = ("none", "sqrt", "linear")  # optim.lr_batch_scaling
 REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
 ATTENTION = ("auto", "xla", "cudnn", "splash")  # see attention.attention_backend
 SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/attention.py)
@@ -130,18 +133,27 @@ def _model_defaults() -> ml_collections.ConfigDict:
 
 def _optim_defaults() -> ml_collections.ConfigDict:
     s = ml_collections.ConfigDict()
+    s.name = "adamw"  # one of OPTIMIZERS
     s.lr = 3e-4  # peak, reached after warmup
+    s.schedule = "cosine"  # one of SCHEDULES (docs/architecture.md#optimizers-and-schedules)
     s.warmup_steps = 100
     s.decay_steps = 0  # 0: decay over the whole run (`steps`)
-    s.min_lr_ratio = 0.1  # cosine floor as a fraction of lr
+    s.min_lr_ratio = 0.1  # the decay's floor as a fraction of lr
+    s.power = 1.0  # schedule "polynomial": the decay's exponent
+    s.boundaries = ()  # schedule "step": the steps where lr is multiplied by decay_factor
+    s.decay_factor = 0.1  # schedule "step"
+    s.decay_fraction = 0.2  # schedule "wsd": the share of decay_steps spent decaying, at the end
+    # the peak lr times (batch_size / lr_reference_batch) ** (1/2 | 1): one of LR_BATCH_SCALING
+    s.lr_batch_scaling = "none"
+    s.lr_reference_batch = 0  # the batch size optim.lr was tuned at (needed with scaling)
     s.clip_norm = 1.0  # 0 disables clipping
     s.weight_decay = 0.1
     s.b1 = 0.9
     s.b2 = 0.95
     s.eps = 1e-8
     s.grad_accum_steps = 1  # microbatches per step, accumulated inside the jitted step
-    s.shard_state_over_data = False  # ZeRO-1: Adam moments also sharded over mesh.data
-    s.mu_dtype = "float32"  # Adam first moment's dtype: "float32" or "bfloat16"
+    s.shard_state_over_data = False  # ZeRO-1: optimizer state also sharded over mesh.data
+    s.mu_dtype = "float32"  # first moment's dtype (adamw, lion): "float32" or "bfloat16"
     # dynamic loss scaling, on with model.dtype="float16" only (maxlm/loss_scale.py)
     s.loss_scale_init = 2.0**15
     s.loss_scale_growth_interval = 2000  # consecutive applied steps before the scale doubles
@@ -201,7 +213,8 @@ POSITIVE = ("steps", "batch_size", "seq_len", "log_every_steps", "optim.lr", "mo
             "model.d_model", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
             "model.vocab_size", "model.rope_theta", "model.norm_eps", "checkpoint.every_steps",
             "checkpoint.max_to_keep", "checkpoint.max_bad_steps", "eval.steps", "debug.nan_steps",
-            "data.tokenizer_sample_docs", "data.shard_mb", "debug.spike_lr_scale", "anomaly.spike_sigma")
+            "data.tokenizer_sample_docs", "data.shard_mb", "optim.power", "debug.spike_lr_scale",
+            "anomaly.spike_sigma")
 NON_NEGATIVE = ("seed", "checkpoint.keep_period", "checkpoint.every_minutes", "checkpoint.max_restores",
                 "optim.warmup_steps", "optim.decay_steps", "optim.clip_norm", "optim.weight_decay",
                 "optim.min_lr_ratio", "eval.every_steps", "model.head_dim", "model.init_std",
@@ -213,15 +226,18 @@ POSITIVE_INTS = {"optim.grad_accum_steps": "", "model.pipeline_microbatches": ""
                  "debug.spike_batches": "",
                  "optim.loss_scale_growth_interval": " (good steps before the loss scale doubles)"}
 NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps", "num_devices", "data.workers",
-                     "anomaly.warmup", "anomaly.max_rollbacks", "eval.task_shots")
+                     "optim.lr_reference_batch", "anomaly.warmup", "anomaly.max_rollbacks", "eval.task_shots")
 CHOICES = {"platform": PLATFORMS, "model.dtype": DTYPES, "model.remat": REMAT, "model.attention": ATTENTION,
-           "optim.mu_dtype": MU_DTYPES, "data.txt_documents": ("file", "paragraph"),
+           "optim.mu_dtype": MU_DTYPES, "optim.name": OPTIMIZERS, "optim.schedule": SCHEDULES,
+           "optim.lr_batch_scaling": LR_BATCH_SCALING, "data.txt_documents": ("file", "paragraph"),
            "data.bad_records": ("error", "skip")}
 RANGES = {  # key: (test, what the message says it must be)
     "checkpoint.restore_lr_scale": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "optim.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optim.b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optim.min_lr_ratio": (lambda v: v <= 1, "<= 1"),
+    "optim.decay_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "optim.decay_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "optim.loss_scale_init": (lambda v: 0 < v < math.inf, "a positive finite number"),
     "optim.loss_scale_min": (lambda v: 0 < v < math.inf, "a positive finite number"),
     "model.label_smoothing": (lambda v: v < 1, "< 1"),
@@ -299,6 +315,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
     _check_values(c)
     _check_platform(c, num_devices, platform)
     _check_model_and_optim(c)
+    _check_optimizer(c)
     axes.check_mesh(c, num_devices, num_granules)
     _check_data(c)
     _check_eval(c)
@@ -356,6 +373,53 @@ def _check_model_and_optim(c) -> None:
         raise ConfigError(f"optim.warmup_steps={c.optim.warmup_steps} is longer than steps={c.steps}")
     if c.optim.decay_steps == 0:
         c.optim.decay_steps = c.steps
+
+
+def _check_optimizer(c) -> None:
+    """Cross-field rules of optim.name, optim.schedule and the lr's batch scaling (run after
+    `_check_model_and_optim` has filled optim.decay_steps)."""
+    o = c.optim
+    if o.name == "adafactor" and o.mu_dtype != "float32":
+        raise ConfigError(f"optim.mu_dtype={o.mu_dtype!r} has no effect with optim.name='adafactor', "
+                          "which keeps no first moment; leave it 'float32'")
+    if o.lr_batch_scaling != "none" and o.lr_reference_batch <= 0:
+        raise ConfigError(f"optim.lr_batch_scaling={o.lr_batch_scaling!r} needs optim.lr_reference_batch > 0 "
+                          f"(the batch size optim.lr was tuned at), got {o.lr_reference_batch}")
+    _check_boundaries(c)
+    if o.schedule == "inverse_sqrt" and o.warmup_steps == 0:
+        raise ConfigError("optim.schedule='inverse_sqrt' needs optim.warmup_steps > 0 "
+                          "(after the warmup, lr = peak·sqrt(warmup_steps / step))")
+    if o.schedule == "wsd":
+        start = wsd_decay_start(o)
+        if start == o.decay_steps:
+            raise ConfigError(f"optim.decay_fraction={o.decay_fraction:g} of optim.decay_steps={o.decay_steps} "
+                              "is less than one step: schedule 'wsd' would not decay")
+        if start < o.warmup_steps:
+            raise ConfigError(f"optim.schedule='wsd' decays over the last optim.decay_fraction="
+                              f"{o.decay_fraction:g} of optim.decay_steps={o.decay_steps} (from step {start}), "
+                              f"which starts before the warmup (optim.warmup_steps={o.warmup_steps}) ends")
+
+
+def _check_boundaries(c) -> None:
+    o, bounds = c.optim, c.optim.boundaries
+    if o.schedule != "step":
+        if bounds:
+            raise ConfigError(f"optim.boundaries={tuple(bounds)} is read by optim.schedule='step' only, "
+                              f"got optim.schedule={o.schedule!r}")
+        return
+    ok = (isinstance(bounds, (tuple, list)) and len(bounds) > 0
+          and all(_is_number(b, int) for b in bounds)
+          and all(a < b for a, b in zip(bounds, bounds[1:]))
+          and o.warmup_steps < bounds[0] and bounds[-1] < c.steps)
+    if not ok:
+        raise ConfigError(f"optim.boundaries must be strictly increasing ints in (optim.warmup_steps, steps) "
+                          f"= ({o.warmup_steps}, {c.steps}) for optim.schedule='step', got {bounds!r}")
+
+
+def wsd_decay_start(optim) -> int:
+    """The step where schedule "wsd" leaves its stable phase: its decay is the last
+    `decay_fraction` of `decay_steps` (a resolved config's), rounded to whole steps."""
+    return optim.decay_steps - round(optim.decay_fraction * optim.decay_steps)
 
 
 def _check_data(c):

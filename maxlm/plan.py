@@ -39,7 +39,7 @@ def compile_step(cfg, devices):
     """(compiled train step, abstract state, abstract batch) for `cfg` over `devices`."""
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    tx = optim.make_optimizer(cfg.optim)
+    tx = optim.make_optimizer(cfg)
     shardings = state_lib.shardings(cfg, tx, mesh, rules, state_lib.abstract_state(cfg, tx))
     state = state_lib.abstract_state(cfg, tx, shardings)
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)

@@ -5,10 +5,10 @@
 
 A plain dict of arrays: `params` is `model.init_params`'s pytree, `opt_state` optax's, the rest
 replicated int32/float32 scalars. Shardings come from the parameters' logical axis names through
-the config's mesh rules (optimizer moments follow their parameter; with ZeRO-1 they also split
-over `data`). `create_sharded_state` initialises every shard where it lives, and `abstract_state`
-(ShapeDtypeStructs with those shardings) is orbax's restore target, so a checkpoint lands on any
-mesh.
+the config's mesh rules (optimizer moments follow their parameter, Adafactor's factored ones
+without the dim averaged away; with ZeRO-1 they also split over `data`). `create_sharded_state`
+initialises every shard where it lives, and `abstract_state` (ShapeDtypeStructs with those
+shardings) is orbax's restore target, so a checkpoint lands on any mesh.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -39,7 +40,8 @@ def init_state(cfg, tx: optax.GradientTransformation, rng: jax.Array) -> State:
 
 
 def logical_specs(cfg, tx: optax.GradientTransformation, shapes: State) -> State:
-    """Logical PartitionSpecs for the whole state: optimizer moments follow their parameter."""
+    """Logical PartitionSpecs for the whole state: optimizer moments follow their parameter
+    (Adafactor's factored ones as `factored_specs` says)."""
     param_specs = model.param_logical_specs(cfg.model)
     opt_specs = optax.tree_map_params(
         tx,
@@ -49,8 +51,48 @@ def logical_specs(cfg, tx: optax.GradientTransformation, shapes: State) -> State
         transform_non_params=lambda _: PartitionSpec(),
         is_leaf=model.is_spec,
     )
+    is_factored = lambda node: isinstance(node, optax.FactoredState)
+    opt_specs = jax.tree.map(
+        lambda node, spec: factored_specs(node, shapes["params"], param_specs) if is_factored(node) else spec,
+        shapes["opt_state"], opt_specs, is_leaf=is_factored)
     # every other entry (step, counters, loss scale) is a replicated scalar
     return {**{key: PartitionSpec() for key in shapes}, "params": param_specs, "opt_state": opt_specs}
+
+
+def factored_specs(state: optax.FactoredState, param_shapes, param_specs) -> optax.FactoredState:
+    """Logical specs of `optax.scale_by_factored_rms`'s state (Adafactor's second moment).
+
+    A factored parameter's `v_row` is its squared gradient averaged over its largest dim and
+    `v_col` over its second largest, so each takes the parameter's spec without that dim; its `v`
+    is a (1,) placeholder. A parameter not factored has a full `v` (its own spec) and (1,)
+    placeholders as `v_row`/`v_col`. Placeholders are replicated.
+    """
+
+    def moment_specs(moments, averaged: int | None):  # averaged: 0 for v_row, 1 for v_col, None for v
+        def spec_of(param, spec, moment):
+            if moment.shape == param.shape:  # the full second moment of a parameter not factored
+                return spec
+            if moment.shape == (1,):  # a placeholder
+                return PartitionSpec()
+            dim = largest_dims(param.shape)[averaged]
+            kept = [i for i in range(param.ndim) if i != dim]
+            if tuple(param.shape[i] for i in kept) != moment.shape:
+                raise ValueError(f"optax's factored moment {moment.shape} of a {param.shape} parameter is not "
+                                 "the parameter averaged over its largest or second largest dim")
+            names = (*spec, *(None,) * (param.ndim - len(spec)))
+            return PartitionSpec(*(names[i] for i in kept))
+
+        return jax.tree.map(spec_of, param_shapes, param_specs, moments)
+
+    return optax.FactoredState(count=PartitionSpec(), v_row=moment_specs(state.v_row, 0),
+                               v_col=moment_specs(state.v_col, 1), v=moment_specs(state.v, None))
+
+
+def largest_dims(shape) -> tuple[int, int]:
+    """(the largest dim, the second largest) of `shape`, ties broken as optax's factored second
+    moment breaks them (`np.argsort` of the shape)."""
+    order = np.argsort(shape)
+    return int(order[-1]), int(order[-2])
 
 
 def add_data_axis(shape, spec: PartitionSpec, logical: PartitionSpec, sizes) -> PartitionSpec:
@@ -71,22 +113,19 @@ def add_data_axis(shape, spec: PartitionSpec, logical: PartitionSpec, sizes) -> 
 
 def shardings(cfg, tx, mesh, rules, shapes: State) -> State:
     """NamedShardings of the whole state: `logical_specs` through the mesh rules, then, with
-    `optim.shard_state_over_data` (ZeRO-1), Adam's moments also split over `data`. Parameters stay
-    replicated over `data`; GSPMD reduce-scatters the gradients into the moments' shards and
-    all-gathers the updated parameters."""
-    out = mesh_lib.logical_to_shardings(logical_specs(cfg, tx, shapes), mesh, rules)
+    `optim.shard_state_over_data` (ZeRO-1), the optimizer's moments also split over `data`.
+    Parameters stay replicated over `data`; GSPMD reduce-scatters the gradients into the moments'
+    shards and all-gathers the updated parameters."""
+    specs = logical_specs(cfg, tx, shapes)
+    out = mesh_lib.logical_to_shardings(specs, mesh, rules)
     if not cfg.optim.shard_state_over_data or mesh.shape["data"] == 1:
         return out
 
-    def zero1(leaf, logical):
+    def zero1(leaf, logical):  # scalars and (1,) placeholders stay as they are: nothing divides
         spec = nn.logical_to_mesh_axes(logical, rules)
         return NamedSharding(mesh, add_data_axis(leaf.shape, spec, logical, mesh.shape))
 
-    opt = optax.tree_map_params(
-        tx, zero1, shapes["opt_state"], model.param_logical_specs(cfg.model),
-        transform_non_params=lambda _: mesh_lib.replicated(mesh), is_leaf=model.is_spec,
-    )
-    return dict(out, opt_state=opt)
+    return dict(out, opt_state=jax.tree.map(zero1, shapes["opt_state"], specs["opt_state"]))
 
 
 def param_shardings(model_cfg, mesh, rules):

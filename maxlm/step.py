@@ -125,7 +125,7 @@ def make_train_step(cfg, tx, mesh, rules, state_shardings, inject_nan: bool = Fa
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     scalars = mesh_lib.replicated(mesh)
     return jax.jit(
-        functools.partial(train_step, cfg, tx, optim.learning_rate_schedule(cfg.optim)),
+        functools.partial(train_step, cfg, tx, optim.learning_rate_schedule(cfg)),
         in_shardings=(state_shardings, batch_sharding) + ((scalars,) if inject_nan else ()),
         out_shardings=(state_shardings, scalars),
         donate_argnums=(0,),  # the old state's buffers become the new state's

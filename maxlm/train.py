@@ -46,7 +46,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (out / "config.json").write_text(config_lib.to_json(cfg))
-    tx = optim.make_optimizer(cfg.optim)
+    tx = optim.make_optimizer(cfg)
     fresh_state = functools.partial(state_lib.create_sharded_state, cfg, tx, mesh, rules,
                                     jax.random.key(cfg.seed))
     state, shardings = fresh_state()
@@ -144,12 +144,16 @@ def starting_state(cfg, ckpt: checkpoint.Checkpointer, state, abstract):
 
 def check_start(cfg, workdir: str) -> None:
     """Before anything compiles: what a fresh workdir would start from (`checkpoint.restore_from`,
-    `checkpoint.init_from_hf`) exists and fits the run; ValueError (exit 2) if not. A workdir with a
-    checkpoint of its own resumes it, so `init_from_hf` is not read then."""
-    if cfg.checkpoint.restore_from:
-        checkpoint.resolve_restore_from(cfg.checkpoint.restore_from)
-    if cfg.checkpoint.init_from_hf and not checkpoint.complete_steps(checkpoint.checkpoint_dir(workdir)):
+    `checkpoint.init_from_hf`) exists and fits the run, and a full state to resume was written
+    with the same `optim.name`; ValueError (exit 2) if not. A workdir with a checkpoint of its own
+    resumes it, so `init_from_hf` is not read then."""
+    ckpt_cfg, own = cfg.checkpoint, checkpoint.complete_steps(checkpoint.checkpoint_dir(workdir))
+    source = checkpoint.resolve_restore_from(ckpt_cfg.restore_from) if ckpt_cfg.restore_from else None
+    if ckpt_cfg.init_from_hf and not own:
         hf.check_init_from_hf(cfg)
+    full_state = own[-1][1] if own else (source if not ckpt_cfg.restore_params_only else None)
+    if full_state and (problem := checkpoint.optimizer_problem(full_state, cfg)):
+        raise ValueError(problem)
 
 
 def step_builder(cfg, mesh, rules, shardings, position):
@@ -165,7 +169,7 @@ def step_builder(cfg, mesh, rules, shardings, position):
         if lr_scale != 1.0:
             run_cfg = ml_collections.ConfigDict(cfg.to_dict())
             run_cfg.optim.lr *= lr_scale
-        train_fn = step_lib.make_train_step(run_cfg, optim.make_optimizer(run_cfg.optim), mesh, rules,
+        train_fn = step_lib.make_train_step(run_cfg, optim.make_optimizer(run_cfg), mesh, rules,
                                             shardings, inject_nan=injecting)
         return faults.with_nan_injection(train_fn, cfg.debug, injected) if injecting else train_fn
 
@@ -238,6 +242,7 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
     log.info("attention: %s, layers %s, remat %s, compute %s, fp8 %s",
              attention.attention_backend(m.attention, m.dtype, cfg.seq_len),
              "scanned" if m.scan_layers else "unrolled", m.remat, m.dtype, "on" if m.fp8 else "off")
+    log.info("optimizer: %s", optim.describe(cfg))
     if cfg.mesh.stage > 1 or cfg.mesh.sequence > 1:
         stages, micro = cfg.mesh.stage, m.pipeline_microbatches
         log.info("parallelism: sequence %d; pipeline %d stages x %d layers, %d microbatches, "

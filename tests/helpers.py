@@ -43,7 +43,7 @@ def train_losses(cfg, steps: int, batch_for_step):
     """Losses of `steps` jitted train steps on `batch_for_step(step)`, and the final state."""
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    tx = optim.make_optimizer(cfg.optim)
+    tx = optim.make_optimizer(cfg)
     state, shardings = state_lib.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
     train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings)
     losses = []

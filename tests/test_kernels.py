@@ -112,7 +112,7 @@ def test_splash_sharded_over_mesh_matches_xla():
 def tiny():
     """configs/tiny.py resolved for one device, and its initial train state (shared: init is slow)."""
     cfg = config_lib.resolve(load_config("tiny"), 1)
-    init = functools.partial(state_lib.init_state, cfg, optim.make_optimizer(cfg.optim))
+    init = functools.partial(state_lib.init_state, cfg, optim.make_optimizer(cfg))
     return cfg, jax.jit(init)(jax.random.key(cfg.seed))
 
 
@@ -327,8 +327,8 @@ def test_fp8_keeps_remat_policies(capsys):
 
 def _train_losses_one_device(cfg, state, steps, batch):
     """`steps` of `step_lib.train_step` (jitted, one device) from `state` on the same batch: the losses."""
-    tx = optim.make_optimizer(cfg.optim)
-    step_fn = jax.jit(functools.partial(step_lib.train_step, cfg, tx, optim.learning_rate_schedule(cfg.optim)))
+    tx = optim.make_optimizer(cfg)
+    step_fn = jax.jit(functools.partial(step_lib.train_step, cfg, tx, optim.learning_rate_schedule(cfg)))
     losses = []
     for _ in range(steps):
         state, step_metrics = step_fn(state, batch)

@@ -58,10 +58,10 @@ def test_loss_scale_is_in_the_state_only_with_float16():
     other scalars; float32 and bfloat16 states (and so their checkpoints) are unchanged."""
     for dtype in ("float32", "bfloat16"):
         cfg = tiny(**{"model.dtype": dtype})
-        assert set(state_lib.abstract_state(cfg, optim.make_optimizer(cfg.optim))) == {
+        assert set(state_lib.abstract_state(cfg, optim.make_optimizer(cfg))) == {
             "step", "params", "opt_state", "skipped_steps", "bad_streak"}
     cfg = tiny((2, 2, 2), **FP16)
-    tx = optim.make_optimizer(cfg.optim)
+    tx = optim.make_optimizer(cfg)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     shapes = state_lib.abstract_state(cfg, tx)
     shardings = state_lib.shardings(cfg, tx, mesh, mesh_lib.rules_of(cfg.mesh), shapes)
@@ -147,7 +147,7 @@ def test_overflow_skips_halves_and_only_the_minimum_counts_as_bad():
     interval 2 and minimum 2^13, from 2^15."""
     cfg = tiny(**FP16, **{"optim.loss_scale_growth_interval": 2, "optim.loss_scale_min": 2.0**13})
     rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
-    tx = optim.make_optimizer(cfg.optim)
+    tx = optim.make_optimizer(cfg)
     state, shardings = state_lib.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(0))
     train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings, inject_nan=True)
     counters = ("loss_scale", "good_steps", "overflow_steps", "bad_streak", "skipped_steps")
@@ -235,7 +235,7 @@ def test_checkpoints_without_the_loss_scale_restore_both_ways(tmp_path, capsys):
     warning. A float16 checkpoint restored by a float32 run: the scale is not read. (A float32
     run's state is a float16 run's without the loss-scale entries: parameters are float32 in both.)"""
     cfg = tiny(**FP16, **{"optim.loss_scale_init": 512.0})
-    tx, mesh = optim.make_optimizer(cfg.optim), mesh_lib.make_mesh(cfg.mesh)
+    tx, mesh = optim.make_optimizer(cfg), mesh_lib.make_mesh(cfg.mesh)
     state16, shardings = state_lib.create_sharded_state(cfg, tx, mesh, mesh_lib.rules_of(cfg.mesh), jax.random.key(1))
     abstract16 = state_lib.abstract_state(cfg, tx, shardings)
     no_scale = lambda tree: {k: v for k, v in tree.items() if k not in loss_scale.STATE_KEYS}

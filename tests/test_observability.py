@@ -174,7 +174,7 @@ def test_update_ratio_is_the_applied_update_over_the_params():
     """||params after - params before|| / ||params before||, in float64 by hand; 0 when skipped."""
     cfg = tiny(**{"optim.warmup_steps": 0})  # a nonzero lr at step 0
     rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
-    tx = optim.make_optimizer(cfg.optim)
+    tx = optim.make_optimizer(cfg)
     state, shardings = state_lib.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(0))
     train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings, inject_nan=True)
     batch = mesh_lib.global_batch(packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size),
