@@ -23,6 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # model.dtype: compute; float16 tur
 MU_DTYPES = ("float32", "bfloat16")  # optim.mu_dtype
 REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
 ATTENTION = ("auto", "xla", "cudnn", "splash")  # see attention.attention_backend
+POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see model.add_positions
 SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/attention.py)
 
 
@@ -95,6 +96,8 @@ def _model_defaults() -> ml_collections.ConfigDict:
     s.vocab_size = 384
     s.tie_embeddings = False
     s.rope_theta = 10000.0
+    s.positions = "rope"  # one of POSITIONS: rotary in attention, or added to the embeddings
+    s.max_positions = 0  # the learned table's rows (positions="learned"); 0: seq_len
     s.norm_eps = 1e-5
     s.dtype = "float32"  # compute dtype; parameters are always float32
     s.init_std = 0.02
@@ -196,8 +199,10 @@ POSITIVE_INTS = {"optim.grad_accum_steps": "", "model.pipeline_microbatches": ""
                  "data.filters.near_dedup_ngram": "", "data.filters.near_dedup_bands": "",
                  "data.filters.near_dedup_rows": "",
                  "optim.loss_scale_growth_interval": " (good steps before the loss scale doubles)"}
-NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps", "num_devices", "data.workers")
+NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps", "num_devices", "data.workers",
+                     "model.max_positions")
 CHOICES = {"platform": PLATFORMS, "model.dtype": DTYPES, "model.remat": REMAT, "model.attention": ATTENTION,
+           "model.positions": POSITIONS,
            "optim.mu_dtype": MU_DTYPES, "data.txt_documents": ("file", "paragraph"),
            "data.bad_records": ("error", "skip")}
 RANGES = {  # key: (test, what the message says it must be)
@@ -327,12 +332,28 @@ def _check_model_and_optim(c) -> None:
                 "(or set model.head_dim)"
             )
         m.head_dim = m.d_model // m.num_heads
-    if m.head_dim % 2:
-        raise ConfigError(f"model.head_dim={m.head_dim} must be even for RoPE")
+    _check_positions(c)
     if c.optim.warmup_steps > c.steps:
         raise ConfigError(f"optim.warmup_steps={c.optim.warmup_steps} is longer than steps={c.steps}")
     if c.optim.decay_steps == 0:
         c.optim.decay_steps = c.steps
+
+
+def _check_positions(c) -> None:
+    """Each position encoding's shape rules; fills model.max_positions for a learned table."""
+    m = c.model
+    if m.positions == "rope" and m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be even for RoPE (model.positions='rope')")
+    if m.positions == "sinusoidal" and m.d_model % 2:
+        raise ConfigError(f"model.d_model={m.d_model} must be even for model.positions='sinusoidal' "
+                          "(sin/cos pairs)")
+    if m.positions != "learned":
+        return
+    if m.max_positions == 0:
+        m.max_positions = c.seq_len
+    if c.seq_len > m.max_positions:
+        raise ConfigError(f"seq_len={c.seq_len} is longer than model.max_positions={m.max_positions}, "
+                          "the learned position table's length")
 
 
 def _check_data(c):
