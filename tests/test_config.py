@@ -44,12 +44,28 @@ def test_mesh_fill():
         ({"mesh.data": 2, "mesh.dcn_data": 4}, "mesh.dcn_data=4 must divide mesh.data=2"),
         ({"mesh.fsdp": -1, "mesh.dcn_fsdp": 3}, "mesh.dcn_fsdp=3 must divide mesh.fsdp=8"),
         ({"mesh.dcn_data": 0}, "mesh.dcn_data must be a positive int, got 0"),
+        ({"model.positions": "alibi"}, "model.positions must be one of ('rope', 'sinusoidal', 'learned'), got 'alibi'"),
+        ({"model.max_positions": -1}, "model.max_positions must be an int >= 0, got -1"),
+        ({"model.head_dim": 15}, "model.head_dim=15 must be even for RoPE (model.positions='rope')"),
+        ({"model.positions": "sinusoidal", "model.d_model": 63, "model.head_dim": 16},
+         "model.d_model=63 must be even for model.positions='sinusoidal'"),
+        ({"model.positions": "learned", "model.max_positions": 32},
+         "seq_len=64 is longer than model.max_positions=32, the learned position table's length"),
     ],
 )
 def test_config_errors(overrides, expected):
     with pytest.raises(config_lib.ConfigError, match=None) as info:
         resolve(**overrides)
     assert expected in str(info.value)
+
+
+def test_position_encodings_resolve():
+    """A learned table's length defaults to seq_len; only RoPE needs an even head_dim."""
+    assert resolve(**{"model.positions": "learned"}).model.max_positions == 64
+    assert resolve(**{"model.positions": "learned", "model.max_positions": 100}).model.max_positions == 100
+    assert resolve().model.max_positions == 0  # no table: left as given
+    for positions in ("sinusoidal", "learned"):
+        assert resolve(**{"model.positions": positions, "model.head_dim": 15}).model.head_dim == 15
 
 
 def test_dcn_factors_must_multiply_to_the_granule_count():
