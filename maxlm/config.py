@@ -23,7 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # model.dtype: compute; float16 tur
 MU_DTYPES = ("float32", "bfloat16")  # optim.mu_dtype
 REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
 ATTENTION = ("auto", "xla", "cudnn", "splash")  # see attention.attention_backend
-POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see model.add_positions
+POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/positions.py
 SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/attention.py)
 
 

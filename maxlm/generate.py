@@ -14,9 +14,9 @@ tokens_per_sec (generation only, compilation excluded), compile_sec.
 
 The cached forward is a functional twin of `model.apply` over the same parameter pytree (scanned
 `layers` with a leading layer axis, or unrolled `layer_i`): it calls model.py's own pieces (the
-RMSNorm and SwiGLU modules, `rotary`, `input_embeddings`, the weight matmuls, the logits) and attention.py's
-`xla_attention`, and only replaces where keys and values come from, so the two cannot drift apart;
-the tests check its logits against `model.apply`'s at every position.
+RMSNorm and SwiGLU modules, `embed`, the weight matmuls, the logits), positions.py's encodings and
+attention.py's `xla_attention`, and only replaces where keys and values come from, so the two
+cannot drift apart; the tests check its logits against `model.apply`'s at every position.
 
 Shape suffixes as in model.py, plus T (new tokens this call), P (prompt), N (new tokens), NL (layers).
 """
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxlm import attention, cli, distributed, mesh as mesh_lib, model, runs, state as state_lib
+from maxlm import attention, cli, distributed, mesh as mesh_lib, model, positions, runs, state as state_lib
 
 # ----------------------------------------------------------------------------- the cached forward
 
@@ -58,8 +58,8 @@ def _attention(model_cfg, p, x_BTD, positions_BT, cache):
     q_BTHDh = model.weight_matmul(cfg, "bld,dhk->blhk", x_BTD, p["wq"], dtype)
     k_BTKDh = model.weight_matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wk"], dtype)
     v_BTKDh = model.weight_matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wv"], dtype)
-    q_BTHDh = model.rotary(cfg, q_BTHDh, positions_BT)
-    k_BTKDh = model.rotary(cfg, k_BTKDh, positions_BT)
+    q_BTHDh = positions.rotary(cfg, q_BTHDh, positions_BT)
+    k_BTKDh = positions.rotary(cfg, k_BTKDh, positions_BT)
     rows_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[0])[:, None], positions_BT.shape)
     k_BSKDh = cache["k"].at[rows_BT, positions_BT].set(k_BTKDh)
     v_BSKDh = cache["v"].at[rows_BT, positions_BT].set(v_BTKDh)
@@ -82,7 +82,8 @@ def _block(model_cfg, p, x_BTD, positions_BT, cache):
 def forward(model_cfg, params, tokens_BT, positions_BT, cache):
     """Float32 logits [B, T, V] of T new tokens at `positions_BT` (one document per row, its
     earlier tokens in the cache), and the cache with their keys and values added."""
-    x_BTD = model.input_embeddings(model_cfg, params, tokens_BT, positions_BT)
+    x_BTD = model.embed(params["embed"], tokens_BT, model.compute_dtype(model_cfg))
+    x_BTD = positions.add_positions(model_cfg, x_BTD, positions_BT, params.get("pos_embed"))
     if "layers" in params:  # the scanned layout: one layer body over the leading layer axis
 
         def body(x_BTD, layer):

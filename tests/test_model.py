@@ -7,7 +7,7 @@ import pytest
 
 from jax.sharding import PartitionSpec
 
-from maxlm import attention, config as config_lib, model
+from maxlm import attention, config as config_lib, model, positions as positions_lib
 from tests.helpers import load_config, packed_batch
 
 POSITIONS = pytest.mark.parametrize("positions", config_lib.POSITIONS)
@@ -132,8 +132,8 @@ def test_rope_is_relative():
     k = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
 
     def score(pq, pk):
-        rq = model.rope(q, jnp.array([[pq]]), 10000.0)
-        rk = model.rope(k, jnp.array([[pk]]), 10000.0)
+        rq = positions_lib.rope(q, jnp.array([[pq]]), 10000.0)
+        rk = positions_lib.rope(k, jnp.array([[pk]]), 10000.0)
         return float((rq * rk).sum())
 
     np.testing.assert_allclose(score(5, 2), score(103, 100), rtol=1e-4)
@@ -217,7 +217,7 @@ def test_position_parameters_and_count(positions):
 def test_sinusoid_is_the_original_transformers():
     """PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(p / 10000^(2i/D))."""
     positions = np.array([[0, 1, 7, 300]])
-    got = np.asarray(model.sinusoidal(jnp.asarray(positions), 8))
+    got = np.asarray(positions_lib.sinusoidal(jnp.asarray(positions), 8))
     angle = positions[0][:, None] / 10000.0 ** (np.arange(0, 8, 2) / 8)
     np.testing.assert_allclose(got[0, :, 0::2], np.sin(angle), atol=1e-5)
     np.testing.assert_allclose(got[0, :, 1::2], np.cos(angle), atol=1e-5)
