@@ -333,6 +333,22 @@ def expected_state(config_dict: dict):
     return state_lib.abstract_state(cfg, tx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
+def _positions(model_cfg) -> str:
+    table = f", model.max_positions={model_cfg.max_positions}" if model_cfg.positions == "learned" else ""
+    return f"model.positions={model_cfg.positions!r}{table}"
+
+
+def positions_problem(path: str, cfg) -> str | None:
+    """Why `cfg`'s parameters cannot come from the checkpoint at `path`: another position encoding
+    (or learned table length) wrote it, so a parameter is missing, extra or of another length, and
+    restoring would set every such checkpoint aside as damaged; or None."""
+    saved = config_lib.from_recorded(read_json(path, "config")).model
+    if _positions(saved) == _positions(cfg.model):
+        return None
+    return (f"{_positions(cfg.model)}, but the checkpoint {path} was written with {_positions(saved)}: "
+            "its parameters do not fit; resume with its settings or start another workdir")
+
+
 def verify_one(path: str, config_dict: dict | None = None) -> str | None:
     """None if the checkpoint at `path` is complete, restores, is finite and has the shapes of
     its config (or of `config_dict`); else what is wrong."""

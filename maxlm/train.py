@@ -132,12 +132,16 @@ def starting_state(cfg, ckpt: checkpoint.Checkpointer, state, abstract):
 
 def check_start(cfg, workdir: str) -> None:
     """Before anything compiles: what a fresh workdir would start from (`checkpoint.restore_from`,
-    `checkpoint.init_from_hf`) exists and fits the run; ValueError (exit 2) if not. A workdir with a
-    checkpoint of its own resumes it, so `init_from_hf` is not read then."""
-    if cfg.checkpoint.restore_from:
-        checkpoint.resolve_restore_from(cfg.checkpoint.restore_from)
-    if cfg.checkpoint.init_from_hf and not checkpoint.complete_steps(checkpoint.checkpoint_dir(workdir)):
+    `checkpoint.init_from_hf`) exists and fits the run, and the checkpoint it starts from has the
+    run's position encoding; ValueError (exit 2) if not. A workdir with a checkpoint of its own
+    resumes it, so `init_from_hf` is not read then."""
+    source = checkpoint.resolve_restore_from(cfg.checkpoint.restore_from) if cfg.checkpoint.restore_from else None
+    own = checkpoint.complete_steps(checkpoint.checkpoint_dir(workdir))
+    if cfg.checkpoint.init_from_hf and not own:
         hf.check_init_from_hf(cfg)
+    start = own[-1][1] if own else source
+    if start and (problem := checkpoint.positions_problem(start, cfg)):
+        raise ValueError(problem)
 
 
 def step_builder(cfg, mesh, rules, shardings):

@@ -192,3 +192,17 @@ def test_expected_state_holds_a_learned_position_table():
     older = json.loads(config_lib.to_json(config_lib.resolve(load_config("tiny"), jax.device_count())))
     del older["model"]["positions"], older["model"]["max_positions"]
     assert "pos_embed" not in checkpoint.expected_state(older)["params"]
+
+
+def test_another_position_encoding_does_not_resume(clean_run, data_dirs, tmp_path):
+    """Resuming (or restore_from) with another model.positions is one clear error before anything
+    compiles, not every checkpoint set aside as damaged."""
+    train.check_start(tiny(data_dirs), str(clean_run))  # the same encoding resumes
+    learned = tiny(data_dirs, **{"model.positions": "learned"})
+    with pytest.raises(ValueError, match=r"^model.positions='learned', model.max_positions=64, but the "
+                       r"checkpoint .*/20 was written with model.positions='rope': its parameters do not fit"):
+        train.check_start(learned, str(clean_run))
+    from_run = tiny(data_dirs, **{"model.positions": "sinusoidal", "checkpoint.restore_from": str(clean_run),
+                                  "checkpoint.restore_params_only": True})
+    with pytest.raises(ValueError, match="was written with model.positions='rope'"):
+        train.check_start(from_run, str(tmp_path))
