@@ -17,6 +17,7 @@ DEFAULT_RULES = (
     ("embed", "fsdp"),  # weights' d_model dim: ZeRO-3 (weights, grads and Adam state sharded)
     ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),  # Megatron
     ("head_dim", None),
+    ("positions", None),  # the learned position table's rows (model.positions="learned"): whole
     ("layers", "stage"),  # the scanned layers' axis: pipeline stages, each holding its layers
     ("length", "sequence"),  # activations' sequence dim: sequence parallelism
     ("act_embed", None),  # activations' d_model dim stays whole: sharding it would add collectives

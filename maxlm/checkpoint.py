@@ -340,17 +340,6 @@ def _entries(directory: str):
     return sorted(rows, key=lambda r: (r[0], r[2]))
 
 
-def optimizer_problem(path: str, cfg) -> str | None:
-    """Why `cfg` cannot resume the full train state of the checkpoint at `path`: another
-    `optim.name` wrote it (its optimizer state has another structure), or None."""
-    saved = config_lib.from_recorded(read_json(path, "config")).optim.name
-    if saved == cfg.optim.name:
-        return None
-    return (f"optim.name={cfg.optim.name!r}, but the checkpoint {path} holds {saved!r} optimizer state: "
-            f"resume with optim.name={saved!r}, or start a new workdir from its parameters "
-            f"(checkpoint.restore_from={path} checkpoint.restore_params_only=True)")
-
-
 def expected_state(config_dict: dict):
     """The state's ShapeDtypeStructs (on one device) for a recorded config: what a checkpoint of
     it must hold, and the target to restore it into."""
@@ -368,6 +357,26 @@ def _shapes_by_path(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
 
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {tuple(name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def _positions(model_cfg) -> str:
+    table = f", model.max_positions={model_cfg.max_positions}" if model_cfg.positions == "learned" else ""
+    return f"model.positions={model_cfg.positions!r}{table}"
+
+
+def start_problem(path: str, cfg, full_state: bool) -> str | None:
+    """Why `cfg` cannot start from the checkpoint at `path` (restoring would set it aside as
+    damaged), or None: its parameters were written with another position encoding or learned table
+    length, or, for a `full_state`, its optimizer state by another `optim.name`."""
+    saved = config_lib.from_recorded(read_json(path, "config"))
+    if _positions(saved.model) != _positions(cfg.model):
+        return (f"{_positions(cfg.model)}, but the checkpoint {path} was written with {_positions(saved.model)}: "
+                "its parameters do not fit; resume with its settings or start another workdir")
+    if full_state and saved.optim.name != cfg.optim.name:
+        return (f"optim.name={cfg.optim.name!r}, but the checkpoint {path} holds {saved.optim.name!r} optimizer "
+                f"state: resume with optim.name={saved.optim.name!r}, or start a new workdir from its "
+                f"parameters (checkpoint.restore_from={path} checkpoint.restore_params_only=True)")
+    return None
 
 
 def verify_one(path: str, config_dict: dict | None = None) -> str | None:

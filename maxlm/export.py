@@ -7,7 +7,8 @@ the config's mesh rules; default the newest complete checkpoint) and writes into
 `transformers.LlamaForCausalLM.from_pretrained(HFDIR)` and `AutoTokenizer.from_pretrained(HFDIR)`
 load with no custom code: `config.json`, `generation_config.json`, `model.safetensors` (or shards
 and an index past --max_shard_mb) and the tokenizer files. The mapping is in `maxlm/hf_mapping.py`, the files in `maxlm/hf.py`; the
-way back is the config key `checkpoint.init_from_hf=HFDIR`. Prints one JSON object: out, step,
+way back is the config key `checkpoint.init_from_hf=HFDIR`. A run whose `model.positions` is not
+`rope` is refused (exit 2): transformers' Llama has only RoPE. Prints one JSON object: out, step,
 dtype, files, checkpoint.
 """
 
@@ -28,6 +29,7 @@ def main(argv) -> None:
         cli.config_error(f"--max_shard_mb={f.max_shard_mb} must be >= 1")
     distributed.initialize()
     try:
+        hf.require_rope(runs.read_config(f.workdir).model, "the Hugging Face export")  # before restoring
         run = runs.load_run(f.workdir, f.step)
         files = hf.export(run["params"], run["config"], f.out, f.dtype, f.max_shard_mb * 2**20)
     except ValueError as e:  # RunError, ConfigError, a missing tokenizer file

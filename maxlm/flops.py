@@ -3,8 +3,9 @@
 FLOPs convention (read this before comparing MFU numbers):
 
 * Matmuls only, 2 FLOPs per multiply-accumulate. Norms, RoPE, softmax, SwiGLU's
-  elementwise product, residual adds and the embedding lookup (a gather) are
-  not counted; they are a few percent at most and not what MFU measures.
+  elementwise product, residual adds and the embedding lookups (gathers; the
+  learned position table's too) are not counted; they are a few percent at
+  most and not what MFU measures.
 * Training = 3 x forward: the backward pass does two matmuls (one for the
   activation gradient, one for the weight gradient) per forward matmul.
 * Recomputation from activation checkpointing is NOT counted: this is model
@@ -20,7 +21,7 @@ FLOPs convention (read this before comparing MFU numbers):
 
 With those rules the non-attention part of a training step is exactly
 6 x (matmul parameters), where matmul parameters are every parameter except
-the embedding table and norm scales, plus the LM head.
+the embedding tables (tokens; learned positions) and norm scales, plus the LM head.
 
 Peak FLOP/s comes from a table of dense (non-sparse) datasheet peaks for known
 accelerators, or, on CPU and unknown devices, from a short measured matmul.

@@ -7,18 +7,20 @@ the config's mesh rules), tokenizes the prompt with the run's tokenizer as train
 document (`[bos] + tokens`, positions from 0), and samples with a KV cache: one prefill over the
 prompt, then one token per iteration of a jitted `lax.while_loop` that feeds only the new token and
 attends to the cached keys and values. Greedy when temperature is 0; top-k and nucleus (top-p)
-filtering otherwise; a row stops at EOS (the loop ends when every row has). `--num_samples=N`
-draws N samples of the prompt at once (N rows of one batch). Prints the completion(s), or with
---json one object: prompt, completion, token_ids, num_tokens, stopped_at_eos (of the first
-sample), step, tokens_per_sec (generation only, compilation excluded), compile_sec, distinct_1 and
-distinct_2 (`distinct_n`, over every sample), and with N > 1 `samples` (each sample's completion,
-token_ids, num_tokens, stopped_at_eos).
+filtering otherwise; a row stops at EOS (the loop ends when every row has). A model with a learned
+position table (`model.positions="learned"`) cannot go past its `model.max_positions`: prompt +
+--max_new_tokens beyond it is refused (exit 2). `--num_samples=N` draws N samples of the prompt at
+once (N rows of one batch). Prints the completion(s), or with --json one object: prompt,
+completion, token_ids, num_tokens, stopped_at_eos (of the first sample), step, tokens_per_sec
+(generation only, compilation excluded), compile_sec, distinct_1 and distinct_2 (`distinct_n`, over
+every sample), and with N > 1 `samples` (each sample's completion, token_ids, num_tokens,
+stopped_at_eos).
 
 The cached forward is a functional twin of `model.apply` over the same parameter pytree (scanned
 `layers` with a leading layer axis, or unrolled `layer_i`): it calls model.py's own pieces (the
-RMSNorm and SwiGLU modules, `rope`, `embed`, the weight matmuls, the logits) and attention.py's
-`xla_attention`, and only replaces where keys and values come from, so the two cannot drift apart;
-the tests check its logits against `model.apply`'s at every position.
+RMSNorm and SwiGLU modules, `embed`, the weight matmuls, the logits), positions.py's encodings and
+attention.py's `xla_attention`, and only replaces where keys and values come from, so the two
+cannot drift apart; the tests check its logits against `model.apply`'s at every position.
 
 Shape suffixes as in model.py, plus T (new tokens this call), P (prompt), N (new tokens), NL (layers).
 """
@@ -33,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxlm import attention, cli, distributed, mesh as mesh_lib, model, runs, state as state_lib
+from maxlm import attention, cli, distributed, mesh as mesh_lib, model, positions, runs, state as state_lib
 
 # ----------------------------------------------------------------------------- the cached forward
 
@@ -60,8 +62,8 @@ def _attention(model_cfg, p, x_BTD, positions_BT, cache):
     q_BTHDh = model.weight_matmul(cfg, "bld,dhk->blhk", x_BTD, p["wq"], dtype)
     k_BTKDh = model.weight_matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wk"], dtype)
     v_BTKDh = model.weight_matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wv"], dtype)
-    q_BTHDh = model.rope(q_BTHDh, positions_BT, cfg.rope_theta)
-    k_BTKDh = model.rope(k_BTKDh, positions_BT, cfg.rope_theta)
+    q_BTHDh = positions.rotary(cfg, q_BTHDh, positions_BT)
+    k_BTKDh = positions.rotary(cfg, k_BTKDh, positions_BT)
     rows_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[0])[:, None], positions_BT.shape)
     k_BSKDh = cache["k"].at[rows_BT, positions_BT].set(k_BTKDh)
     v_BSKDh = cache["v"].at[rows_BT, positions_BT].set(v_BTKDh)
@@ -85,6 +87,7 @@ def forward(model_cfg, params, tokens_BT, positions_BT, cache):
     """Float32 logits [B, T, V] of T new tokens at `positions_BT` (one document per row, its
     earlier tokens in the cache), and the cache with their keys and values added."""
     x_BTD = model.embed(params["embed"], tokens_BT, model.compute_dtype(model_cfg))
+    x_BTD = positions.add_positions(model_cfg, x_BTD, positions_BT, params.get("pos_embed"))
     if "layers" in params:  # the scanned layout: one layer body over the leading layer axis
 
         def body(x_BTD, layer):
@@ -100,6 +103,16 @@ def forward(model_cfg, params, tokens_BT, positions_BT, cache):
         cache = new_cache
     x_BTD = _rms_norm(model_cfg, params["final_norm"], x_BTD)
     return model.output_logits(model_cfg, x_BTD, model.head_weights(model_cfg, params)), cache
+
+
+def check_length(model_cfg, prompt_len: int, max_new_tokens: int) -> None:
+    """ValueError when a learned position table (`model.positions="learned"`) has no row for the
+    last position a generation may reach: it knows `model.max_positions` positions, no more."""
+    if model_cfg.positions == "learned" and prompt_len + max_new_tokens > model_cfg.max_positions:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens={max_new_tokens} = "
+            f"{prompt_len + max_new_tokens} positions is more than model.max_positions="
+            f"{model_cfg.max_positions}, the learned position table's length")
 
 
 def prefill(model_cfg, params, prompt_BP, max_len: int):
@@ -168,6 +181,7 @@ def generate_tokens(model_cfg, params, prompt_BP, lengths_B, settings: dict, *, 
         "seed", "temperature", "top_k", "top_p", "eos_id", "pad_id", "vocab_limit"))
     B, P = prompt_BP.shape
     N = max_new_tokens
+    check_length(model_cfg, P, N)
     rng = jax.random.key(seed)
     logits_BPV, cache = prefill(model_cfg, params, prompt_BP, P + N)
     last_B11 = (lengths_B - 1)[:, None, None]
@@ -296,6 +310,10 @@ def main(argv) -> None:
     except ValueError as e:  # RunError, a missing tokenizer file
         cli.config_error(str(e))
     prompt_ids = [tokenizer.bos_id, *tokenizer.encode(f.prompt).tolist()]
+    try:
+        check_length(cfg.model, len(prompt_ids), f.max_new_tokens)
+    except ValueError as e:
+        cli.config_error(str(e))
     if len(prompt_ids) + f.max_new_tokens > cfg.seq_len:
         cli.warn(f"prompt ({len(prompt_ids)} tokens) + --max_new_tokens={f.max_new_tokens} is "
                  f"longer than the run's seq_len={cfg.seq_len}: positions past it were never trained")

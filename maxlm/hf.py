@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxlm import cli, config as config_lib
-from maxlm.hf_mapping import check_config, hf_config, hf_tensors, read_block, sources, to_hf
+from maxlm.hf_mapping import check_config, hf_config, hf_tensors, read_block, require_rope, sources, to_hf
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -111,6 +111,7 @@ def check_init_from_hf(cfg) -> None:
         raise config_lib.ConfigError(
             f"checkpoint.init_from_hf={ckpt.init_from_hf} and checkpoint.restore_from="
             f"{ckpt.restore_from} are both set; a run starts from one of them")
+    require_rope(cfg.model, f"checkpoint.init_from_hf={ckpt.init_from_hf}")
     hf, weight_map = read_dir(ckpt.init_from_hf)
     check_config(hf, cfg.model, ckpt.init_from_hf)
     check_weights(ckpt.init_from_hf, weight_map, cfg.model)
@@ -127,6 +128,7 @@ def load_params(path: str, model_cfg, abstract_params):
 
     Raises ConfigError when the checkpoint does not match `model_cfg`.
     """
+    require_rope(model_cfg, f"checkpoint.init_from_hf={path}")
     path = os.path.expanduser(path)
     hf, weight_map = read_dir(path)
     check_config(hf, model_cfg, path)
@@ -301,6 +303,7 @@ def export(params, cfg, out: str, dtype: str = "float32",
 
     if dtype not in DTYPES:
         raise config_lib.ConfigError(f"--dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+    require_rope(cfg.model, "the Hugging Face export")
     out = os.path.expanduser(out)
     taken = [f for f in (WEIGHTS, INDEX, "config.json") if os.path.exists(os.path.join(out, f))]
     if taken:

@@ -2,7 +2,8 @@
 `maxlm/hf.py`).
 
 maxlm's model is the Llama architecture (pre-norm RMSNorm, RoPE, SwiGLU, grouped-query attention,
-no biases), so a run converts to `transformers.LlamaForCausalLM` without custom code:
+no biases), so a run converts to `transformers.LlamaForCausalLM` without custom code; a run with
+other position encodings (`model.positions` sinusoidal or learned) does not (`require_rope`):
 
     maxlm parameter                      HF tensor (`model.layers.{i}.` prefix for a layer's)
     embed            [V, D]              model.embed_tokens.weight        [V, D]
@@ -137,6 +138,15 @@ def read_block(hf_slice, tensor: Tensor, index: tuple[slice, ...]) -> np.ndarray
 
 
 # ----------------------------------------------------------------------------- config mapping
+
+
+def require_rope(model_cfg, what: str) -> None:
+    """ConfigError unless the model encodes positions with RoPE (`model.positions`): transformers'
+    Llama has no other position encoding, so `what` (an export, an import) cannot map it."""
+    if model_cfg.positions != "rope":
+        raise config_lib.ConfigError(
+            f"{what} needs model.positions='rope', got {model_cfg.positions!r}: transformers' Llama "
+            "has only RoPE, no sinusoidal or learned position embeddings")
 
 
 def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:

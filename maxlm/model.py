@@ -4,12 +4,13 @@
     logits_BLV = apply(model_cfg, params, batch)    # no hidden state
 
 Blocks are pre-norm: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)); attention is
-grouped-query with rotary position embeddings. A batch is packed: `segment_ids` name the document
-each token belongs to (0 = padding) and `positions` restart at 0 for each document, so attention
-never crosses documents and RoPE sees per-document positions.
+grouped-query. Positions are rotary embeddings in attention or an absolute encoding added to the
+token embeddings (`model.positions`: maxlm/positions.py). A batch is packed: `segment_ids` name
+the document each token belongs to (0 = padding) and `positions` restart at 0 for each document,
+so attention never crosses documents and every encoding sees per-document positions.
 
 Shape suffixes: B batch, L length (queries), S length (keys), D d_model, H heads, K kv heads,
-G heads per kv head (H = K·G), Dh head dim, F mlp hidden, V vocab.
+G heads per kv head (H = K·G), Dh head dim, F mlp hidden, V vocab, P max positions.
 Every parameter carries logical axis names (see maxlm/mesh.py); activations are constrained with
 the same names, which only bind while a mesh and rules are active.
 """
@@ -27,7 +28,7 @@ import ml_collections
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm import attention, fp8
+from maxlm import attention, fp8, positions
 
 Batch = dict[str, jax.Array]
 
@@ -94,17 +95,6 @@ class RMSNorm(nn.Module):
         return (x * scale_D).astype(self.dtype)
 
 
-def rope(x_BLHDh, positions_BL, theta: float):
-    """Rotary embedding, rotating pairs (i, i + Dh/2) (the Llama/NeoX half-split layout)."""
-    half = x_BLHDh.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BL1F = (positions_BL.astype(jnp.float32)[:, :, None] * freq)[:, :, None, :]
-    sin, cos = jnp.sin(angle_BL1F), jnp.cos(angle_BL1F)
-    x1, x2 = jnp.split(x_BLHDh.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BLHDh.dtype)
-
-
 def weight_matmul(cfg, spec: str, x, w, dtype):
     """A layer's weight matmul: float8 operands with `model.fp8` (see maxlm/fp8.py), else `dtype`."""
     if cfg.fp8:
@@ -129,12 +119,12 @@ class Attention(nn.Module):
         q_BLHDh = checkpoint_name(weight_matmul(cfg, "bld,dhk->blhk", x_BLD, wq_DHDh, dtype), "q_proj")
         k_BSKDh = checkpoint_name(weight_matmul(cfg, "bsd,dhk->bshk", x_BLD, wk_DKDh, dtype), "k_proj")
         v_BSKDh = checkpoint_name(weight_matmul(cfg, "bsd,dhk->bshk", x_BLD, wv_DKDh, dtype), "v_proj")
-        q_BLHDh = _constrain(rope(q_BLHDh, positions_BL, cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
+        q_BLHDh = _constrain(positions.rotary(cfg, q_BLHDh, positions_BL), ("batch", "length", "heads", "head_dim"))
         # Sequence parallelism, the all-gather strategy: queries stay split along the length (mesh
         # axis `sequence`), keys and values are gathered whole (length None), so each device
         # attends its query rows to every key. RoPE ran before the gather, on each token's own
         # position. Without a sequence axis these constraints change nothing.
-        k_BSKDh = _constrain(rope(k_BSKDh, positions_BL, cfg.rope_theta), ("batch", None, "kv_heads", "head_dim"))
+        k_BSKDh = _constrain(positions.rotary(cfg, k_BSKDh, positions_BL), ("batch", None, "kv_heads", "head_dim"))
         v_BSKDh = _constrain(v_BSKDh, ("batch", None, "kv_heads", "head_dim"))
 
         # Init only needs the parameters' shapes, from a 1 x 8 dummy batch that a splash kernel
@@ -185,7 +175,9 @@ class Transformer(nn.Module):
         cfg = self.cfg
         dtype = compute_dtype(cfg)
         embed_VD = _param(self, "embed", _normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        x_BLD = embed(embed_VD, tokens_BL, dtype)
+        pos_embed_PD = _param(self, "pos_embed", _normal(cfg.init_std), (cfg.max_positions, cfg.d_model),
+                              ("positions", "embed")) if cfg.positions == "learned" else None
+        x_BLD = positions.add_positions(cfg, embed(embed_VD, tokens_BL, dtype), positions_BL, pos_embed_PD)
         # Init only needs the parameters' shapes (see Attention): the plain path's mask then.
         backend = "xla" if self.is_initializing() else attention.attention_backend(
             cfg.attention, dtype, tokens_BL.shape[1])
@@ -292,6 +284,7 @@ def pipelined_hidden_states(model_cfg, params, batch: Batch, stages: int) -> jax
     tokens_BL, segment_ids_BL, positions_BL = batch["inputs"], batch["segment_ids"], batch["positions"]
     B, L = tokens_BL.shape
     x_BLD = embed(params["embed"], tokens_BL, dtype)
+    x_BLD = positions.add_positions(cfg, x_BLD, positions_BL, params.get("pos_embed"))
     mask_B1LS = attention.attention_mask(segment_ids_BL)
     x_MbLD = microbatches(x_BLD, M, ("batch", "length", "act_embed"))
     positions_MbL = microbatches(positions_BL, M, ("batch", "length"))
@@ -421,7 +414,8 @@ def count_params(model_cfg) -> int:
                          model_cfg.head_dim, model_cfg.mlp_dim, model_cfg.vocab_size)
     per_layer = D * H * Dh + 2 * D * K * Dh + H * Dh * D + 3 * D * F + 2 * D
     head = 0 if model_cfg.tie_embeddings else D * V
-    return V * D + model_cfg.num_layers * per_layer + D + head
+    position_table = model_cfg.max_positions * D if model_cfg.positions == "learned" else 0
+    return V * D + position_table + model_cfg.num_layers * per_layer + D + head
 
 
 def stack_layers(params):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxlm.config import wsd_decay_start
+from maxlm.config_rules import wsd_decay_start
 
 BATCH_SCALING_EXPONENT = {"sqrt": 0.5, "linear": 1.0}  # optim.lr_batch_scaling (besides "none")
 

@@ -144,15 +144,16 @@ def starting_state(cfg, ckpt: checkpoint.Checkpointer, state, abstract):
 
 def check_start(cfg, workdir: str) -> None:
     """Before anything compiles: what a fresh workdir would start from (`checkpoint.restore_from`,
-    `checkpoint.init_from_hf`) exists and fits the run, and a full state to resume was written
-    with the same `optim.name`; ValueError (exit 2) if not. A workdir with a checkpoint of its own
-    resumes it, so `init_from_hf` is not read then."""
+    `checkpoint.init_from_hf`) exists and fits the run, and the checkpoint it starts from has the
+    run's position encoding and, for a full state, its `optim.name`; ValueError (exit 2) if not. A
+    workdir with a checkpoint of its own resumes it, so `init_from_hf` is not read then."""
     ckpt_cfg, own = cfg.checkpoint, checkpoint.complete_steps(checkpoint.checkpoint_dir(workdir))
     source = checkpoint.resolve_restore_from(ckpt_cfg.restore_from) if ckpt_cfg.restore_from else None
     if ckpt_cfg.init_from_hf and not own:
         hf.check_init_from_hf(cfg)
-    full_state = own[-1][1] if own else (source if not ckpt_cfg.restore_params_only else None)
-    if full_state and (problem := checkpoint.optimizer_problem(full_state, cfg)):
+    start = own[-1][1] if own else source
+    full_state = bool(own) or not ckpt_cfg.restore_params_only
+    if start and (problem := checkpoint.start_problem(start, cfg, full_state)):
         raise ValueError(problem)
 
 

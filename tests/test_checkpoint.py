@@ -178,3 +178,31 @@ def test_restore_from_another_run(tmp_path, clean_run, data_dirs):
 def test_restore_from_nothing_is_a_config_error(tmp_path):
     with pytest.raises(ValueError, match="holds no complete checkpoint"):
         checkpoint.resolve_restore_from(str(tmp_path))
+
+
+def test_expected_state_holds_a_learned_position_table():
+    """verify and restore build the state from the recorded config: a learned-positions run's
+    holds its table (and its Adam moments); a config recorded before `model.positions` existed
+    is a RoPE model's, without one."""
+    learned = with_overrides(load_config("tiny"), {"model.positions": "learned"})
+    recorded = json.loads(config_lib.to_json(config_lib.resolve(learned, jax.device_count())))
+    expected = checkpoint.expected_state(recorded)
+    assert expected["params"]["pos_embed"].shape == (64, 64)  # [seq_len, d_model]
+    assert len([leaf for leaf in jax.tree.leaves(expected["opt_state"]) if leaf.shape == (64, 64)]) == 2
+    older = json.loads(config_lib.to_json(config_lib.resolve(load_config("tiny"), jax.device_count())))
+    del older["model"]["positions"], older["model"]["max_positions"]
+    assert "pos_embed" not in checkpoint.expected_state(older)["params"]
+
+
+def test_another_position_encoding_does_not_resume(clean_run, data_dirs, tmp_path):
+    """Resuming (or restore_from) with another model.positions is one clear error before anything
+    compiles, not every checkpoint set aside as damaged."""
+    train.check_start(tiny(data_dirs), str(clean_run))  # the same encoding resumes
+    learned = tiny(data_dirs, **{"model.positions": "learned"})
+    with pytest.raises(ValueError, match=r"^model.positions='learned', model.max_positions=64, but the "
+                       r"checkpoint .*/20 was written with model.positions='rope': its parameters do not fit"):
+        train.check_start(learned, str(clean_run))
+    from_run = tiny(data_dirs, **{"model.positions": "sinusoidal", "checkpoint.restore_from": str(clean_run),
+                                  "checkpoint.restore_params_only": True})
+    with pytest.raises(ValueError, match="was written with model.positions='rope'"):
+        train.check_start(from_run, str(tmp_path))

@@ -51,6 +51,13 @@ def test_mesh_fill():
         ({"eval.sets": (("hs", "/x"),), "eval.tasks": ("t/hs.jsonl",)}, "must all differ, got ['hs', 'hs']"),
         ({"eval.tasks": ("t/hs.json",)}, "eval.tasks entries are paths of .jsonl task files, got 't/hs.json'"),
         ({"eval.task_shots": -1}, "eval.task_shots must be an int >= 0, got -1"),
+        ({"model.positions": "alibi"}, "model.positions must be one of ('rope', 'sinusoidal', 'learned'), got 'alibi'"),
+        ({"model.max_positions": -1}, "model.max_positions must be an int >= 0, got -1"),
+        ({"model.head_dim": 15}, "model.head_dim=15 must be even for RoPE (model.positions='rope')"),
+        ({"model.positions": "sinusoidal", "model.d_model": 63, "model.head_dim": 16},
+         "model.d_model=63 must be even for model.positions='sinusoidal'"),
+        ({"model.positions": "learned", "model.max_positions": 32},
+         "seq_len=64 is longer than model.max_positions=32, the learned position table's length"),
     ],
 )
 def test_config_errors(overrides, expected):
@@ -68,6 +75,15 @@ def test_eval_sets_and_tasks_resolve():
     recorded["eval"]["tasks"] = "t/hs.jsonl"  # a config.json written by hand: not a tuple
     with pytest.raises(config_lib.ConfigError, match="eval.tasks must be a tuple, got 't/hs.jsonl'"):
         config_lib.resolve(config_lib.ml_collections.ConfigDict(recorded), 8)
+
+
+def test_position_encodings_resolve():
+    """A learned table's length defaults to seq_len; only RoPE needs an even head_dim."""
+    assert resolve(**{"model.positions": "learned"}).model.max_positions == 64
+    assert resolve(**{"model.positions": "learned", "model.max_positions": 100}).model.max_positions == 100
+    assert resolve().model.max_positions == 0  # no table: left as given
+    for positions in ("sinusoidal", "learned"):
+        assert resolve(**{"model.positions": positions, "model.head_dim": 15}).model.head_dim == 15
 
 
 def test_dcn_factors_must_multiply_to_the_granule_count():

@@ -1,6 +1,7 @@
 """`python -m maxlm.eval` and `python -m maxlm.generate`: eval equals the training loop's own
 eval; the KV-cached decode equals `model.apply` (logits, greedy tokens) for scanned and unrolled
-parameters with grouped-query attention; EOS, top-k, top-p and seeds; both CLIs end to end."""
+parameters with grouped-query attention, and for every position encoding; a learned position table
+is not run past its end; EOS, top-k, top-p and seeds; both CLIs end to end."""
 
 import functools
 import json
@@ -109,25 +110,29 @@ def test_eval_cli(run, tmp_path):
 
 
 @functools.lru_cache(maxsize=None)
-def small(scan: bool = True):
+def small(scan: bool = True, positions: str = "rope"):
     """A random model with grouped-query attention (4 heads, 2 kv heads) whose logits are far
-    from ties (larger init), float32; its mesh is fsdp=4 x tensor=2."""
+    from ties (larger init), float32; its mesh is fsdp=4 x tensor=2. A learned position table
+    has seq_len = 64 rows."""
     cfg = with_overrides(load_config("tiny"), {"model.init_std": 0.2, "model.vocab_size": 64,
                                                "model.num_heads": 4, "model.num_kv_heads": 2,
                                                "model.scan_layers": scan, "mesh.fsdp": 4,
-                                               "mesh.tensor": 2})
+                                               "mesh.tensor": 2, "model.positions": positions})
     cfg = config_lib.resolve(cfg, jax.device_count())
     return cfg, model.init_params(cfg.model, jax.random.key(1))
 
 
-LAYOUTS = pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+# both layer layouts with RoPE; the absolute position encodings (added to the embeddings) scanned
+LAYOUTS_AND_POSITIONS = pytest.mark.parametrize(
+    "scan, positions", [(True, "rope"), (False, "rope"), (True, "sinusoidal"), (True, "learned")],
+    ids=["scanned", "unrolled", "sinusoidal", "learned"])
 
 
-@LAYOUTS
-def test_cached_logits_equal_apply(scan):
+@LAYOUTS_AND_POSITIONS
+def test_cached_logits_equal_apply(scan, positions):
     """Teacher-forced through the cache (prefill of ragged prompts, then one token at a time),
     every position's logits equal model.apply's on the whole sequence."""
-    cfg, params = small(scan)
+    cfg, params = small(scan, positions)
     assert ("layers" in params) == scan
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 64, (2, 12)), jnp.int32)
     batch = {"inputs": tokens, "segment_ids": jnp.ones_like(tokens),
@@ -160,15 +165,28 @@ def greedy_without_cache(cfg, params, prompt, n):
     return seq[0, len(prompt):].tolist()
 
 
-@LAYOUTS
-def test_greedy_with_cache_equals_without(scan):
+@LAYOUTS_AND_POSITIONS
+def test_greedy_with_cache_equals_without(scan, positions):
     """Grouped-query attention, sharded (fsdp=4 x tensor=2), jitted, two ragged prompts in one batch."""
-    cfg, params = small(scan)
+    cfg, params = small(scan, positions)
     rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
     params = jax.device_put(params, state_lib.param_shardings(cfg.model, mesh, rules))
     prompts = [[1, 10, 20, 30, 40], [1, 7, 8]]
     got = gen.generate(cfg, params, prompts, mesh=mesh, rules=rules, max_new_tokens=10)
     assert got == [greedy_without_cache(cfg, params, p, 10) for p in prompts]
+
+
+def test_learned_positions_stop_at_the_table():
+    """A learned table of 64 positions: prompt + max_new_tokens up to 64 fit, one more is a
+    clear error before anything compiles."""
+    cfg, params = small(positions="learned")
+    gen.check_length(cfg.model, 54, 10)
+    with pytest.raises(ValueError, match=r"prompt \(55 tokens\) \+ max_new_tokens=10 = 65 positions is "
+                                         r"more than model.max_positions=64"):
+        gen.check_length(cfg.model, 55, 10)
+    with pytest.raises(ValueError, match="model.max_positions=64"):
+        gen.generate(cfg, params, [[1] * 60], max_new_tokens=8)
+    gen.check_length(small()[0].model, 55, 1000)  # RoPE has no table to run out of
 
 
 def test_eos_stops_a_row():

@@ -4,11 +4,12 @@
 non-default RoPE base and norm eps); export → import is bitwise exact, onto sharded meshes with
 each device receiving only its shard, from single or sharded files, scanned or unrolled; a
 training run starts from an export with the export's loss; mismatches are one clear error (exit 2);
-the tokenizer files load in transformers."""
+the tokenizer files load in transformers; models without RoPE are refused."""
 
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -194,6 +195,33 @@ def test_mismatches_are_one_clear_error(tmp_path):
     both = _cfg({"checkpoint.init_from_hf": str(tmp_path), "checkpoint.restore_from": str(tmp_path)})
     with pytest.raises(config_lib.ConfigError, match="both set"):
         hf.check_init_from_hf(both)
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_non_rope_models_are_refused(tmp_path, positions):
+    """transformers' Llama has only RoPE: export and import refuse other position encodings with
+    one line, before writing or reading anything."""
+    cfg = _cfg({"model.positions": positions, "checkpoint.init_from_hf": str(tmp_path / "hf")})
+    why = f"needs model.positions='rope', got '{positions}': transformers' Llama has only RoPE"
+    with pytest.raises(config_lib.ConfigError, match=f"^the Hugging Face export {why}"):
+        hf.export(_random_params(cfg.model), cfg, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(config_lib.ConfigError, match=re.escape(f"checkpoint.init_from_hf={tmp_path / 'hf'} {why}")):
+        hf.check_init_from_hf(cfg)  # before reading the folder (there is none)
+    with pytest.raises(config_lib.ConfigError, match=why):
+        hf.load_params(str(tmp_path / "hf"), cfg.model, _abstract(cfg))
+
+
+def test_export_cli_refuses_a_non_rope_run(tmp_path):
+    """Refused from the run's config.json alone, before its checkpoint is restored."""
+    cfg = _cfg({"model.positions": "learned"})
+    (tmp_path / "config.json").write_text(config_lib.to_json(cfg))
+    result = _cli("maxlm.export", f"--workdir={tmp_path}", f"--out={tmp_path / 'hf'}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "maxlm: config error: the Hugging Face export needs model.positions='rope', got 'learned': "
+        "transformers' Llama has only RoPE, no sinusoidal or learned position embeddings"]
+    assert not (tmp_path / "hf").exists()
 
 
 def test_sentencepiece_tokenizer_files_load_in_transformers(tmp_path):

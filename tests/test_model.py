@@ -1,12 +1,16 @@
-"""The Transformer: parameter counts, causality, packing, dtypes."""
+"""The Transformer: parameter counts, causality, packing, dtypes, position encodings."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import attention, config as config_lib, model
+from jax.sharding import PartitionSpec
+
+from maxlm import attention, config as config_lib, model, positions as positions_lib
 from tests.helpers import load_config, packed_batch
+
+POSITIONS = pytest.mark.parametrize("positions", config_lib.POSITIONS)
 
 PUBLISHED = {  # parameter counts of the architectures the configs claim
     "llama_1b": 1_235_814_400,  # Llama 3.2 1B
@@ -71,9 +75,11 @@ def test_causality_through_gradients():
     assert np.all(per_position[: t + 1] > 0.0), per_position
 
 
-def test_packed_equals_separate_documents():
-    """A row packing two documents gives each the logits it gets alone."""
-    cfg = tiny_model_cfg()
+@POSITIONS
+def test_packed_equals_separate_documents(positions):
+    """A row packing two documents gives each the logits it gets alone, whatever the position
+    encoding: each sees its own positions from 0."""
+    cfg = tiny_model_cfg(positions=positions)
     params = model.init_params(cfg, jax.random.key(0))
     doc_a = jax.random.randint(jax.random.key(1), (1, 10), 3, cfg.vocab_size)
     doc_b = jax.random.randint(jax.random.key(2), (1, 6), 3, cfg.vocab_size)
@@ -125,16 +131,17 @@ def test_rope_is_relative():
     k = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
 
     def score(pq, pk):
-        rq = model.rope(q, jnp.array([[pq]]), 10000.0)
-        rk = model.rope(k, jnp.array([[pk]]), 10000.0)
+        rq = positions_lib.rope(q, jnp.array([[pq]]), 10000.0)
+        rk = positions_lib.rope(k, jnp.array([[pk]]), 10000.0)
         return float((rq * rk).sum())
 
     np.testing.assert_allclose(score(5, 2), score(103, 100), rtol=1e-4)
     assert abs(score(5, 2) - score(5, 4)) > 1e-4
 
 
-def test_logical_specs_cover_every_param():
-    cfg = tiny_model_cfg()
+@POSITIONS
+def test_logical_specs_cover_every_param(positions):
+    cfg = tiny_model_cfg(positions=positions)
     specs = model.param_logical_specs(cfg)
     params = model.init_params(cfg, jax.random.key(0))
     spec_leaves = jax.tree.leaves(specs, is_leaf=model.is_spec)
@@ -189,6 +196,63 @@ def test_z_loss_and_label_smoothing_match_their_definitions():
     expected = (0.8 * nll + 0.2 * uniform + 1e-2 * log_z**2).mean()
     np.testing.assert_allclose(float(objective), expected, rtol=1e-5)
     np.testing.assert_allclose(float(aux["cross_entropy"]), nll.mean(), rtol=1e-5)
+
+
+@POSITIONS
+def test_position_parameters_and_count(positions):
+    """Only the learned encoding has parameters: a [max_positions, D] table (0 = seq_len), counted
+    by count_params; RoPE's parameters (and numbers) are the same as before the choice existed."""
+    cfg = tiny_model_cfg(positions=positions)
+    params = model.init_params(cfg, jax.random.key(0))
+    assert sum(p.size for p in jax.tree.leaves(params)) == model.count_params(cfg)
+    assert ("pos_embed" in params) == (positions == "learned")
+    if positions == "learned":
+        assert params["pos_embed"].shape == (load_config("tiny").seq_len, cfg.d_model)
+        assert model.param_logical_specs(cfg)["pos_embed"] == PartitionSpec("positions", "embed")
+        longer = tiny_model_cfg(positions=positions, max_positions=100)
+        assert model.count_params(longer) == model.count_params(cfg) + 36 * cfg.d_model
+
+
+def test_sinusoid_is_the_original_transformers():
+    """PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(p / 10000^(2i/D))."""
+    positions = np.array([[0, 1, 7, 300]])
+    got = np.asarray(positions_lib.sinusoidal(jnp.asarray(positions), 8))
+    angle = positions[0][:, None] / 10000.0 ** (np.arange(0, 8, 2) / 8)
+    np.testing.assert_allclose(got[0, :, 0::2], np.sin(angle), atol=1e-5)
+    np.testing.assert_allclose(got[0, :, 1::2], np.cos(angle), atol=1e-5)
+
+
+@POSITIONS
+def test_absolute_encodings_see_absolute_positions(positions):
+    """Shifting every position by the same amount changes nothing under RoPE (relative) and
+    changes the logits under the encodings added to the embeddings (absolute): the model reads
+    the batch's positions, not the token index."""
+    cfg = tiny_model_cfg(positions=positions, max_positions=64)
+    params = model.init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 12), 3, cfg.vocab_size)
+    batch = single_doc_batch(tokens)
+    logits = np.asarray(model.apply(cfg, params, batch))
+    shifted = np.asarray(model.apply(cfg, params, {**batch, "positions": batch["positions"] + 5}))
+    if positions == "rope":
+        np.testing.assert_allclose(shifted, logits, rtol=1e-4, atol=1e-4)
+    else:
+        assert np.abs(shifted - logits).max() > 1e-3
+
+
+def test_learned_positions_scanned_equal_unrolled():
+    """Both layer layouts, same loss and gradients, the table's included (the sinusoid takes the
+    same path, `positions.add_positions`, without a parameter)."""
+    unrolled = tiny_model_cfg(scan_layers=False, positions="learned")
+    scanned = tiny_model_cfg(scan_layers=True, positions="learned")
+    params = model.init_params(unrolled, jax.random.key(0))
+    batch = packed_batch(2, 32, unrolled.vocab_size)
+    value_and_grad = lambda cfg: jax.value_and_grad(lambda p: model.loss_fn(cfg, p, batch)[0])
+    loss_u, grads_u = value_and_grad(unrolled)(params)
+    loss_s, grads_s = value_and_grad(scanned)(model.stack_layers(params))
+    np.testing.assert_allclose(float(loss_s), float(loss_u), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(model.stack_layers(grads_u)), jax.tree.leaves(grads_s)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+    assert float(jnp.abs(grads_s["pos_embed"]).max()) > 0  # the table trains
 
 
 def _qkv(dtype=jnp.float32):

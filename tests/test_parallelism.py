@@ -77,9 +77,13 @@ def test_pipeline_with_remat_and_accumulation():
     np.testing.assert_allclose(losses, expected, rtol=1e-4)
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 4, 1, 1), (1, 2, 1, 1, 4)], ids=["sequence4", "stage4"])
-def test_gradients_equal_unsharded(shape):
-    cfg = mesh_config(*shape, **{"model.pipeline_microbatches": 2})
+@pytest.mark.parametrize("shape, positions", [((2, 1, 4, 1, 1), "rope"), ((1, 2, 1, 1, 4), "rope"),
+                                             ((1, 2, 1, 1, 4), "learned")],
+                         ids=["sequence4", "stage4", "stage4_learned"])
+def test_gradients_equal_unsharded(shape, positions):
+    """The unsharded loss and gradients, with a learned position table too (which the pipeline
+    adds to its embeddings itself)."""
+    cfg = mesh_config(*shape, **{"model.pipeline_microbatches": 2, "model.positions": positions})
     params = model.init_params(cfg.model, jax.random.key(0))
     batch = {k: jnp.asarray(v) for k, v in packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size).items()}
     loss, grads = jax.jit(lambda p, b: _loss_and_grads(cfg, p, b))(params, batch)  # no mesh

@@ -1,13 +1,14 @@
 """Sharded training: the same numbers on every mesh, and state really sharded as the rules say."""
 
 import dataclasses
+import functools
 
 import jax
 import ml_collections
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, mesh as mesh_lib, model
+from maxlm import config as config_lib, mesh as mesh_lib, model, optim, state as state_lib
 from tests.helpers import load_config, synthetic_losses
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4)]
@@ -72,6 +73,29 @@ def test_state_is_sharded_as_the_rules_say():
     wq_array = state["params"]["layers"]["attn"]["wq"]
     shard = wq_array.addressable_shards[0].data
     assert shard.size * 4 == wq_array.size
+
+
+@pytest.mark.parametrize("rule, spec", [(None, "P(None, 'fsdp')"), ("tensor", "P('tensor', 'fsdp')")],
+                         ids=["default", "positions_on_tensor"])
+def test_learned_position_table_is_sharded_as_the_rules_say(rule, spec):
+    """[max_positions, D]: the embed dim over fsdp, like the token embedding's; the positions dim
+    where the `positions` rule puts it (whole by default). Adam's moments follow."""
+    cfg = load_config("tiny")
+    cfg.mesh.update(data=2, fsdp=2, tensor=2)
+    cfg.model.update(positions="learned", num_heads=8, num_kv_heads=4, d_model=64)
+    cfg.mesh.rules = tuple((name, rule if name == "positions" else axes) for name, axes in cfg.mesh.rules)
+    cfg = config_lib.resolve(cfg, jax.device_count())
+    tx = optim.make_optimizer(cfg.optim)
+    rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
+    # the shardings create_sharded_state initialises the state into (no compile needed to read them)
+    shapes = jax.eval_shape(functools.partial(state_lib.init_state, cfg, tx), jax.random.key(0))
+    shardings = state_lib.shardings(cfg, tx, mesh, rules, shapes)
+    by_path = {jax.tree_util.keystr(path): s for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    tables = {path: str(s.spec) for path, s in by_path.items() if path.endswith("['pos_embed']")}
+    assert len(tables) == 3 and set(tables.values()) == {spec}  # params, Adam's mu and nu
+    assert shapes["params"]["pos_embed"].shape == (cfg.seq_len, 64)
+    table_sharding = shardings["params"]["pos_embed"]
+    assert table_sharding.shard_shape((cfg.seq_len, 64)) == (cfg.seq_len // (2 if rule else 1), 32)
 
 
 def test_rules_are_config_data():

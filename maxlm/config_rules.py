@@ -1,0 +1,265 @@
+"""What a valid run config is: the allowed values of each key and the rules between keys.
+
+`config.resolve` runs these in order: first the single-key rules of the tables below
+(`check_values`: the first broken one raises), then the cross-field rules, each raising a
+one-line `ConfigError` that names the keys and values involved. Some also fill derived values
+(`model.head_dim`, `model.max_positions`, `optim.decay_steps`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from maxlm.errors import ConfigError
+
+PLATFORMS = ("", "cpu", "gpu", "tpu")  # platform: what jax.default_backend() must say ("" = any)
+DTYPES = ("float32", "bfloat16", "float16")  # model.dtype: compute; float16 turns on loss scaling
+MU_DTYPES = ("float32", "bfloat16")  # optim.mu_dtype
+OPTIMIZERS = ("adamw", "lion", "adafactor")  # optim.name; see maxlm/optim.py
+SCHEDULES = ("cosine", "linear", "polynomial", "step", "wsd", "constant", "inverse_sqrt")  # optim.schedule
+LR_BATCH_SCALING = ("none", "sqrt", "linear")  # optim.lr_batch_scaling
+REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
+ATTENTION = ("auto", "xla", "cudnn", "splash")  # see attention.attention_backend
+POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/positions.py
+SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/attention.py)
+
+
+
+# Single-key rules, checked first by `resolve` (cross-field rules follow there).
+POSITIVE = ("steps", "batch_size", "seq_len", "log_every_steps", "optim.lr", "model.num_layers",
+            "model.d_model", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
+            "model.vocab_size", "model.rope_theta", "model.norm_eps", "checkpoint.every_steps",
+            "checkpoint.max_to_keep", "checkpoint.max_bad_steps", "eval.steps", "debug.nan_steps",
+            "data.tokenizer_sample_docs", "data.shard_mb", "optim.power", "debug.spike_lr_scale",
+            "anomaly.spike_sigma")
+NON_NEGATIVE = ("seed", "checkpoint.keep_period", "checkpoint.every_minutes", "checkpoint.max_restores",
+                "optim.warmup_steps", "optim.decay_steps", "optim.clip_norm", "optim.weight_decay",
+                "optim.min_lr_ratio", "eval.every_steps", "model.head_dim", "model.init_std",
+                "model.logits_chunk_size", "model.z_loss", "model.label_smoothing",
+                "data.tokenizer_vocab_size", "data.filters.min_words")
+POSITIVE_INTS = {"optim.grad_accum_steps": "", "model.pipeline_microbatches": "", "data.shard_examples": "",
+                 "data.filters.near_dedup_ngram": "", "data.filters.near_dedup_bands": "",
+                 "data.filters.near_dedup_rows": "", "anomaly.max_spikes": "", "anomaly.skip_batches": "",
+                 "debug.spike_batches": "",
+                 "optim.loss_scale_growth_interval": " (good steps before the loss scale doubles)"}
+NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps", "num_devices", "data.workers",
+                     "optim.lr_reference_batch", "anomaly.warmup", "anomaly.max_rollbacks", "eval.task_shots",
+                     "model.max_positions")
+CHOICES = {"platform": PLATFORMS, "model.dtype": DTYPES, "model.remat": REMAT, "model.attention": ATTENTION,
+           "model.positions": POSITIONS,
+           "optim.mu_dtype": MU_DTYPES, "optim.name": OPTIMIZERS, "optim.schedule": SCHEDULES,
+           "optim.lr_batch_scaling": LR_BATCH_SCALING, "data.txt_documents": ("file", "paragraph"),
+           "data.bad_records": ("error", "skip")}
+RANGES = {  # key: (test, what the message says it must be)
+    "checkpoint.restore_lr_scale": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "optim.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.min_lr_ratio": (lambda v: v <= 1, "<= 1"),
+    "optim.decay_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "optim.decay_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "optim.loss_scale_init": (lambda v: 0 < v < math.inf, "a positive finite number"),
+    "optim.loss_scale_min": (lambda v: 0 < v < math.inf, "a positive finite number"),
+    "model.label_smoothing": (lambda v: v < 1, "< 1"),
+    "data.validation_percent": (lambda v: 0 <= v <= 100, "in [0, 100]"),
+    "data.filters.max_symbol_ratio": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
+    "data.filters.max_repeated_word_share": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
+    "data.filters.min_language_score": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "anomaly.ema": (lambda v: 0 < v < 1, "in (0, 1)"),
+}
+
+
+def _is_number(value, kinds=(int, float)) -> bool:
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+def _get(c, key):
+    for part in key.split("."):
+        c = c[part]
+    return c
+
+
+def _positive_int(c, key: str, what: str = "") -> None:
+    if not _is_number(value := _get(c, key), int) or value < 1:
+        raise ConfigError(f"{key} must be a positive int{what}, got {value!r}")
+
+
+def check_values(c) -> None:
+    """The single-key rules above, in order: the first broken one raises ConfigError."""
+    for key in POSITIVE:
+        if not _is_number(value := _get(c, key)) or value <= 0:
+            raise ConfigError(f"{key} must be a positive number, got {value!r}")
+    for key in NON_NEGATIVE:
+        if not _is_number(value := _get(c, key)) or value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value!r}")
+    for key, what in POSITIVE_INTS.items():
+        _positive_int(c, key, what)
+    for key in NON_NEGATIVE_INTS:
+        if not _is_number(value := _get(c, key), int) or value < 0:
+            raise ConfigError(f"{key} must be an int >= 0, got {value!r}")
+    for key, choices in CHOICES.items():
+        if (value := _get(c, key)) not in choices:
+            raise ConfigError(f"{key} must be one of {choices}, got {value!r}")
+    for key, (test, what) in RANGES.items():
+        if not _is_number(value := _get(c, key)) or not test(value):
+            raise ConfigError(f"{key} must be {what}, got {value!r}")
+    for key in ("model.fp8", "anomaly.enabled"):
+        if not isinstance(value := _get(c, key), bool):
+            raise ConfigError(f"{key} must be True or False, got {value!r}")
+    if not _is_number(c.debug.spike_at_batch, int) or c.debug.spike_at_batch < -1:
+        raise ConfigError(f"debug.spike_at_batch must be a data position >= 0 or -1 (off), got "
+                          f"{c.debug.spike_at_batch!r}")
+
+
+def check_platform(c, num_devices: int, platform: str | None) -> None:
+    if c.platform and platform is not None and platform != c.platform:
+        raise ConfigError(
+            f"platform={c.platform!r} but JAX runs on {platform!r} here (JAX_PLATFORMS="
+            f"{os.environ.get('JAX_PLATFORMS', '')!r}): is jax for {c.platform.upper()} installed in "
+            "this environment (a CUDA build for gpu, jax[tpu] for tpu) and the accelerator visible?")
+    if c.num_devices and c.num_devices != num_devices:
+        raise ConfigError(f"num_devices={c.num_devices} but JAX sees {num_devices} devices here")
+
+
+def check_model_and_optim(c) -> None:
+    """Cross-field rules within the model and optimizer; fills model.head_dim, optim.decay_steps."""
+    m = c.model
+    if c.optim.loss_scale_init < c.optim.loss_scale_min:
+        raise ConfigError(
+            f"optim.loss_scale_init={c.optim.loss_scale_init:g} is below optim.loss_scale_min="
+            f"{c.optim.loss_scale_min:g}; start the loss scale at or above its minimum"
+        )
+    if m.attention == "splash" and c.seq_len % SPLASH_BLOCK:
+        raise ConfigError(
+            f"model.attention='splash' needs seq_len divisible by {SPLASH_BLOCK} (the kernel's tile), "
+            f"got seq_len={c.seq_len}; use model.attention='xla' or a seq_len of "
+            f"{-(-c.seq_len // SPLASH_BLOCK) * SPLASH_BLOCK}"
+        )
+    for key in ("splash_block_q", "splash_block_kv"):
+        if m[key] < 0 or m[key] % SPLASH_BLOCK or (m[key] and c.seq_len % m[key]):
+            raise ConfigError(f"model.{key}={m[key]} must be 0 (automatic) or a multiple of "
+                              f"{SPLASH_BLOCK} that divides seq_len={c.seq_len}")
+    if m.logits_chunk_size and c.seq_len % m.logits_chunk_size:
+        raise ConfigError(
+            f"seq_len={c.seq_len} must be divisible by model.logits_chunk_size={m.logits_chunk_size}"
+        )
+
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads="
+            f"{m.num_kv_heads} (grouped-query attention shares each kv head by a group of heads)"
+        )
+    if m.head_dim == 0:
+        if m.d_model % m.num_heads:
+            raise ConfigError(
+                f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} "
+                "(or set model.head_dim)"
+            )
+        m.head_dim = m.d_model // m.num_heads
+    _check_positions(c)
+    if c.optim.warmup_steps > c.steps:
+        raise ConfigError(f"optim.warmup_steps={c.optim.warmup_steps} is longer than steps={c.steps}")
+    if c.optim.decay_steps == 0:
+        c.optim.decay_steps = c.steps
+
+
+def check_optimizer(c) -> None:
+    """Cross-field rules of optim.name, optim.schedule and the lr's batch scaling (run after
+    `check_model_and_optim` has filled optim.decay_steps)."""
+    o = c.optim
+    if o.name == "adafactor" and o.mu_dtype != "float32":
+        raise ConfigError(f"optim.mu_dtype={o.mu_dtype!r} has no effect with optim.name='adafactor', "
+                          "which keeps no first moment; leave it 'float32'")
+    if o.lr_batch_scaling != "none" and o.lr_reference_batch <= 0:
+        raise ConfigError(f"optim.lr_batch_scaling={o.lr_batch_scaling!r} needs optim.lr_reference_batch > 0 "
+                          f"(the batch size optim.lr was tuned at), got {o.lr_reference_batch}")
+    _check_boundaries(c)
+    if o.schedule == "inverse_sqrt" and o.warmup_steps == 0:
+        raise ConfigError("optim.schedule='inverse_sqrt' needs optim.warmup_steps > 0 "
+                          "(after the warmup, lr = peak·sqrt(warmup_steps / step))")
+    if o.schedule == "wsd":
+        start = wsd_decay_start(o)
+        if start == o.decay_steps:
+            raise ConfigError(f"optim.decay_fraction={o.decay_fraction:g} of optim.decay_steps={o.decay_steps} "
+                              "is less than one step: schedule 'wsd' would not decay")
+        if start < o.warmup_steps:
+            raise ConfigError(f"optim.schedule='wsd' decays over the last optim.decay_fraction="
+                              f"{o.decay_fraction:g} of optim.decay_steps={o.decay_steps} (from step {start}), "
+                              f"which starts before the warmup (optim.warmup_steps={o.warmup_steps}) ends")
+
+
+def _check_boundaries(c) -> None:
+    o, bounds = c.optim, c.optim.boundaries
+    if o.schedule != "step":
+        if bounds:
+            raise ConfigError(f"optim.boundaries={tuple(bounds)} is read by optim.schedule='step' only, "
+                              f"got optim.schedule={o.schedule!r}")
+        return
+    ok = (isinstance(bounds, (tuple, list)) and len(bounds) > 0
+          and all(_is_number(b, int) for b in bounds)
+          and all(a < b for a, b in zip(bounds, bounds[1:]))
+          and o.warmup_steps < bounds[0] and bounds[-1] < c.steps)
+    if not ok:
+        raise ConfigError(f"optim.boundaries must be strictly increasing ints in (optim.warmup_steps, steps) "
+                          f"= ({o.warmup_steps}, {c.steps}) for optim.schedule='step', got {bounds!r}")
+
+
+def wsd_decay_start(optim) -> int:
+    """The step where schedule "wsd" leaves its stable phase: its decay is the last
+    `decay_fraction` of `decay_steps` (a resolved config's), rounded to whole steps."""
+    return optim.decay_steps - round(optim.decay_fraction * optim.decay_steps)
+
+
+def _check_positions(c) -> None:
+    """Each position encoding's shape rules; fills model.max_positions for a learned table."""
+    m = c.model
+    if m.positions == "rope" and m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be even for RoPE (model.positions='rope')")
+    if m.positions == "sinusoidal" and m.d_model % 2:
+        raise ConfigError(f"model.d_model={m.d_model} must be even for model.positions='sinusoidal' "
+                          "(sin/cos pairs)")
+    if m.positions != "learned":
+        return
+    if m.max_positions == 0:
+        m.max_positions = c.seq_len
+    if c.seq_len > m.max_positions:
+        raise ConfigError(f"seq_len={c.seq_len} is longer than model.max_positions={m.max_positions}, "
+                          "the learned position table's length")
+
+
+def check_data(c):
+    if (vocab := c.data.tokenizer_vocab_size) and vocab > c.model.vocab_size:
+        raise ConfigError(f"data.tokenizer_vocab_size={vocab} is more than model.vocab_size={c.model.vocab_size}")
+    languages = c.data.filters.languages
+    if not (isinstance(languages, (tuple, list)) and all(isinstance(x, str) and x for x in languages)):
+        raise ConfigError(f"data.filters.languages is a tuple of language codes such as ('en',), got {languages!r}")
+    names = []
+    for entry in c.data.mixture:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 3 and isinstance(entry[0], str)
+                and entry[0].isidentifier() and isinstance(entry[1], str) and entry[1]
+                and isinstance(entry[2], (int, float)) and not isinstance(entry[2], bool) and entry[2] > 0):
+            raise ConfigError(f"data.mixture entries are (name, source, weight > 0) with a name like "
+                              f"'web', got {entry!r}")
+        names.append(entry[0])
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.mixture names must differ, got {names}")
+
+
+def check_eval(c):
+    """eval.sets: (identifier, source) pairs; eval.tasks: .jsonl paths; every name (a set's, a
+    task file's stem) used once, since each names metrics `eval/<name>/...`."""
+    for key in ("eval.sets", "eval.tasks"):
+        if not isinstance(value := _get(c, key), (tuple, list)):
+            raise ConfigError(f"{key} must be a tuple, got {value!r}")
+    names = []
+    for entry in c.eval.sets:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)
+                and entry[0].isidentifier() and isinstance(entry[1], str) and entry[1]):
+            raise ConfigError(f"eval.sets entries are (name, source) with a name like 'web', got {entry!r}")
+        names.append(entry[0])
+    for path in c.eval.tasks:
+        if not (isinstance(path, str) and path.endswith(".jsonl")):
+            raise ConfigError(f"eval.tasks entries are paths of .jsonl task files, got {path!r}")
+        names.append(os.path.splitext(os.path.basename(path))[0])
+    if len(set(names)) != len(names):
+        raise ConfigError(f"eval.sets names and eval.tasks file stems must all differ, got {names}")
