@@ -85,7 +85,7 @@ def test_learned_position_table_is_sharded_as_the_rules_say(rule, spec):
     cfg.model.update(positions="learned", num_heads=8, num_kv_heads=4, d_model=64)
     cfg.mesh.rules = tuple((name, rule if name == "positions" else axes) for name, axes in cfg.mesh.rules)
     cfg = config_lib.resolve(cfg, jax.device_count())
-    tx = optim.make_optimizer(cfg.optim)
+    tx = optim.make_optimizer(cfg)
     rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
     # the shardings create_sharded_state initialises the state into (no compile needed to read them)
     shapes = jax.eval_shape(functools.partial(state_lib.init_state, cfg, tx), jax.random.key(0))
