@@ -126,7 +126,7 @@ def test_a_spike_rolls_back_and_skips_its_batches(spike_run, capsys):
     assert meta15["data_position"] == 21 and meta15["anomaly"]["rollbacks"] == 1
 
 
-@pytest.mark.parametrize("keep", [10, 15])
+@pytest.mark.parametrize("keep", [pytest.param(10, marks=pytest.mark.ci), 15])
 def test_resume_before_and_after_the_rollback_is_bitwise_exact(spike_run, tmp_path, data_dirs, keep):
     """From the checkpoint of step 10 (before the spike: it spikes and rolls back again) and from
     step 15 (after the rollback: the skip list and the detector come from its meta), the run ends
@@ -146,6 +146,7 @@ def test_resume_before_and_after_the_rollback_is_bitwise_exact(spike_run, tmp_pa
     assert meta["anomaly"] == clean_meta["anomaly"]
 
 
+@pytest.mark.ci
 def test_off_by_default_the_spike_stays(data_dirs, tmp_path):
     cfg = tiny(data_dirs, **{"anomaly.enabled": False, "steps": 16})
     train.train_and_evaluate(cfg, str(tmp_path))

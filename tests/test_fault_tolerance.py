@@ -142,6 +142,7 @@ def test_sigterm_two_processes_agree_on_the_step(tmp_path, data_dirs):
     assert saved < 2000
 
 
+@pytest.mark.ci
 def test_resume_on_fewer_devices(tmp_path, data_dirs):
     """A checkpoint from 8 devices, continued on 4 (and a different mesh): the losses agree up to
     reduction order and the data stream continues at the next step."""

@@ -64,6 +64,7 @@ def test_gpu_presets_fit_an_h100_with_cudnn_attention(tmp_path, config, target, 
 
 
 @needs_compiler
+@pytest.mark.ci
 def test_fp8_compiles_to_cublaslt_float8_gemms_on_an_h200(tmp_path):
     overrides = ("--config.model.fp8=true", "--config.model.dtype=bfloat16", "--config.batch_size=8")
     result = plan(tmp_path, "configs/tiny.py", "h200x8", *overrides)

@@ -196,6 +196,7 @@ def fake_gcloud(tmp_path) -> tuple[dict, Path]:
                PYTHON=sys.executable, MAXLM_PLATFORM="cpu", MAXLM_DISTRIBUTED="off"), state
 
 
+@pytest.mark.ci
 def test_tpu_launcher_detaches_attaches_and_restarts_a_preempted_slice(tmp_path, data_dirs):
     """Against a stand-in gcloud: the training starts detached (its own session; the launcher
     returns with --detach), --attach follows it, and a spot preemption (SIGTERM to the training,

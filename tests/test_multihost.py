@@ -73,6 +73,7 @@ def losses(workdir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.ci
 def test_a_checkpoint_one_process_reads_as_damaged_is_skipped_by_all(tmp_path, data_dirs):
     """Process 1 alone reads checkpoint 6 as damaged: both processes set it aside and resume from
     3 (deciding alone, one would restore 6 and the other 3, and the job would hang), then train

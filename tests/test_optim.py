@@ -3,6 +3,8 @@ clipping, each optimizer's state and how it is sharded, and the config's rules f
 
 import json
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ import optax
 import pytest
 
 from maxlm import checkpoint, config as config_lib, mesh as mesh_lib, model, optim, state as state_lib, train
-from tests.helpers import load_config, with_overrides
+from tests.helpers import ROOT, command_env, load_config, with_overrides
 
 
 def run_cfg(num_devices=1, **optim_overrides):
@@ -260,20 +262,32 @@ def final_state(workdir, step=20):
     # Lion's usual settings: lr and weight decay 10x AdamW's other way, b2 0.99; a batch-scaled peak
     pytest.param({"optim.name": "lion", "optim.lr": 3e-4, "optim.weight_decay": 1.0, "optim.b2": 0.99,
                   "optim.schedule": "wsd", "optim.lr_batch_scaling": "sqrt", "optim.lr_reference_batch": 2},
-                 id="lion"),
+                 id="lion", marks=pytest.mark.ci),
     pytest.param({"optim.name": "adafactor", "optim.schedule": "inverse_sqrt", "model.d_model": 128,
                   "model.mlp_dim": 256}, id="adafactor"),  # matrices it factors
 ])
 def test_train_resume_is_bitwise_on_a_zero1_mesh(overrides, tmp_path, data_dirs):
     """tiny.py with each new optimizer on mesh (data 2, fsdp 4) with ZeRO-1 learns; dropping its
     last checkpoint and rerunning replays steps 11-20 bit for bit, optimizer state included; its
-    checkpoints verify; and a start with another optim.name is refused before anything compiles."""
-    cfg = with_overrides(load_config("tiny"), {
-        **data_dirs, **overrides, "mesh.data": 2, "mesh.fsdp": 4, "optim.shard_state_over_data": True,
-        "eval.every_steps": 0, "metrics.tensorboard": False})
-    cfg = config_lib.resolve(cfg, jax.device_count())
+    checkpoints verify; and a start with another optim.name is refused before anything compiles.
+
+    The runs are commands, each its own process: run in-process after other tests (in a pytest
+    worker, tests/test_observability.py's), this mesh's train step sometimes deadlocked in XLA:CPU's
+    collectives (devices waiting at different all-gathers/all-reduces until XLA aborted); alone,
+    in a process of its own, it never did. The cause is not found yet."""
+    settings = {**data_dirs, **overrides, "mesh.data": 2, "mesh.fsdp": 4, "optim.shard_state_over_data": True,
+                "eval.every_steps": 0, "metrics.tensorboard": False}
+    cfg = config_lib.resolve(with_overrides(load_config("tiny"), settings), jax.device_count())
+
+    def run(workdir):
+        result = subprocess.run(
+            [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={workdir}",
+             *(f"--config.{k}={v}" for k, v in settings.items())],
+            cwd=ROOT, env=command_env(tmp_path), capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+
     full = tmp_path / "full"
-    train.train_and_evaluate(cfg, str(full))
+    run(full)
     first = rows(full)
     assert first[20]["loss"] < first[5]["loss"] - 0.5, first  # it learns
     assert first[5]["lr"] == pytest.approx(lr_at(cfg, 4), rel=1e-6)  # the rate step 5 used
@@ -283,7 +297,7 @@ def test_train_resume_is_bitwise_on_a_zero1_mesh(overrides, tmp_path, data_dirs)
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "20")
     (resumed / "metrics.jsonl").write_text("")
-    train.train_and_evaluate(cfg, str(resumed))
+    run(resumed)
     again = rows(resumed)
     assert sorted(again) == [15, 20] and [again[s]["loss"] for s in again] == [first[s]["loss"] for s in again]
     for a, b in zip(jax.tree.leaves(final_state(full)), jax.tree.leaves(final_state(resumed))):

@@ -156,6 +156,7 @@ def test_collect_gathers_each_points_metrics_into_the_csv(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir(os.path.join(os.environ.get("MAXLM_TARGET_COMPILERS", ""), "libtpu")),
                     reason="libtpu is not installed here (`make test` installs it in .venv/target-compilers)")
+@pytest.mark.ci
 def test_a_planned_sweep_for_a_tpu_slice_ranks_points_by_their_estimate(tmp_path):
     """--plan --target=v5p-8: every point compiled for the slice (no TPU), ranked by estimated
     tokens/s; a point too big for the chips' HBM is listed as such, with XLA's reason."""

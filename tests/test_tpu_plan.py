@@ -101,7 +101,7 @@ def test_libtpu_refuses_a_flag_it_does_not_know(tmp_path):
     assert result.returncode != 0 and "Unknown command line flag 'xla_tpu_no_such_flag'" in result.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.ci  # four full 1B/8B compiles for v5p, about 6 minutes of CPU: in CI (make test-ci)
 @needs_libtpu
 @pytest.mark.parametrize("config, target", [
     ("configs/llama_1b.py", "v5p-8"),  # the base config as shipped, 1M tokens a step

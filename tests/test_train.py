@@ -99,7 +99,7 @@ def test_non_finite_loss_stops_without_saving(tmp_path, data_dirs):
     assert saved == []  # every update was skipped (non-finite): no good step, nothing written
 
 
-@pytest.mark.slow
+@pytest.mark.ci
 def test_a_second_start_loads_the_compiled_step_from_the_compile_cache(tmp_path):
     """compile_cache_dir: the second start of the same run (here: a fresh workdir, the same
     config) loads its programs instead of compiling them, so its first step is measurably faster."""
