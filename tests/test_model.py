@@ -157,8 +157,12 @@ def test_remat_choices_match_the_policies():
 @pytest.mark.parametrize("remat", config_lib.REMAT)
 def test_scan_and_remat_equal_unrolled(remat):
     """Scanned (any remat policy) and unrolled layers: same loss, same gradients."""
-    unrolled = tiny_model_cfg(scan_layers=False, remat="none")
-    scanned = tiny_model_cfg(scan_layers=True, remat=remat)
+    assert_scanned_equals_unrolled(tiny_model_cfg(scan_layers=False, remat="none"),
+                                   tiny_model_cfg(scan_layers=True, remat=remat))
+
+
+def assert_scanned_equals_unrolled(unrolled, scanned):
+    """Same loss and gradients from both layer layouts of one initialisation; the scanned grads."""
     params = model.init_params(unrolled, jax.random.key(0))
     batch = packed_batch(2, 32, unrolled.vocab_size)
     value_and_grad = lambda cfg: jax.value_and_grad(lambda p: model.loss_fn(cfg, p, batch)[0])
@@ -167,6 +171,7 @@ def test_scan_and_remat_equal_unrolled(remat):
     np.testing.assert_allclose(float(loss_s), float(loss_u), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(model.stack_layers(grads_u)), jax.tree.leaves(grads_s)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+    return grads_s
 
 
 @pytest.mark.parametrize("extras", [{}, {"z_loss": 1e-3, "label_smoothing": 0.1}], ids=["plain", "extras"])
@@ -242,16 +247,8 @@ def test_absolute_encodings_see_absolute_positions(positions):
 def test_learned_positions_scanned_equal_unrolled():
     """Both layer layouts, same loss and gradients, the table's included (the sinusoid takes the
     same path, `positions.add_positions`, without a parameter)."""
-    unrolled = tiny_model_cfg(scan_layers=False, positions="learned")
-    scanned = tiny_model_cfg(scan_layers=True, positions="learned")
-    params = model.init_params(unrolled, jax.random.key(0))
-    batch = packed_batch(2, 32, unrolled.vocab_size)
-    value_and_grad = lambda cfg: jax.value_and_grad(lambda p: model.loss_fn(cfg, p, batch)[0])
-    loss_u, grads_u = value_and_grad(unrolled)(params)
-    loss_s, grads_s = value_and_grad(scanned)(model.stack_layers(params))
-    np.testing.assert_allclose(float(loss_s), float(loss_u), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(model.stack_layers(grads_u)), jax.tree.leaves(grads_s)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+    grads_s = assert_scanned_equals_unrolled(tiny_model_cfg(scan_layers=False, positions="learned"),
+                                             tiny_model_cfg(scan_layers=True, positions="learned"))
     assert float(jnp.abs(grads_s["pos_embed"]).max()) > 0  # the table trains
 
 
