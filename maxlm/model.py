@@ -28,7 +28,7 @@ import ml_collections
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm import attention, fp8, positions
+from maxlm import attention, fp8, head, positions
 
 Batch = dict[str, jax.Array]
 
@@ -329,13 +329,13 @@ def pipelined_hidden_states(model_cfg, params, batch: Batch, stages: int) -> jax
 
 
 def head_weights(model_cfg, params) -> jax.Array:
-    """The output projection [D, V]: the embedding's transpose when tied."""
-    return params["embed"].T if model_cfg.tie_embeddings else params["head"]
+    """The output projection: `head` [D, V], or the embedding [V, D] itself when tied."""
+    return params["embed"] if model_cfg.tie_embeddings else params["head"]
 
 
-def output_logits(model_cfg, x_BLD, head_DV):
-    """Float32 logits [B, L, V] of final hidden states."""
-    logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, head_DV.astype(x_BLD.dtype))
+def output_logits(model_cfg, x_BLD, w_head):
+    """Float32 logits [B, L, V] of final hidden states (`w_head` from `head_weights`)."""
+    logits_BLV = head.project("vd" if model_cfg.tie_embeddings else "dv", x_BLD, w_head.astype(x_BLD.dtype))
     return _constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
@@ -344,7 +344,7 @@ def apply(model_cfg, params, batch: Batch) -> jax.Array:
     return output_logits(model_cfg, hidden_states(model_cfg, params, batch), head_weights(model_cfg, params))
 
 
-def _token_losses(model_cfg, x_BLD, head_DV, targets_BL) -> dict:
+def _token_losses(model_cfg, x_BLD, w_head, targets_BL) -> dict:
     """{"objective", "cross_entropy", "correct"} per token, float32 [B, L].
 
     The objective adds label smoothing (cross-entropy against a mix of the target and the uniform
@@ -352,7 +352,7 @@ def _token_losses(model_cfg, x_BLD, head_DV, targets_BL) -> dict:
     is 1 where the argmax prediction is the target (evaluation reads it; a training step never
     does, so XLA drops it there).
     """
-    logits_BLV = output_logits(model_cfg, x_BLD, head_DV)
+    logits_BLV = output_logits(model_cfg, x_BLD, w_head)
     log_z_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
     target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
     cross_entropy_BL = log_z_BL - target_logit_BL
@@ -366,7 +366,7 @@ def _token_losses(model_cfg, x_BLD, head_DV, targets_BL) -> dict:
     return {"objective": objective_BL, "cross_entropy": cross_entropy_BL, "correct": correct_BL}
 
 
-def _chunked_token_losses(model_cfg, x_BLD, head_DV, targets_BL) -> dict:
+def _chunked_token_losses(model_cfg, x_BLD, w_head, targets_BL) -> dict:
     """`_token_losses` one length-chunk at a time, so [B, L, V] float32 logits never exist.
 
     Each chunk is rematerialised in the backward pass too (jax.checkpoint), so its logits are
@@ -379,7 +379,7 @@ def _chunked_token_losses(model_cfg, x_BLD, head_DV, targets_BL) -> dict:
     chunk_losses = jax.checkpoint(functools.partial(_token_losses, model_cfg))
 
     def body(carry, chunk):
-        return carry, chunk_losses(chunk[0], head_DV, chunk[1])
+        return carry, chunk_losses(chunk[0], w_head, chunk[1])
 
     _, per_token_NBC = jax.lax.scan(body, None, (x_NBCD, targets_NBC))
     return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(B, L), per_token_NBC)
@@ -390,10 +390,10 @@ def token_losses(model_cfg, params, batch: Batch) -> dict:
     "weights": 1 for real tokens, 0 for padding. Logits are computed `model.logits_chunk_size`
     positions at a time when that is set."""
     x_BLD = hidden_states(model_cfg, params, batch)
-    head_DV = head_weights(model_cfg, params)
+    w_head = head_weights(model_cfg, params)
     chunk = model_cfg.logits_chunk_size
     per_token = _chunked_token_losses if chunk and chunk < x_BLD.shape[1] else _token_losses
-    return {**per_token(model_cfg, x_BLD, head_DV, batch["targets"]),
+    return {**per_token(model_cfg, x_BLD, w_head, batch["targets"]),
             "weights": (batch["segment_ids"] > 0).astype(jnp.float32)}
 
 
