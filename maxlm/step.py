@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from maxlm import loss_scale, mesh as mesh_lib, model, optim
-from maxlm.state import State, all_finite
+from maxlm.state import State
 
 
 def loss_and_grads(cfg, params, batch, scale=None):
@@ -85,7 +85,11 @@ def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple
     # how far this step moved the weights, relative to their size (~1e-3 is typical for Adam)
     update_ratio = optax.tree.norm(updates) / optax.tree.norm(state["params"])
     grads_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    ok = grads_finite & all_finite(params) & all_finite(opt_state)
+    # Scalars, not a pass over every leaf (6% of a small model's CPU step): from a finite state,
+    # finite gradients with a finite Σg² keep every optimizer moment finite (running means of g
+    # and g², clipped or sign-taken), and a finite update keeps the parameters finite. The
+    # checkpointer still checks every leaf before it writes (checkpoint.py).
+    ok = grads_finite & jnp.isfinite(optax.tree.norm(updates))
     keep_if_bad = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
     params = keep_if_bad(params, state["params"])
     opt_state = keep_if_bad(opt_state, state["opt_state"])
