@@ -14,8 +14,11 @@ does not know).
 import importlib.metadata
 import os
 
-_CPU_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
-_CPU_DEFAULT = f"{_CPU_FLAG}=dot,reduce"
+# XLA_FLAGS as the environment gave them, before the default below is added (maxlm.compare passes
+# these, not maxlm's, to the code it compares with).
+USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+CPU_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+CPU_DEFAULT = f"{CPU_FLAG}=dot,reduce"
 # XLA aborts on a flag it does not know, and experimental flags come and go: only for the jaxlib
 # series this was measured with (requirements.lock).
 _TESTED_JAXLIB = "0.10."
@@ -29,6 +32,6 @@ def _jaxlib_version() -> str:
 
 
 if (os.environ.get("MAXLM_XLA_CPU_DEFAULTS", "1") != "0"
-        and _CPU_FLAG not in os.environ.get("XLA_FLAGS", "")
+        and CPU_FLAG not in os.environ.get("XLA_FLAGS", "")
         and _jaxlib_version().startswith(_TESTED_JAXLIB)):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_CPU_DEFAULT}".strip()
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_DEFAULT}".strip()
