@@ -17,6 +17,10 @@ then reads the shards back (rows/s, and a reader's peak memory).
 
 `attention` compares cuDNN's fused attention with the XLA path at the config's shapes (GPU only):
 largest differences of outputs and gradients, and each one's forward+backward time.
+
+`compare --peer=maxtext` runs `train` and MaxText's trainer for the same model, batch and optimizer
+on the CPU, each in its own process, in interleaved pairs: each side's tokens/s and time to first
+step, and their ratios (maxlm/compare.py).
 """
 
 from __future__ import annotations
@@ -231,9 +235,15 @@ def main(argv) -> None:
     from absl import flags
 
     what = argv[1] if len(argv) > 1 else "train"
-    if what not in ("train", "data", "prepare", "checkpoint", "plan", "attention"):
-        cli.config_error(f"unknown benchmark {what!r}; available: train, data, prepare, checkpoint, plan, attention")
+    if what not in ("train", "data", "prepare", "checkpoint", "plan", "attention", "compare"):
+        cli.config_error(f"unknown benchmark {what!r}; available: train, data, prepare, checkpoint, plan, "
+                         "attention, compare")
     cli.setup_logging()
+    if what == "compare":  # two code bases, each in its own processes: nothing to initialise here
+        from maxlm import compare
+
+        print(json.dumps(compare.main(), indent=2))
+        return
     if flags.FLAGS.target:  # compiled for hardware that is not here: nothing to initialise
         if what != "plan":
             cli.config_error(f"--target is for `plan` only, not {what!r}")
@@ -294,6 +304,9 @@ def _define_flags() -> None:
                          "data-center network (set mesh.dcn_data or dcn_fsdp to match).")
     flags.DEFINE_string("profile_dir", "", "train: also trace two untimed steps into this directory "
                         "(jax.profiler: TensorBoard's profile plugin or Perfetto).")
+    from maxlm import compare
+
+    compare.define_flags()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,197 @@
+"""MaxText as the peer of `python -m maxlm.bench compare` (maxlm/compare.py): a maxlm config in
+MaxText's terms, what MaxText's log says, and the venv MaxText runs in.
+
+The mapping is to MaxText 0.2.5's keys (its configs/base.yml; `check_keys` verifies them against
+the installed copy). The venv is made from launch/peers/maxtext.lock, a full freeze of
+`maxtext[tpu]==0.2.5`'s environment, which needs Python 3.12 or newer.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import math
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+
+from maxlm import config as config_lib
+from maxlm.errors import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOCK = os.path.join(REPO, "launch", "peers", "maxtext.lock")
+STAMP = ".maxlm-lock-sha256"  # in the venv: the sha256 of the lock it was installed from
+TRAIN_MODULE = "maxtext.trainers.pre_train.train"
+FIRST_STEP_LINE = re.compile(r"completed step: 0,")
+STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([0-9.]+)")
+PARAMS_LINE = re.compile(r"number parameters: ([0-9.]+) billion")
+# model.remat -> MaxText's overrides (policies of MaxText's layers/nnx_decoders.py)
+REMAT = {
+    "full": {"remat_policy": "full"},
+    "save_dots": {"remat_policy": "minimal"},  # every weight matmul's output
+    "save_qkv_proj": {"remat_policy": "save_qkv_proj"},
+    # maxlm's keeps both output projections; MaxText's save_out_proj only the attention's
+    "save_out_proj": {"remat_policy": "custom", "out_proj": "device", "mlpwo": "device"},
+    # unscanned layers only: MaxText 0.2.5 wraps its scanned layer body in jax.checkpoint under
+    # every policy, and 'none' then saves nothing, as 'full'
+    "none": {"remat_policy": "none"},
+}
+
+
+class PeerError(RuntimeError):
+    """The peer's environment could not be made or does not match the mapping (exit 1)."""
+
+
+def check_expressible(cfg) -> None:
+    """Raises ConfigError naming everything in `cfg` that MaxText cannot run the same way."""
+    m, o = cfg.model, cfg.optim
+    problems = {
+        "more than one device (the comparison runs on one)":
+            math.prod(cfg.mesh[a] for a in config_lib.MESH_AXES) != 1,
+        f"model.positions={m.positions!r} (MaxText's llama2 block has RoPE only)": m.positions != "rope",
+        "model.label_smoothing (MaxText's pre-training loss has none)": m.label_smoothing,
+        "model.fp8": m.fp8,
+        "model.logits_chunk_size (MaxText's vocabulary tiling is another scheme)": m.logits_chunk_size,
+        "model.dtype='float16' (maxlm's loss scaling has no MaxText counterpart)": m.dtype == "float16",
+        f"model.attention={m.attention!r} (on CPU: xla)": m.attention not in ("auto", "xla"),
+        f"optim.name={o.name!r} (adamw only)": o.name != "adamw",
+        "optim.grad_accum_steps > 1": o.grad_accum_steps != 1,
+        "model.remat='none' with model.scan_layers (MaxText 0.2.5 rematerialises scanned layers under "
+        "every remat_policy; use model.remat=full, or model.scan_layers=False)": m.remat == "none" and m.scan_layers,
+    }
+    found = [what for what, bad in problems.items() if bad]
+    if found:
+        raise ConfigError("MaxText cannot run this config the same way: " + "; ".join(found))
+
+
+def maxtext_args(cfg, steps: int, workdir: str) -> list[str]:
+    """MaxText's `key=value` overrides of its base.yml for the resolved maxlm config `cfg`, running
+    `steps` steps with outputs under `workdir`. Raises ConfigError (`check_expressible`)."""
+    check_expressible(cfg)
+    m, o = cfg.model, cfg.optim
+    args = {
+        "run_name": "compare", "base_output_directory": workdir, "hardware": "cpu",
+        "skip_jax_distributed_system": True, "dataset_type": "synthetic", "enable_checkpointing": False,
+        "enable_tensorboard": False, "jax_cache_dir": None, "steps": steps,  # None: no compilation cache
+        "decoder_block": "llama2", "base_emb_dim": m.d_model, "base_num_decoder_layers": m.num_layers,
+        "base_num_query_heads": m.num_heads, "base_num_kv_heads": m.num_kv_heads,
+        "head_dim": m.head_dim or m.d_model // m.num_heads, "base_mlp_dim": m.mlp_dim,
+        "vocab_size": m.vocab_size, "max_target_length": cfg.seq_len,
+        "per_device_batch_size": cfg.batch_size,  # one device
+        "scan_layers": m.scan_layers, "attention": "dot_product", "dtype": m.dtype,
+        "weight_dtype": "float32",  # maxlm's parameters are always float32
+        "logits_via_embedding": m.tie_embeddings, "normalization_layer_epsilon": m.norm_eps,
+        "rope_max_timescale": m.rope_theta, "z_loss_multiplier": m.z_loss,
+        # the schedule's shape is left out: it costs nothing per step
+        "opt_type": "adamw", "learning_rate": o.lr, "adam_b1": o.b1, "adam_b2": o.b2, "adam_eps": o.eps,
+        "adam_weight_decay": o.weight_decay, "gradient_clipping_threshold": o.clip_norm, "mu_dtype": o.mu_dtype,
+        **REMAT[m.remat],
+    }
+    return [f"{key}={override_value(value)}" for key, value in args.items()]
+
+
+def override_value(value) -> str:
+    """`value` as MaxText's command line (OmegaConf) reads it back: `key=` is None, 10000 an int."""
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def parse_maxtext_log(text: str) -> list[tuple[int, float]]:
+    """(step, seconds) of every `completed step: N, seconds: S` line MaxText logged."""
+    return [(int(step), float(sec)) for step, sec in STEP_LINE.findall(text)]
+
+
+def measure(text: str, warmup: int, timed: int, tokens_per_step: int) -> dict:
+    """tokens/s of a MaxText run's log: steps `warmup` to `warmup + timed - 1`, median time. Its
+    first two logged times are only the dispatch's (asynchronous), so `warmup` must be 2 or more."""
+    seconds = dict(parse_maxtext_log(text))
+    wanted = range(warmup, warmup + timed)
+    if any(step not in seconds for step in wanted):
+        raise ValueError(f"MaxText logged no time for some of steps {wanted.start}-{wanted.stop - 1}")
+    step_sec = statistics.median(seconds[step] for step in wanted)
+    params = PARAMS_LINE.search(text)
+    return {"tokens_per_sec": tokens_per_step / step_sec, "step_sec_median": step_sec,
+            "params_billion": float(params.group(1)) if params else None}
+
+
+def check_keys(overrides: list[str], base_yml: str) -> None:
+    """Every override names a key of MaxText's base.yml (another MaxText version may rename some)."""
+    with open(base_yml) as f:
+        text = f.read()
+    keys = [override.split("=")[0] for override in overrides]
+    missing = [key for key in keys if not re.search(rf"^{re.escape(key)}:", text, re.M)]
+    if missing:
+        raise PeerError(f"{base_yml} has no {', '.join(missing)}: maxlm/maxtext_peer.py maps to MaxText 0.2.5")
+
+
+def runs_python_312(python: str) -> bool:
+    try:
+        check = subprocess.run([python, "-c", "import sys; sys.exit(sys.version_info < (3, 12))"], capture_output=True)
+    except OSError:
+        return False
+    return check.returncode == 0
+
+
+def find_python(named: str, uv: str | None) -> str:
+    """A Python 3.12+ for the venv: `named` (--peer_python); else python3.12 or python3.13 on PATH
+    that runs (pyenv's shims may refuse); else pyenv's; else uv's, installed if need be."""
+    if named:
+        if not runs_python_312(named):
+            raise ConfigError(f"--peer_python={named} does not run as Python 3.12 or newer")
+        return named
+    candidates = [shutil.which(name) for name in ("python3.12", "python3.13")]
+    candidates += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[2-9]*/bin/python3")))
+    for python in filter(None, candidates):
+        if runs_python_312(python):
+            return python
+    if uv:
+        find = [uv, "python", "find", "3.12"]
+        if subprocess.run(find, capture_output=True).returncode:
+            subprocess.run([uv, "python", "install", "3.12"], stdout=sys.stderr)
+        found = subprocess.run(find, capture_output=True, text=True)
+        if found.returncode == 0:
+            return found.stdout.strip()
+    raise ConfigError("MaxText needs Python 3.12 or newer and none was found (python3.12 or python3.13 on "
+                      "PATH, ~/.pyenv/versions/3.12*, uv): install one, or name it with --peer_python")
+
+
+def ensure_peer_venv(path: str, python: str = "") -> None:
+    """Makes `path` a venv with launch/peers/maxtext.lock installed (with uv when on PATH, else pip),
+    unless its stamp records this lock already. A venv made otherwise (no stamp) that has maxtext
+    is used as it is."""
+    with open(LOCK, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    venv_python, stamp = os.path.join(path, "bin", "python"), os.path.join(path, STAMP)
+    if os.path.exists(venv_python):
+        if os.path.exists(stamp):
+            with open(stamp) as f:
+                if f.read().strip() == digest:
+                    return
+        elif subprocess.run([venv_python, "-c", "import maxtext"], capture_output=True).returncode == 0:
+            return progress(f"{path} has no {STAMP}: using its maxtext as it is")
+    uv = shutil.which("uv")
+    if not os.path.exists(venv_python):
+        base = find_python(python, uv)
+        progress(f"creating {path} with {base}")
+        checked([uv, "venv", "--python", base, path] if uv else [base, "-m", "venv", path])
+    progress(f"installing {os.path.relpath(LOCK, REPO)} into {path} with {'uv' if uv else 'pip'} (about 2.3 GB)")
+    install = [uv, "pip", "install", "--python", venv_python] if uv else [venv_python, "-m", "pip", "install"]
+    checked(install + ["--no-deps", "-r", LOCK])  # the lock is a full freeze
+    with open(stamp, "w") as f:
+        f.write(digest + "\n")
+
+
+def checked(command: list[str]) -> None:
+    if subprocess.run(command, stdout=sys.stderr).returncode:  # stdout is for the JSON result
+        raise PeerError(f"failed: {shlex.join(command)}")
+
+
+def progress(message: str) -> None:
+    print(f"compare: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,182 @@
+"""`maxlm.bench compare --peer=maxtext` without MaxText: the config mapping and its refusals, MaxText's
+log and maxlm's JSON read back, the pairs and medians with fake runs, the commands of both runtimes."""
+
+import hashlib
+import re
+import sys
+
+import pytest
+
+import maxlm
+from maxlm import compare, config as config_lib, maxtext_peer
+from maxlm.errors import ConfigError
+from tests.helpers import load_config
+
+# The model of the comparison in docs/performance.md: 20.6M parameters, batch 4 x 256, bfloat16.
+ISSUE_MODEL = {"model.d_model": 256, "model.num_layers": 4, "model.num_heads": 4, "model.num_kv_heads": 4,
+               "model.head_dim": 64, "model.mlp_dim": 1024, "model.vocab_size": 32000, "seq_len": 256,
+               "batch_size": 4, "model.remat": "full", "model.attention": "xla", "model.dtype": "bfloat16"}
+
+# From a real MaxText 0.2.5 run of that model on this CPU (stderr, 2026-12-01; one config line kept)
+MAXTEXT_LOG = """\
+I1201 06:19:55.857740 140602799827840 pyconfig.py:591] Config param adam_b1: 0.9
+I1201 06:20:01.048598 140602799827840 metric_logger.py:425] number parameters: 0.021 billion
+I1201 06:20:02.541905 140602799827840 metric_logger.py:265] completed step: 0, seconds: 0.057, TFLOP/s/device: 1.355, Tokens/s/device: 17854.341, total_weights: 1024, loss: 10.880, lm_loss: 10.880, perplexity: 53108.922
+I1201 06:20:03.902605 140602799827840 metric_logger.py:265] completed step: 1, seconds: 0.112, TFLOP/s/device: 0.693, Tokens/s/device: 9135.353, total_weights: 1024, loss: 10.798, lm_loss: 10.798, perplexity: 48915.969
+I1201 06:20:05.238287 140602799827840 metric_logger.py:265] completed step: 2, seconds: 1.332, TFLOP/s/device: 0.058, Tokens/s/device: 768.954, total_weights: 1024, loss: 10.720, lm_loss: 10.720, perplexity: 45240.695
+I1201 06:20:06.543772 140602799827840 metric_logger.py:265] completed step: 3, seconds: 1.356, TFLOP/s/device: 0.057, Tokens/s/device: 755.213, total_weights: 1024, loss: 10.652, lm_loss: 10.652, perplexity: 42286.277
+I1201 06:20:07.868460 140602799827840 metric_logger.py:265] completed step: 4, seconds: 1.340, TFLOP/s/device: 0.058, Tokens/s/device: 764.297, total_weights: 1024, loss: 10.599, lm_loss: 10.599, perplexity: 40100.191
+"""  # noqa: E501
+
+
+def issue_config(**overrides):
+    cfg = config_lib.apply_overrides(load_config("tiny"), {**ISSUE_MODEL, **overrides})
+    return config_lib.resolve(cfg, 1, 1, "cpu")
+
+
+def as_dict(args: list[str]) -> dict:
+    return dict(arg.split("=", 1) for arg in args)
+
+
+def test_maxtext_args_for_the_issue_model():
+    assert as_dict(maxtext_peer.maxtext_args(issue_config(), 12, "/tmp/out")) == {
+        "run_name": "compare", "base_output_directory": "/tmp/out", "hardware": "cpu",
+        "skip_jax_distributed_system": "True", "dataset_type": "synthetic", "enable_checkpointing": "False",
+        "enable_tensorboard": "False", "jax_cache_dir": "", "steps": "12", "decoder_block": "llama2",
+        "base_emb_dim": "256", "base_num_decoder_layers": "4", "base_num_query_heads": "4",
+        "base_num_kv_heads": "4", "head_dim": "64", "base_mlp_dim": "1024", "vocab_size": "32000",
+        "max_target_length": "256", "per_device_batch_size": "4", "scan_layers": "True",
+        "attention": "dot_product", "dtype": "bfloat16", "weight_dtype": "float32",
+        "logits_via_embedding": "False", "normalization_layer_epsilon": "1e-05", "rope_max_timescale": "10000",
+        "z_loss_multiplier": "0", "opt_type": "adamw", "learning_rate": "0.003", "adam_b1": "0.9",
+        "adam_b2": "0.95", "adam_eps": "1e-08", "adam_weight_decay": "0.1", "gradient_clipping_threshold": "1",
+        "mu_dtype": "float32", "remat_policy": "full",
+    }
+
+
+def test_head_dim_zero_is_d_model_over_heads_and_tied_embeddings_map():
+    args = as_dict(maxtext_peer.maxtext_args(issue_config(**{"model.head_dim": 0, "model.tie_embeddings": True}),
+                                             12, "/tmp/out"))
+    assert (args["head_dim"], args["logits_via_embedding"]) == ("64", "True")
+
+
+@pytest.mark.parametrize("remat, scan, expected", [
+    ("save_dots", True, {"remat_policy": "minimal"}),
+    ("save_qkv_proj", True, {"remat_policy": "save_qkv_proj"}),
+    ("save_out_proj", True, {"remat_policy": "custom", "out_proj": "device", "mlpwo": "device"}),
+    ("none", False, {"remat_policy": "none"}),
+])
+def test_remat_policies_map_to_the_same_saved_tensors(remat, scan, expected):
+    args = as_dict(maxtext_peer.maxtext_args(issue_config(**{"model.remat": remat, "model.scan_layers": scan}),
+                                             12, "/tmp/out"))
+    assert {k: args.get(k) for k in expected} == expected
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"model.positions": "learned"}, "model.positions='learned'"),
+    ({"model.label_smoothing": 0.1}, "model.label_smoothing"),
+    ({"optim.name": "lion"}, "optim.name='lion'"),
+    ({"model.remat": "none"}, "model.remat='none' with model.scan_layers"),
+])
+def test_what_maxtext_cannot_run_the_same_way_is_refused(overrides, named):
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        maxtext_peer.maxtext_args(issue_config(**overrides), 12, "/tmp/out")
+
+
+def test_more_than_one_device_is_refused():
+    cfg = config_lib.apply_overrides(load_config("tiny"), {**ISSUE_MODEL, "mesh.data": 2, "mesh.fsdp": 1})
+    with pytest.raises(ConfigError, match="more than one device"):
+        maxtext_peer.maxtext_args(config_lib.resolve(cfg, 2, 1, "cpu"), 12, "/tmp/out")
+
+
+def test_maxtext_log_is_read_back():
+    assert maxtext_peer.parse_maxtext_log(MAXTEXT_LOG) == [(0, 0.057), (1, 0.112), (2, 1.332), (3, 1.356),
+                                                           (4, 1.340)]
+    # steps 2-4 timed: median 1.340 s for 4 x 256 tokens
+    assert maxtext_peer.measure(MAXTEXT_LOG, 2, 3, 1024) == {
+        "tokens_per_sec": 1024 / 1.340, "step_sec_median": 1.340, "params_billion": 0.021}
+    with pytest.raises(ValueError, match="steps 2-5"):
+        maxtext_peer.measure(MAXTEXT_LOG, 2, 4, 1024)
+
+
+def test_maxlm_json_is_read_after_other_output():
+    text = 'maxlm: warning: something\nbench: step 0 done\n{\n  "tokens_per_sec": 5000.0,\n' \
+           '  "step_sec_median": 0.2,\n  "xla_flags": "--a"\n}\n'
+    assert compare.maxlm_measure(text) == {"tokens_per_sec": 5000.0, "step_sec_median": 0.2, "xla_flags": "--a"}
+
+
+def fake_side(name):
+    """A side whose run's whole output is its tokens/s (the fake launcher prints it)."""
+    return compare.Side(name, [name], {}, re.compile("x"), lambda text: {"tokens_per_sec": float(text),
+                                                                         "step_sec_median": 1024 / float(text)})
+
+
+def test_pairs_alternate_and_medians_and_ratios_are_per_pair():
+    outputs = {"maxlm": iter([("1000", 20.0), ("1200", 21.0), ("900", None)]),
+               "maxtext": iter([("500", 40.0), ("800", 42.0), ("450", 41.0)])}
+    order = []
+
+    def launch(command, env, first_step_line):
+        order.append(command[0])
+        text, first = next(outputs[command[0]])
+        return compare.Output(text, first, 0)
+
+    results = compare.run_pairs([fake_side("maxlm"), fake_side("maxtext")], 3, launch)
+    assert order == ["maxlm", "maxtext", "maxtext", "maxlm", "maxlm", "maxtext"]
+    summary = compare.summarize(results)
+    assert [p["first"] for p in summary["pairs"]] == ["maxlm", "maxtext", "maxlm"]
+    assert [p["ratio"] for p in summary["pairs"]] == [2.0, 1.5, 2.0]
+    assert summary["pairs"][1]["maxtext"] == {"tokens_per_sec": 800.0, "step_sec_median": 1.28, "first_step_sec": 42.0}
+    assert summary["maxlm_tokens_per_sec_median"] == 1000.0
+    assert summary["maxtext_tokens_per_sec_median"] == 500.0
+    assert summary["median_ratio"] == 2.0
+    # the third pair has no maxlm first-step time: its ratio is left out, not counted as 0
+    assert summary["maxlm_first_step_sec_median"] == 20.5
+    assert summary["first_step_ratio"] == pytest.approx((20 / 40 + 21 / 42) / 2)
+
+
+def test_a_failed_run_stops_the_comparison_with_its_output():
+    def launch(command, env, first_step_line):
+        return compare.Output("Traceback ...\nImportError: x\n", None, 1)
+
+    with pytest.raises(compare.RunFailed, match="maxlm exited with status 1") as failed:
+        compare.run_pairs([fake_side("maxlm"), fake_side("maxtext")], 1, launch)
+    assert "ImportError" in failed.value.output
+
+
+def test_maxlm_command_keeps_the_users_flags_but_compares():
+    argv = ["compare", "--peer=maxtext", "--pairs", "2", "--config=configs/tiny.py", "--config.seq_len=256",
+            "--runtime=same", "--peer_venv=/v", "--steps=5", "--warmup_steps", "3"]
+    assert compare.maxlm_bench_flags(argv, 3, 5) == ["--config=configs/tiny.py", "--config.seq_len=256",
+                                                     "--warmup_steps=3", "--steps=5"]
+
+
+@pytest.mark.parametrize("runtime", ["own", "same"])
+def test_runtimes_choose_the_interpreter_and_xla_flags(runtime, monkeypatch):
+    monkeypatch.setattr(maxlm, "USER_XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    maxlm_side, maxtext_side = compare.make_sides(issue_config(), runtime, "/v/bin/python", "/v/maxtext",
+                                                  ["steps=5"], ["--config=configs/tiny.py"], 2, 3)
+    assert maxtext_side.command == ["/v/bin/python", "-m", "maxtext.trainers.pre_train.train",
+                                    "/v/maxtext/configs/base.yml", "steps=5"]
+    assert maxtext_side.env["DECOUPLE_GCLOUD"] == "TRUE"
+    same = runtime == "same"
+    assert maxlm_side.command[0] == ("/v/bin/python" if same else sys.executable)
+    # own: the user's flags (maxlm's process adds its default itself); same: maxlm's default for both
+    expected = "--xla_dump_to=/tmp/d" + (f" {maxlm.CPU_DEFAULT}" if same else "")
+    assert maxlm_side.env["XLA_FLAGS"] == maxtext_side.env["XLA_FLAGS"] == expected
+    assert ("PYTHONPATH" in maxlm_side.env) == same
+    assert maxlm_side.shell().startswith("PYTHONPATH=" if same else "JAX_PLATFORMS=cpu XLA_FLAGS=")
+
+
+def test_a_venv_stamped_with_this_lock_is_not_installed_again(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").touch()
+    with open(maxtext_peer.LOCK, "rb") as f:
+        (tmp_path / maxtext_peer.STAMP).write_text(hashlib.sha256(f.read()).hexdigest() + "\n")
+    monkeypatch.setattr(maxtext_peer, "checked", lambda command: pytest.fail(f"ran {command}"))
+    maxtext_peer.ensure_peer_venv(str(tmp_path))
+
+
+def test_a_peer_python_that_is_not_3_12_is_refused():
+    with pytest.raises(ConfigError, match="--peer_python=/nonexistent/python"):
+        maxtext_peer.find_python("/nonexistent/python", None)
