@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 import jax
@@ -69,17 +70,23 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "")
     train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings)
     batch = mesh_lib.read_batch(SyntheticData(cfg), 0, mesh, rules)
 
-    times = []
-    with mesh_lib.activate(mesh, rules):
-        compile_start = time.perf_counter()
-        for i in range(warmup_steps + timed_steps):
-            start = time.perf_counter()
+    # On CPU the peak is probed after every timed step, in the same window as the step it divides
+    on_cpu = jax.devices()[0].platform == "cpu"
+    times, probes = [], []
+    compile_start = time.perf_counter()
+    for i in range(warmup_steps + timed_steps):
+        start = time.perf_counter()
+        with mesh_lib.activate(mesh, rules):
             state, step_metrics = train_fn(state, batch)
-            jax.block_until_ready(step_metrics)
-            if i == 0:
-                compile_sec = time.perf_counter() - compile_start
-            if i >= warmup_steps:
-                times.append(time.perf_counter() - start)
+        jax.block_until_ready(step_metrics)
+        if i == 0:
+            compile_sec = time.perf_counter() - compile_start
+            print("bench: step 0 done", file=sys.stderr, flush=True)  # bench compare's mark
+        if i >= warmup_steps:
+            times.append(time.perf_counter() - start)
+            if on_cpu:  # one device's matmul, outside the step's mesh
+                probes.append(flops.matmul_flops_per_sec(jax.devices()[0], flops.CPU_PROBE_DTYPE))
+    with mesh_lib.activate(mesh, rules):
         if profile_dir:
             with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
                 for _ in range(2):
@@ -91,14 +98,20 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "")
     tokens_per_sec = tokens_per_step / step_sec
     flops_per_token = flops.flops_per_token(cfg.model, cfg.seq_len)
     peak = flops.peak_flops(jax.devices(), cfg.model.dtype)
+    peak_total, mfu = peak["total_flops_per_sec"], None
+    if probes:  # each step against the probe read right after it; the median of those
+        peak_total, peak["source"] = statistics.median(probes), "measured between the timed steps"
+        mfu = statistics.median(tokens_per_step * flops_per_token / (t * p) for t, p in zip(times, probes))
     return {
         "benchmark": "train_step",
         "config": cfg.name,
         "tokens_per_sec": tokens_per_sec,
         "model_tflops_per_sec": tokens_per_sec * flops_per_token / 1e12,
-        "mfu": flops.mfu(tokens_per_sec, flops_per_token, peak["total_flops_per_sec"]),
-        "peak_tflops_per_sec": peak["total_flops_per_sec"] / 1e12,
+        "mfu": mfu if mfu is not None else flops.mfu(tokens_per_sec, flops_per_token, peak_total),
+        "peak_tflops_per_sec": peak_total / 1e12,
         "peak_source": peak["source"],
+        **({"peak_probe_tflops_per_sec": {"median": peak_total / 1e12, "min": min(probes) / 1e12,
+                                          "max": max(probes) / 1e12, "count": len(probes)}} if probes else {}),
         "device_kind": peak["device_kind"],
         "device_count": jax.device_count(),
         "process_count": jax.process_count(),

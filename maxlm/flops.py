@@ -137,7 +137,10 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16",
                   "fp32": "float32", "f32": "float32", "float": "float32"}
 
 
-def _dtype_name(dtype) -> str:
+CPU_PROBE_DTYPE = "float32"  # the matmul a CPU's peak is measured with, whatever model.dtype
+
+
+def dtype_name(dtype) -> str:
     name = _DTYPE_ALIASES.get(str(dtype).lower(), dtype)
     name = jnp.dtype(name).name
     if name not in ("bfloat16", "float16", "float32"):
@@ -184,6 +187,23 @@ def _time_matmul(device, n: int, dtype_name: str, repeats: int = 5) -> float:
 
 
 @functools.cache
+def probe_size(device, dtype_name: str = "float32") -> int:
+    """The side of the square matmul that `measure_matmul_flops_per_sec` times (cached)."""
+    n = 1024
+    while _time_matmul(device, n, dtype_name, repeats=1) < 0.05 and n < 8192:
+        n *= 2
+    return n
+
+
+def matmul_flops_per_sec(device, dtype_name: str = "float32", repeats: int = 3) -> float:
+    """One uncached reading of the probe at `probe_size`: benchmarks take it between their timed
+    steps, so the peak is read in the same window as the work it divides (a shared host's rate
+    moves several-fold between minutes)."""
+    n = probe_size(device, dtype_name)
+    return 2 * n**3 / _time_matmul(device, n, dtype_name, repeats)
+
+
+@functools.cache
 def measure_matmul_flops_per_sec(device, dtype_name: str = "float32") -> float:
     """Achieved FLOP/s of a square matmul on one device; cached per process.
 
@@ -193,12 +213,7 @@ def measure_matmul_flops_per_sec(device, dtype_name: str = "float32") -> float:
     of every start instead of 0.6 s; measured 2026-11-30). Runs at JAX's default
     matmul precision in `dtype_name`, i.e. what the training step gets.
     """
-    n = 1024
-    while True:
-        seconds = _time_matmul(device, n, dtype_name)
-        if seconds >= 0.05 or n >= 8192:
-            return 2 * n**3 / seconds
-        n *= 2
+    return matmul_flops_per_sec(device, dtype_name, repeats=5)
 
 
 def peak_flops(devices, dtype: str) -> dict[str, Any]:
@@ -221,13 +236,15 @@ def peak_flops(devices, dtype: str) -> dict[str, Any]:
         raise ValueError(f"mixed device kinds have no single peak: {sorted(kinds)}")
     first, n = devices[0], len(devices)
     platform = getattr(first, "platform", "unknown")
-    dtype_name = _dtype_name(dtype)
+    # XLA:CPU runs bfloat16 matmuls as float32 ones on converted operands (the compiled step
+    # shows it), and its bfloat16 matmul kernel reads 2-3x slower: the CPU peak is float32's.
+    name = CPU_PROBE_DTYPE if platform == "cpu" else dtype_name(dtype)
 
-    per_device = None if platform == "cpu" else _table_peak(first.device_kind, dtype_name)
+    per_device = None if platform == "cpu" else _table_peak(first.device_kind, name)
     source = "table"
     if per_device is None:
         source = "measured"
-        per_device = measure_matmul_flops_per_sec(first, dtype_name)
+        per_device = measure_matmul_flops_per_sec(first, name)
     total = per_device if platform == "cpu" else per_device * n
     return {
         "total_flops_per_sec": float(total),

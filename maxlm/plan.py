@@ -120,11 +120,23 @@ def plan(cfg, target: Target | None = None, estimate: bool = True) -> dict:
         # __cublas$lt$matmul$f8, tpu_custom_call (Pallas/Mosaic kernels such as splash attention)
         "kernels": sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))),
         "compile_sec": compile_sec,
+        "xla_cost": xla_cost(compiled),
     })
     if target and estimate:
         result["estimate"] = estimate_step(cfg, target, compiled)
     result["jax_version"] = jax.__version__
     return result
+
+
+def xla_cost(compiled) -> dict:
+    """XLA's own counts for the compiled step, per device: FLOPs, bytes accessed, transcendentals
+    and (TPU) its optimal seconds. XLA counts a loop's body once, so with scanned layers these
+    cover one layer (`estimate` extrapolates); compile with `model.scan_layers=False` for the
+    whole step. Empty where the compiler gives no analysis."""
+    analysis = compiled.cost_analysis() or {}
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    keys = ("flops", "bytes accessed", "transcendentals", "optimal_seconds")
+    return {k.replace(" ", "_"): float(analysis[k]) for k in keys if k in analysis}
 
 
 def _probe_config(cfg, num_layers: int):

@@ -156,6 +156,31 @@ def test_cpu_probe_is_measured_cached_and_not_multiplied_by_fake_devices():
     assert flops.measure_matmul_flops_per_sec.cache_info().hits == hits + 1
 
 
+def test_cpu_peak_is_the_float32_probe_whatever_the_model_dtype():
+    # XLA:CPU runs bfloat16 matmuls as float32 ones: dividing by its slower bfloat16 kernel's
+    # rate gave MFU above 1
+    devices = jax.devices()
+    assert flops.peak_flops(devices, "bfloat16") == flops.peak_flops(devices, "float32")
+
+
+def test_bench_reads_the_peak_between_its_timed_steps():
+    from maxlm import bench, config as config_lib
+
+    cfg = config_lib.resolve(config_lib.load_file("configs/tiny.py"), jax.device_count())
+    result = bench.bench_train(cfg, warmup_steps=1, timed_steps=3)
+    probe = result["peak_probe_tflops_per_sec"]
+    assert probe["count"] == 3 and 0 < probe["min"] <= probe["median"] <= probe["max"]
+    assert result["peak_tflops_per_sec"] == probe["median"]
+    assert result["peak_source"] == "measured between the timed steps"
+    # each step against the probe read after it: between the MFUs of the extreme probes
+    achieved = result["model_tflops_per_sec"]
+    slowest, fastest = result["step_sec_max"], result["step_sec_min"]
+    median_step = result["step_sec_median"]
+    low = achieved * median_step / slowest / probe["max"]
+    high = achieved * median_step / fastest / probe["min"]
+    assert low <= result["mfu"] <= high
+
+
 def test_mfu_arithmetic():
     assert flops.mfu(1000.0, 6e9, 12e12) == pytest.approx(0.5)
     with pytest.raises(ValueError):
