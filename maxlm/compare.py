@@ -62,7 +62,7 @@ class Side:
     name: str
     command: list[str]
     env: dict[str, str]  # set over the inherited environment
-    first_step_line: re.Pattern
+    first_step_line: re.Pattern | None  # None: no steps run (a compile)
     measure: Callable[[str], dict]  # the run's output -> tokens_per_sec, step_sec_median, ...
 
     def shell(self) -> str:
@@ -99,7 +99,7 @@ def stream_output(command: list[str], env: dict[str, str], first_step_line: re.P
                           stderr=subprocess.STDOUT, text=True) as proc:
         for line in proc.stdout:
             lines.append(line)
-            if first_step_sec is None and first_step_line.search(line):
+            if first_step_line and first_step_sec is None and first_step_line.search(line):
                 first_step_sec = time.perf_counter() - start
     return Output("".join(lines), first_step_sec, proc.returncode)
 
@@ -212,8 +212,6 @@ def model_summary(cfg, maxtext_params_billion: float | None) -> dict:
 def check_flags(f) -> None:
     if f.warmup_steps < 2:
         cli.config_error("compare needs --warmup_steps of 2 or more: MaxText's first two step times are dispatch only")
-    if f.target:
-        cli.config_error("--target is for `plan` only, not 'compare'")
     if re.search(r"xla_force_host_platform_device_count=(?!1\b)", maxlm.USER_XLA_FLAGS):
         cli.config_error("compare runs on one device: take --xla_force_host_platform_device_count out of XLA_FLAGS")
 
@@ -223,6 +221,10 @@ def compare() -> dict:
     from absl import flags
 
     f = flags.FLAGS
+    if f.target:  # compiled for a TPU slice, not run
+        from maxlm import compare_plan
+
+        return compare_plan.compare_plans(f)
     check_flags(f)
     cfg = cli.resolved_config(1, num_granules=1, platform="cpu")
     workdir = tempfile.mkdtemp(prefix="maxlm-compare-")

@@ -155,7 +155,7 @@ def _full_fp32_matmuls() -> bool:
     return str(precision).lower() in ("highest", "float32", "f32_f32_f32")
 
 
-def _table_peak(device_kind: str, dtype_name: str) -> float | None:
+def table_peak(device_kind: str, dtype_name: str) -> float | None:
     kind = device_kind.lower()
     for patterns, peaks in _PEAK_TABLE:
         if any(p in kind for p in patterns):
@@ -240,7 +240,7 @@ def peak_flops(devices, dtype: str) -> dict[str, Any]:
     # shows it), and its bfloat16 matmul kernel reads 2-3x slower: the CPU peak is float32's.
     name = CPU_PROBE_DTYPE if platform == "cpu" else dtype_name(dtype)
 
-    per_device = None if platform == "cpu" else _table_peak(first.device_kind, name)
+    per_device = None if platform == "cpu" else table_peak(first.device_kind, name)
     source = "table"
     if per_device is None:
         source = "measured"

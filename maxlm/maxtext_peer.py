@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 
-from maxlm import config as config_lib
+from maxlm import attention, config as config_lib, model
 from maxlm.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,18 +46,23 @@ class PeerError(RuntimeError):
     """The peer's environment could not be made or does not match the mapping (exit 1)."""
 
 
-def check_expressible(cfg) -> None:
-    """Raises ConfigError naming everything in `cfg` that MaxText cannot run the same way."""
+def check_expressible(cfg, target: str = "") -> None:
+    """Raises ConfigError naming everything in `cfg` that MaxText cannot run the same way, on this
+    CPU or compiled for the TPU slice `target`."""
     m, o = cfg.model, cfg.optim
+    on_cpu = not target
     problems = {
         "more than one device (the comparison runs on one)":
-            math.prod(cfg.mesh[a] for a in config_lib.MESH_AXES) != 1,
+            on_cpu and math.prod(cfg.mesh[a] for a in config_lib.MESH_AXES) != 1,
+        "mesh.stage or mesh.sequence > 1 (MaxText's pipeline and context parallelism are other schemes)":
+            cfg.mesh.stage != 1 or cfg.mesh.sequence != 1,
         f"model.positions={m.positions!r} (MaxText's llama2 block has RoPE only)": m.positions != "rope",
         "model.label_smoothing (MaxText's pre-training loss has none)": m.label_smoothing,
         "model.fp8": m.fp8,
-        "model.logits_chunk_size (MaxText's vocabulary tiling is another scheme)": m.logits_chunk_size,
+        "model.logits_chunk_size on CPU (a TPU plan maps it to MaxText's vocabulary tiling)":
+            on_cpu and m.logits_chunk_size,
         "model.dtype='float16' (maxlm's loss scaling has no MaxText counterpart)": m.dtype == "float16",
-        f"model.attention={m.attention!r} (on CPU: xla)": m.attention not in ("auto", "xla"),
+        f"model.attention={m.attention!r} (on CPU: xla)": on_cpu and m.attention not in ("auto", "xla"),
         f"optim.name={o.name!r} (adamw only)": o.name != "adamw",
         "optim.grad_accum_steps > 1": o.grad_accum_steps != 1,
         "model.remat='none' with model.scan_layers (MaxText 0.2.5 rematerialises scanned layers under "
@@ -68,21 +73,37 @@ def check_expressible(cfg) -> None:
         raise ConfigError("MaxText cannot run this config the same way: " + "; ".join(found))
 
 
-def maxtext_args(cfg, steps: int, workdir: str) -> list[str]:
+def attention_of(cfg, platform: str) -> str:
+    """MaxText's `attention` for the backend maxlm's step runs on `platform`."""
+    backend = attention.attention_backend(cfg.model.attention, model.compute_dtype(cfg.model), cfg.seq_len,
+                                          platform=platform)
+    return {"splash": "flash", "xla": "dot_product"}[backend]
+
+
+def maxtext_args(cfg, steps: int, workdir: str, target: str = "") -> list[str]:
     """MaxText's `key=value` overrides of its base.yml for the resolved maxlm config `cfg`, running
-    `steps` steps with outputs under `workdir`. Raises ConfigError (`check_expressible`)."""
-    check_expressible(cfg)
+    `steps` steps with outputs under `workdir` on this CPU, or compiled for the TPU slice `target`
+    (the mesh's axes as MaxText's, the logits chunks as its vocabulary tiling). Raises
+    ConfigError (`check_expressible`)."""
+    check_expressible(cfg, target)
     m, o = cfg.model, cfg.optim
+    devices = math.prod(cfg.mesh[a] for a in config_lib.MESH_AXES)
+    placement = {"hardware": "cpu", "attention": "dot_product"}
+    if target:
+        placement = {"hardware": "tpu", "attention": attention_of(cfg, "tpu"),
+                     "ici_data_parallelism": cfg.mesh.data, "ici_fsdp_parallelism": cfg.mesh.fsdp,
+                     "ici_tensor_parallelism": cfg.mesh.tensor,
+                     "num_vocab_tiling": cfg.seq_len // m.logits_chunk_size if m.logits_chunk_size else 1}
     args = {
-        "run_name": "compare", "base_output_directory": workdir, "hardware": "cpu",
+        "run_name": "compare", "base_output_directory": workdir, **placement,
         "skip_jax_distributed_system": True, "dataset_type": "synthetic", "enable_checkpointing": False,
         "enable_tensorboard": False, "jax_cache_dir": None, "steps": steps,  # None: no compilation cache
         "decoder_block": "llama2", "base_emb_dim": m.d_model, "base_num_decoder_layers": m.num_layers,
         "base_num_query_heads": m.num_heads, "base_num_kv_heads": m.num_kv_heads,
         "head_dim": m.head_dim or m.d_model // m.num_heads, "base_mlp_dim": m.mlp_dim,
         "vocab_size": m.vocab_size, "max_target_length": cfg.seq_len,
-        "per_device_batch_size": cfg.batch_size,  # one device
-        "scan_layers": m.scan_layers, "attention": "dot_product", "dtype": m.dtype,
+        "per_device_batch_size": cfg.batch_size / devices,
+        "scan_layers": m.scan_layers, "dtype": m.dtype,
         "weight_dtype": "float32",  # maxlm's parameters are always float32
         "logits_via_embedding": m.tie_embeddings, "normalization_layer_epsilon": m.norm_eps,
         "rope_max_timescale": m.rope_theta, "z_loss_multiplier": m.z_loss,

@@ -135,7 +135,7 @@ def xla_cost(compiled) -> dict:
     whole step. Empty where the compiler gives no analysis."""
     analysis = compiled.cost_analysis() or {}
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-    keys = ("flops", "bytes accessed", "transcendentals", "optimal_seconds")
+    keys = ("flops", "bytes accessed", "transcendentals", "optimal_seconds")  # XLA's names
     return {k.replace(" ", "_"): float(analysis[k]) for k in keys if k in analysis}
 
 
