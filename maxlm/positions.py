@@ -22,10 +22,13 @@ def rope(x_BLHDh, positions_BL, theta: float):
     half = x_BLHDh.shape[-1] // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle_BL1F = (positions_BL.astype(jnp.float32)[:, :, None] * freq)[:, :, None, :]
-    sin, cos = jnp.sin(angle_BL1F), jnp.cos(angle_BL1F)
-    x1, x2 = jnp.split(x_BLHDh.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BLHDh.dtype)
+    # In the compute dtype, as Hugging Face's Llama and MaxText rotate: in float32, XLA stores a
+    # float32 copy of every projection's queries and keys and of their gradients (three [B, L, H,
+    # Dh] arrays a layer; 8% more bytes accessed than MaxText's step in a v5p plan of Llama 3.2 1B)
+    dtype = x_BLHDh.dtype
+    sin, cos = jnp.sin(angle_BL1F).astype(dtype), jnp.cos(angle_BL1F).astype(dtype)
+    x1, x2 = jnp.split(x_BLHDh, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def rotary(model_cfg, x_BLHDh, positions_BL):
