@@ -180,3 +180,56 @@ def test_a_venv_stamped_with_this_lock_is_not_installed_again(tmp_path, monkeypa
 def test_a_peer_python_that_is_not_3_12_is_refused():
     with pytest.raises(ConfigError, match="--peer_python=/nonexistent/python"):
         maxtext_peer.find_python("/nonexistent/python", None)
+
+
+# --- compiled TPU plans (compare --target) ---------------------------------------------------------
+
+# The two lines MaxText 0.2.5's train_compile printed for Llama 3.2 1B on v5p-8 (2026-12-01), cut
+# down to the keys read (the real cost analysis has hundreds of per-operand entries)
+TRAIN_COMPILE_OUTPUT = """\
+Jitting and compilation complete!
+Finished train_compile.py successfully!
+Cost analysis: {'utilization0{}': 6484.9, 'flops': 493210589724672.0, 'bytes accessed0{}': 330484973568.0, \
+'bytes accessed': 996501422080.0, 'transcendentals': 46488264704.0, 'optimal_seconds': 1.4317399263381958}
+Memory analysis: CompiledMemoryStats(generated_code_size_in_bytes=399155200, argument_size_in_bytes=3709366784, \
+output_size_in_bytes=3708063552, alias_size_in_bytes=3708056064, temp_size_in_bytes=11749490688, \
+host_generated_code_size_in_bytes=0, host_argument_size_in_bytes=0, host_output_size_in_bytes=0, \
+host_alias_size_in_bytes=0, host_temp_size_in_bytes=0)
+"""
+
+
+def test_train_compile_output_is_read_back_with_the_same_peak_formula_as_ours():
+    from maxlm import compare_plan
+
+    figures = compare_plan.maxtext_plan(TRAIN_COMPILE_OUTPUT)
+    assert figures["flops"] == 493210589724672.0 and figures["bytes_accessed"] == 996501422080.0
+    assert figures["optimal_seconds"] == pytest.approx(1.43174)
+    assert figures["peak"] == 3709366784 + 3708063552 - 3708056064 + 11749490688
+    with pytest.raises(ValueError, match="no cost or memory analysis"):
+        compare_plan.maxtext_plan("Jitting and compiling train step...\n")
+
+
+def test_the_estimate_is_the_slower_of_compute_and_memory_at_the_chips_datasheet():
+    from maxlm import compare_plan, flops
+    from maxlm.targets import tpu
+
+    peak, bandwidth = flops.table_peak("TPU v5", "bfloat16"), tpu.TPUS["v5p"][4]
+    compute_bound = compare_plan.estimate({"flops": 100 * peak, "bytes_accessed": bandwidth}, "v5p-8", "bfloat16")
+    assert compute_bound == {"compute_sec": 100.0, "memory_sec": 1.0, "step_sec": 100.0}
+    memory_bound = compare_plan.estimate({"flops": peak, "bytes_accessed": 3 * bandwidth}, "v5p-64", "bfloat16")
+    assert memory_bound["step_sec"] == pytest.approx(3.0)
+
+
+def test_a_tpu_plan_maps_the_mesh_chunks_and_splash_attention():
+    cfg = config_lib.resolve(load_config("llama_1b_v5p8"), 4, 1, "tpu")
+    args = as_dict(maxtext_peer.maxtext_args(cfg, 1, "/tmp/out", target="v5p-8"))
+    assert {k: args[k] for k in ("hardware", "attention", "ici_data_parallelism", "ici_fsdp_parallelism",
+                                 "ici_tensor_parallelism", "num_vocab_tiling", "per_device_batch_size",
+                                 "max_target_length", "logits_via_embedding", "rope_max_timescale")} == {
+        "hardware": "tpu", "attention": "flash", "ici_data_parallelism": "1", "ici_fsdp_parallelism": "4",
+        "ici_tensor_parallelism": "1", "num_vocab_tiling": "8",  # 4096 / 512: 16 x 512 positions a tile
+        "per_device_batch_size": "16", "max_target_length": "4096", "logits_via_embedding": "True",
+        "rope_max_timescale": "500000"}
+    # on the CPU the same chunks are refused: MaxText's CPU run is compared without them
+    with pytest.raises(ConfigError, match="logits_chunk_size on CPU"):
+        maxtext_peer.check_expressible(issue_config(**{"model.logits_chunk_size": 64}))
