@@ -64,7 +64,7 @@ def loss_and_grads(cfg, params, batch, scale=None):
 
 
 def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple[State, dict]:
-    """One update; a step whose loss, gradient norm or new state is NaN/inf is not applied.
+    """One update; a step whose loss, gradient norm or update norm is NaN/inf is not applied.
 
     A skipped step still advances `step` (its batch is consumed: the data position stays a pure
     function of the step) and counts in `skipped_steps` and `bad_streak` (reset by a good step).
