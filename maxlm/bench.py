@@ -25,6 +25,7 @@ step, and their ratios (maxlm/compare.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -253,9 +254,11 @@ def main(argv) -> None:
                          "attention, compare")
     cli.setup_logging()
     if what == "compare":  # two code bases, each in its own processes: nothing to initialise here
-        from maxlm import compare
+        from maxlm import compare, compare_plan
 
-        print(json.dumps(compare.main(), indent=2))
+        f = flags.FLAGS  # --target: both train steps compiled for a TPU slice, not run
+        run = functools.partial(compare_plan.compare_plans, f) if f.target else compare.compare
+        print(json.dumps(compare.main(run), indent=2))
         return
     if flags.FLAGS.target:  # compiled for hardware that is not here: nothing to initialise
         if what != "plan":

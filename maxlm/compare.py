@@ -221,10 +221,6 @@ def compare() -> dict:
     from absl import flags
 
     f = flags.FLAGS
-    if f.target:  # compiled for a TPU slice, not run
-        from maxlm import compare_plan
-
-        return compare_plan.compare_plans(f)
     check_flags(f)
     cfg = cli.resolved_config(1, num_granules=1, platform="cpu")
     workdir = tempfile.mkdtemp(prefix="maxlm-compare-")
@@ -253,11 +249,12 @@ def compare() -> dict:
     }
 
 
-def main() -> dict:
-    """`compare` with its failures as one message: a config MaxText cannot run (exit 2), a peer
-    venv that cannot be made or a run that failed (exit 1, with the run's last lines)."""
+def main(run=compare) -> dict:
+    """`run()` (`compare`, or `compare_plan.compare_plans` for a TPU slice) with its failures as one
+    message: a config MaxText cannot run (exit 2), a peer venv that cannot be made or a run that
+    failed (exit 1, with the run's last lines)."""
     try:
-        return compare()
+        return run()
     except ConfigError as e:
         cli.config_error(str(e))
     except peer.PeerError as e:
