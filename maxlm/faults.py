@@ -190,20 +190,22 @@ class PreemptionWatcher:
         return self.flag
 
 
-def with_nan_injection(train_fn, debug_cfg, injected: set[int]):
-    """Fault injection (`debug.nan_at_step`): `train_fn(state, batch, inject)` (made with
-    `step.make_train_step(..., inject_nan=True)`) as a `(state, batch)` step whose gradients are
-    NaN in steps nan_at_step ... nan_at_step + nan_steps - 1; with `nan_transient` only the first
-    time each of them runs in this process (`injected` records them, shared by the steps built
-    for one run, so a restore replays them clean). Reads the state's step back from the device, a
-    sync a debugging knob can afford."""
+def with_nan_injection(train_fn, injecting_fn, debug_cfg, injected: set[int]):
+    """Fault injection (`debug.nan_at_step`): a `(state, batch)` step that runs `train_fn`, except
+    in steps nan_at_step ... nan_at_step + nan_steps - 1 (with `nan_transient` only the first time
+    each of them runs in this process: `injected` records them, shared by the steps built for one
+    run, so a restore replays them clean), which run `injecting_fn(state, batch, True)` (made with
+    `step.make_train_step(..., inject_nan=True)`): NaN gradients. Good steps run the very program
+    a run without injection runs (another program could fuse differently and round differently);
+    the flag is an argument so that the bad step's skip is a runtime select, as in a real fault.
+    Reads the state's step back from the device, a sync a debugging knob can afford."""
     first, count, transient = debug_cfg.nan_at_step, debug_cfg.nan_steps, debug_cfg.nan_transient
 
     def step_fn(state, batch):
         step = int(state["step"])
-        hit = first <= step < first + count and not (transient and step in injected)
-        if hit:
+        if first <= step < first + count and not (transient and step in injected):
             injected.add(step)
-        return train_fn(state, batch, np.bool_(hit))
+            return injecting_fn(state, batch, np.bool_(True))
+        return train_fn(state, batch)
 
     return step_fn

@@ -170,9 +170,12 @@ def step_builder(cfg, mesh, rules, shardings, position):
         if lr_scale != 1.0:
             run_cfg = ml_collections.ConfigDict(cfg.to_dict())
             run_cfg.optim.lr *= lr_scale
-        train_fn = step_lib.make_train_step(run_cfg, optim.make_optimizer(run_cfg), mesh, rules,
-                                            shardings, inject_nan=injecting)
-        return faults.with_nan_injection(train_fn, cfg.debug, injected) if injecting else train_fn
+        tx = optim.make_optimizer(run_cfg)
+        train_fn = step_lib.make_train_step(run_cfg, tx, mesh, rules, shardings)
+        if not injecting:
+            return train_fn
+        injecting_fn = step_lib.make_train_step(run_cfg, tx, mesh, rules, shardings, inject_nan=True)
+        return faults.with_nan_injection(train_fn, injecting_fn, cfg.debug, injected)
 
     def build(lr_scale: float):
         if cfg.debug.spike_at_batch < 0:
