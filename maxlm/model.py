@@ -28,7 +28,7 @@ import ml_collections
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm import attention, embedding, fp8, head, positions
+from maxlm import attention, fp8, head, positions
 
 Batch = dict[str, jax.Array]
 
@@ -53,9 +53,11 @@ def _constrain(x, axes):
 
 
 def embed(embed_VD, tokens_BL, dtype):
-    """Token embeddings [B, L, D] in `dtype` (maxlm/embedding.py). Rows are gathered from a table
-    whose embed dim is whole: a gather out of an fsdp-sharded dim has no efficient SPMD partitioning."""
-    return _constrain(embedding.lookup(embed_VD, tokens_BL, dtype), ("batch", "length", "act_embed"))
+    """Token embeddings [B, L, D] in `dtype`. Rows are gathered from a table whose embed dim is
+    whole (ZeRO-3 all-gathers it as it would any weight): a gather out of an fsdp-sharded dim has
+    no efficient SPMD partitioning."""
+    table_VD = _constrain(embed_VD, ("vocab", "act_embed"))
+    return _constrain(jnp.take(table_VD, tokens_BL, axis=0).astype(dtype), ("batch", "length", "act_embed"))
 
 
 def microbatches(x, n: int, axes):

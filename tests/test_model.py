@@ -1,6 +1,5 @@
 """The Transformer: parameter counts, causality, packing, dtypes, position encodings."""
 
-import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -295,39 +294,3 @@ def test_output_projection_gradients_equal_the_plain_einsums(weight_spec):
     bf16 = jax.grad(lambda x, w: head.project(weight_spec, x, w).astype(jnp.float32).sum(), (0, 1))(
         x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
     assert [a.dtype for a in bf16] == [jnp.bfloat16, jnp.bfloat16]
-
-
-@pytest.mark.parametrize("block_bytes", [None, 7 * 16 * 4])  # the whole table; blocks of 7 rows (not a divisor of 40)
-@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])  # one device; data × fsdp × tensor
-def test_embedding_lookup_equals_take_and_its_gradient_is_the_float32_sum(block_bytes, mesh_shape):
-    # maxlm/embedding.py casts before gathering and sums the table's gradient a block of rows at a time
-    from maxlm import embedding, mesh as mesh_lib
-
-    rng = np.random.default_rng(0)
-    table = jnp.asarray(rng.normal(size=(40, 16)), jnp.float32)
-    tokens = jnp.asarray(rng.integers(0, 40, size=(4, 12))).at[0, :6].set(39)  # repeats; the last, partial block
-    g = jnp.asarray(rng.normal(size=(4, 12, 16)), jnp.bfloat16)
-    blocks = embedding.GRAD_BLOCK_BYTES if block_bytes is None else block_bytes
-    assert embedding.grad_blocks(40, 16, 4, blocks) == (1 if block_bytes is None else 6)
-
-    def ours(table):
-        return (embedding._lookup(jnp.dtype(jnp.bfloat16), blocks, table, tokens).astype(jnp.float32) * g).sum()
-
-    def plain(table):
-        return (jnp.take(table, tokens, axis=0).astype(jnp.bfloat16).astype(jnp.float32) * g).sum()
-
-    context = contextlib.nullcontext()
-    if mesh_shape is not None:
-        cfg = load_config("tiny")
-        cfg.mesh.update(data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2])
-        cfg = config_lib.resolve(cfg, jax.device_count())
-        context = mesh_lib.activate(mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh))
-    with context:
-        (lo, go), (lp, gp) = jax.jit(jax.value_and_grad(ours))(table), jax.jit(jax.value_and_grad(plain))(table)
-        rows = jax.jit(lambda t: embedding._lookup(jnp.dtype(jnp.bfloat16), blocks, t, tokens))(table)
-    np.testing.assert_array_equal(rows, jnp.take(table, tokens, axis=0).astype(jnp.bfloat16))  # the same bits
-    np.testing.assert_allclose(lo, lp, rtol=1e-6)
-    assert go.dtype == jnp.float32
-    np.testing.assert_allclose(go, gp, rtol=1e-6, atol=1e-6)  # float32 sums of the same terms
-    unused = ~np.isin(np.arange(40), np.asarray(tokens))
-    assert unused.any() and not np.asarray(go)[unused].any() and np.asarray(go)[39].any()
