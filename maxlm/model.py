@@ -54,8 +54,9 @@ def _constrain(x, axes):
 
 def embed(embed_VD, tokens_BL, dtype):
     """Token embeddings [B, L, D] in `dtype`. Rows are gathered from a table whose embed dim is
-    whole (ZeRO-3 all-gathers it as it would any weight): a gather out of an fsdp-sharded dim has
-    no efficient SPMD partitioning."""
+    whole (ZeRO-3 all-gathers it as it would any weight). Lookups that leave the table sharded
+    save bytes but planned 1.2-1.4 GB more memory per device for Llama 3 8B on a v5p-64
+    (docs/performance.md#compiled-for-v5p-no-tpu)."""
     table_VD = _constrain(embed_VD, ("vocab", "act_embed"))
     return _constrain(jnp.take(table_VD, tokens_BL, axis=0).astype(dtype), ("batch", "length", "act_embed"))
 
