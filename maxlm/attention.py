@@ -210,8 +210,30 @@ def _splash_local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q, block_k
     def one_sequence(q_HLDh, k_KSDh, v_KSDh, segment_ids_L):
         return kernel(q_HLDh, k_KSDh, v_KSDh, splash_kernel.SegmentIds(q=segment_ids_L, kv=segment_ids_L))
 
-    out_BHLDh = jax.vmap(one_sequence)(q_BHLDh, k_BKSDh, v_BKSDh, segment_ids_BL)
+    out_BHLDh = _residuals_made_in_forward(jax.vmap(one_sequence))(q_BHLDh, k_BKSDh, v_BKSDh, segment_ids_BL)
     return jnp.swapaxes(out_BHLDh, 1, 2)
+
+
+def _residuals_made_in_forward(fn):
+    """`fn` with its own VJP, except that the residuals are made where the forward pass runs.
+
+    Why: splash's forward kernel writes the log-sum-exp 128 lanes wide, float32 [B, H, L, 128], and
+    its VJP keeps lane 0 of it. XLA fuses that slice into the backward kernels' inputs, so the wide
+    array (512 MiB a layer on the Llama 3 8B v5p-64 plan) stayed live from the forward kernel (run
+    again in the backward pass with remat) through the layer's MLP backward, raising peak memory.
+    The optimization barrier makes the residuals, the slice among them, separate arrays at once.
+    """
+
+    def forward(*args):
+        # The barrier holds the output with the residuals: what reads the output waits for them.
+        return jax.lax.optimization_barrier(jax.vjp(fn, *args))
+
+    def backward(vjp_fn, cotangent):
+        return vjp_fn(cotangent)
+
+    wrapped = jax.custom_vjp(fn)
+    wrapped.defvjp(forward, backward)
+    return wrapped
 
 
 def splash_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q: int = 0, block_kv: int = 0,

@@ -89,6 +89,27 @@ def test_splash_with_unequal_query_and_kv_tiles_matches_xla():
         q, k, v, segment_ids, block_q=256, block_kv=128, interpret=True))
 
 
+
+def test_splash_residuals_made_at_the_forward_kernel_change_no_number(monkeypatch):
+    """The optimization barrier that holds splash's output with its residuals (so that its
+    128-lane log-sum-exp is cut to one lane at the forward kernel, not kept until the backward
+    kernels: the memory of the TPU plans, docs/performance.md) leaves the output and the
+    gradients bitwise what the kernel's own VJP gives."""
+    q, k, v, cotangent = _qkv(2)
+    segment_ids = jnp.asarray(SEGMENT_IDS)
+    splash = lambda q, k, v: attention.splash_attention(q, k, v, segment_ids, block_q=128, block_kv=128, interpret=True)
+
+    def run():  # a new function each time: jit's cache would otherwise keep the first trace
+        grads = jax.jit(lambda *a: _outputs_and_grads(splash, *a))
+        return grads(q, k, v, cotangent), grads.lower(q, k, v, cotangent).as_text().count("optimization_barrier")
+
+    with_barrier, count = run()
+    monkeypatch.setattr(attention, "_residuals_made_in_forward", lambda fn: fn)
+    without_barrier, count_without = run()
+    assert count_without == count - 1
+    for a, b in zip(with_barrier, without_barrier):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
 def test_splash_sharded_over_mesh_matches_xla():
     """Under a data=2 x fsdp=2 x tensor=2 mesh: one shard_map, batch split 4 ways, the 4 heads and
     2 kv heads 2 ways (each device: 2 query heads on their 1 kv head); same numbers as unsharded.
