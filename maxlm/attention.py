@@ -31,7 +31,9 @@ What the kernel does and does not do (read from its source, jax 0.10):
 - block sizes must be multiples of 128 (the TPU's lane width) and divide the sequence, hence
   `block_size` below and the checks in `config.resolve`; `model.splash_block_q` and
   `model.splash_block_kv` choose the query and key/value tiles (0: `block_size`), the same for
-  the forward pass and both backward kernels.
+  the forward pass and both backward kernels;
+- its forward kernel writes the log-sum-exp residual 128 lanes wide and its VJP keeps lane 0:
+  `_residuals_made_in_forward` has XLA cut it at the forward kernel, not after the MLP.
 
 A Pallas call cannot be partitioned by GSPMD, so under a mesh the kernel runs inside
 `jax.shard_map`: batch split over the mesh axes of the `batch` rule, heads over those of the
