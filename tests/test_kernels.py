@@ -89,7 +89,6 @@ def test_splash_with_unequal_query_and_kv_tiles_matches_xla():
         q, k, v, segment_ids, block_q=256, block_kv=128, interpret=True))
 
 
-
 def test_splash_residuals_made_at_the_forward_kernel_change_no_number(monkeypatch):
     """The optimization barrier that holds splash's output with its residuals (so that its
     128-lane log-sum-exp is cut to one lane at the forward kernel, not kept until the backward
@@ -109,6 +108,7 @@ def test_splash_residuals_made_at_the_forward_kernel_change_no_number(monkeypatc
     assert count_without == count - 1
     for a, b in zip(with_barrier, without_barrier):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
 
 def test_splash_sharded_over_mesh_matches_xla():
     """Under a data=2 x fsdp=2 x tensor=2 mesh: one shard_map, batch split 4 ways, the 4 heads and
