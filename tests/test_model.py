@@ -294,3 +294,28 @@ def test_output_projection_gradients_equal_the_plain_einsums(weight_spec):
     bf16 = jax.grad(lambda x, w: head.project(weight_spec, x, w).astype(jnp.float32).sum(), (0, 1))(
         x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
     assert [a.dtype for a in bf16] == [jnp.bfloat16, jnp.bfloat16]
+
+
+def test_unrolled_layers_release_their_input_gradient_only_with_their_weight_gradients():
+    """Each unrolled layer's backward ends in one barrier over its weight gradients and its input
+    gradient (so XLA cannot put weight gradients off to the end of the backward pass), and the
+    gradients are bitwise those of the layers left free."""
+    cfg = tiny_model_cfg(scan_layers=False, remat="full")
+    params = model.init_params(cfg, jax.random.key(0))
+    batch = packed_batch(2, 32, cfg.vocab_size)
+    grad = jax.jit(jax.grad(lambda p: model.loss_fn(cfg, p, batch)[0]))
+    barriers = [line for line in grad.lower(params).as_text().splitlines() if "optimization_barrier" in line]
+    x_type = f"tensor<2x32x{cfg.d_model}xf32>"
+    for i in range(cfg.num_layers):
+        types = sorted("tensor<" + "x".join(map(str, p.shape)) + "xf32>"
+                       for p in jax.tree.leaves(params[f"layer_{i}"]))
+        assert any(line.split(" : ")[-1].count(x_type) == 1 and sorted(
+            t for t in line.split(" : ")[-1].replace(", ", " ").split() if t != x_type) == types
+            for line in barriers), (i, barriers)
+
+    free = jax.jit(jax.grad(lambda p: model.loss_fn(cfg, p, batch)[0]))
+    with pytest.MonkeyPatch.context() as patch:  # the same layers without the barrier
+        patch.setattr(model, "_layer_with_gradients_in_order", model._call_layer)
+        expected = free(params)
+    for a, b in zip(jax.tree.leaves(grad(params)), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
