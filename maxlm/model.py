@@ -28,7 +28,7 @@ import ml_collections
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm import attention, fp8, head, positions
+from maxlm import attention, backward_order, fp8, head, positions
 
 Batch = dict[str, jax.Array]
 
@@ -168,41 +168,6 @@ class Block(nn.Module):
         return _constrain(x_BLD, ("batch", "length", "act_embed")), None  # (carry, out) for scan
 
 
-def _call_layer(layer, *args):
-    return layer(*args)
-
-
-def _layer_forward(layer, *args):
-    return nn.vjp(_call_layer, layer, *args)
-
-
-def _layer_backward(vjp_fn, cotangent):
-    param_grads, *input_grads = vjp_fn(cotangent)
-    # Only float gradients pass the barrier (integer inputs, positions and segment ids, get
-    # float0 ones). The weight gradients pass in the compute dtype, as the reduce-scatter made
-    # them, and are returned unbarriered: holding their float32 casts instead made XLA keep those
-    # (Llama 3.2 1B on a v5p-8: 5.8 GB more bytes accessed a step, against 2.7 GB this way).
-    leaves, treedef = jax.tree.flatten(input_grads)
-    tied = [i for i, g in enumerate(leaves) if jnp.issubdtype(g.dtype, jnp.inexact)]
-    compute_dtype = jax.tree.leaves(cotangent)[0].dtype
-    weights_done = jax.tree.map(lambda g: g.astype(compute_dtype), param_grads)
-    _, released = jax.lax.optimization_barrier((weights_done, [leaves[i] for i in tied]))
-    for i, g in zip(tied, released):
-        leaves[i] = g
-    return (param_grads, *jax.tree.unflatten(treedef, leaves))
-
-
-# An unrolled layer whose input gradient is released only once its weight gradients are done.
-# Left free, libtpu's scheduler (default flags) puts every layer's weight-gradient matmuls, with
-# their FSDP reduce-scatters, at the end of the backward pass, next to the optimizer that reads
-# them, so each layer's [B, L, F] MLP gradients and a layout copy stay live across all the
-# layers below it: most of the step's memory (Llama 3 8B on a v5p-64, remat full: 91.8 GB of
-# temp planned against 15.0 GB with the barrier). The next layer's backward, recomputation included,
-# starts from the input gradient, so one barrier orders the whole pass. A scanned stack needs
-# none of this: each loop iteration finishes its own layer's gradients.
-_layer_with_gradients_in_order = nn.custom_vjp(_call_layer, forward_fn=_layer_forward, backward_fn=_layer_backward)
-
-
 class Transformer(nn.Module):
     cfg: Any
 
@@ -234,7 +199,7 @@ class Transformer(nn.Module):
             x_BLD, _ = layers(cfg, name="layers")(x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
         else:
             for i in range(cfg.num_layers):
-                x_BLD, _ = _layer_with_gradients_in_order(
+                x_BLD, _ = backward_order.call_in_order(
                     block(cfg, name=f"layer_{i}"), x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
         if not cfg.tie_embeddings:  # declared here so init creates it; used by `head_weights`
             _param(self, "head", _normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))

@@ -7,7 +7,7 @@ import pytest
 
 from jax.sharding import PartitionSpec
 
-from maxlm import attention, config as config_lib, model, positions as positions_lib
+from maxlm import attention, backward_order, config as config_lib, model, positions as positions_lib
 from tests.helpers import load_config, packed_batch
 
 POSITIONS = pytest.mark.parametrize("positions", config_lib.POSITIONS)
@@ -315,7 +315,7 @@ def test_unrolled_layers_release_their_input_gradient_only_with_their_weight_gra
 
     free = jax.jit(jax.grad(lambda p: model.loss_fn(cfg, p, batch)[0]))
     with pytest.MonkeyPatch.context() as patch:  # the same layers without the barrier
-        patch.setattr(model, "_layer_with_gradients_in_order", model._call_layer)
+        patch.setattr(backward_order, "call_in_order", backward_order.call)
         expected = free(params)
     for a, b in zip(jax.tree.leaves(grad(params)), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

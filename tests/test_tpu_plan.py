@@ -86,7 +86,7 @@ def test_a_step_too_big_for_the_slice_is_fits_false_with_xlas_message(tmp_path):
 def test_unrolled_layers_finish_their_weight_gradients_before_the_layer_below(tmp_path):
     """Left free, libtpu's scheduler put each unrolled layer's weight gradients at the end of the
     backward pass, keeping the layer's [B, L, F] MLP gradients live across the layers below
-    (model._layer_with_gradients_in_order). Eight Llama 3 8B layers on a v5p-64, remat full,
+    (backward_order.call_in_order). Eight Llama 3 8B layers on a v5p-64, remat full,
     compiled as `bench compare` does (libtpu's default flags): 35.6 GB of temp free, 8.8 GB
     ordered (libtpu 0.0.42.1; docs/performance.md#compiled-for-v5p-no-tpu)."""
     command = [sys.executable, "-m", "maxlm.bench", "plan", "--config=configs/llama_8b_v5p64.py",
