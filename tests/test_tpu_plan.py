@@ -23,17 +23,19 @@ needs_libtpu = pytest.mark.skipif(
     reason="libtpu is not installed here (`make test` installs it in .venv/target-compilers)")
 
 
-def run_plan(tmp_path, config: str, target: str, *flags: str, libtpu_args: str = ""):
+def run_plan(tmp_path, config: str, target: str, *flags: str, libtpu_args: str = "", worker_flags: bool = True):
     """The plan as a user on a CPU machine types it, after `source launch/tpu_env.sh` (the
-    workers' LIBTPU_INIT_ARGS, plus `libtpu_args`)."""
-    command = (f'source launch/tpu_env.sh && export LIBTPU_INIT_ARGS="$LIBTPU_INIT_ARGS{libtpu_args}" && '
-               f"{sys.executable} -m maxlm.bench plan --config={config} --target={target} {' '.join(flags)}")
+    workers' LIBTPU_INIT_ARGS, plus `libtpu_args`); with `worker_flags=False`, libtpu's defaults
+    (as `bench compare` compiles)."""
+    setup = (f'source launch/tpu_env.sh && export LIBTPU_INIT_ARGS="$LIBTPU_INIT_ARGS{libtpu_args}" && '
+             if worker_flags else "")
+    command = f"{setup}{sys.executable} -m maxlm.bench plan --config={config} --target={target} {' '.join(flags)}"
     return subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=command_env(tmp_path, devices=None, PYTHONPATH=TARGET_COMPILERS))
 
 
-def plan(tmp_path, config: str, target: str, *flags: str) -> dict:
-    result = run_plan(tmp_path, config, target, *flags)
+def plan(tmp_path, config: str, target: str, *flags: str, worker_flags: bool = True) -> dict:
+    result = run_plan(tmp_path, config, target, *flags, worker_flags=worker_flags)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     return json.loads(result.stdout)
 
@@ -89,13 +91,9 @@ def test_unrolled_layers_finish_their_weight_gradients_before_the_layer_below(tm
     (backward_order.call_in_order). Eight Llama 3 8B layers on a v5p-64, remat full,
     compiled as `bench compare` does (libtpu's default flags): 35.6 GB of temp free, 8.8 GB
     ordered (libtpu 0.0.42.1; docs/performance.md#compiled-for-v5p-no-tpu)."""
-    command = [sys.executable, "-m", "maxlm.bench", "plan", "--config=configs/llama_8b_v5p64.py",
-               "--target=v5p-64", "--noestimate", "--config.model.remat=full",
-               "--config.model.num_layers=8", "--config.model.scan_layers=False"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env=command_env(tmp_path, devices=None, PYTHONPATH=TARGET_COMPILERS))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout)["bytes_per_device"]["temp"] < 15e9
+    result = plan(tmp_path, "configs/llama_8b_v5p64.py", "v5p-64", "--noestimate", "--config.model.remat=full",
+                  "--config.model.num_layers=8", "--config.model.scan_layers=False", worker_flags=False)
+    assert result["bytes_per_device"]["temp"] < 15e9
 
 
 @pytest.mark.parametrize("target, message", [
