@@ -384,3 +384,24 @@ def test_prefetch_gives_the_same_batches_and_restarts_anywhere(config):
     while threading.active_count() >= before + 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert threading.active_count() <= before  # the thread ends with the dataset
+
+
+def test_a_prefetcher_still_running_at_interpreter_exit_does_not_hang_it():
+    """Python 3.12+ parks a daemon thread that wants the GIL during finalization: a Prefetcher
+    whose __del__ joined its thread then hung the process after training's last step."""
+
+    script = textwrap.dedent("""
+        import numpy as np
+        from maxlm.data.prefetch import Prefetcher
+
+        class Rows:
+            def batch(self, step, process_index=0, process_count=1):
+                return {"tokens": np.full((4, 8), step)}
+
+        rows = Rows()
+        prefetcher = Prefetcher(rows, depth=2)  # both alive until the interpreter exits
+        assert prefetcher.batch(0)["tokens"][0, 0] == 0
+        print("done", flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout == "done\n", result.stderr[-2000:]

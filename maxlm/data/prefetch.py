@@ -9,6 +9,7 @@ A `Prefetcher` computes the next steps' batches on one background thread instead
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import weakref
 
@@ -63,7 +64,10 @@ class Prefetcher:
         thread, self._thread = getattr(self, "_thread", None), None
         if thread is not None:
             self._stop.set()
-            if thread is not threading.current_thread():  # the thread may drop the last reference
+            # Not joined when the thread may drop the last reference itself, nor at interpreter
+            # exit: from Python 3.12 a daemon thread that wants the GIL then is parked forever, so
+            # a join from __del__ at exit hung the process after its last step.
+            if thread is not threading.current_thread() and not sys.is_finalizing():
                 thread.join()
 
     __del__ = close
