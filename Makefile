@@ -1,5 +1,6 @@
-# The two commands of the README. Each bootstraps .venv on first use (only Python 3.11+ needed).
-PYTHON ?= python3
+# The two commands of the README. Each bootstraps .venv on first use, on the Python 3.12+ that
+# launch/find_python.sh finds (PYTHON=... names one; else python3.13/3.12 on PATH, pyenv's, uv's).
+PYTHON ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/quickstart.py
@@ -37,9 +38,11 @@ install: $(STAMP)
 
 # Reinstall whenever a pinned set or the package metadata changes.
 $(STAMP): requirements.lock pyproject.toml $(wildcard locks/$(ACCEL).lock)
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "maxlm needs Python 3.11+, found " + sys.version.split()[0]'
 	@test "$(ACCEL)" = cpu || test -f locks/$(ACCEL).lock || { echo "ACCEL=$(ACCEL): no locks/$(ACCEL).lock (cpu, cuda12, cuda13 or tpu)"; exit 2; }
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# a venv of an older Python (maxlm needed 3.11 before) is made again
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null || { \
+		python=$$(PYTHON='$(PYTHON)' launch/find_python.sh) || exit 2; \
+		echo "making $(VENV) with $$python"; rm -rf $(VENV) && $$python -m venv $(VENV); }
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.lock $(if $(filter-out cpu,$(ACCEL)),-r locks/$(ACCEL).lock)
 	$(PY) -m pip install --quiet --no-deps -e .

@@ -18,7 +18,8 @@
 set -uo pipefail
 OUT=$(mkdir -p "${1:?usage: launch/gpu_check.sh OUT_DIR}" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+# $PYTHON, else launch/find_python.sh's rule (a GPU image's python3.12 or python3 with its own jax)
+PY=$(launch/find_python.sh) || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 source launch/gpu_env.sh
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}  # a GPU or a failure, never a silent CPU run

@@ -9,6 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/gpu_env.sh
+# $PYTHON, else .venv (`make install ACCEL=cuda12|cuda13`), held to launch/find_python.sh's rule
+PYTHON=$(PYTHON=${PYTHON:-.venv/bin/python} launch/find_python.sh) || exit 2
 # --config.platform=gpu (after --config, as config flags must be; MAXLM_PLATFORM overrides it):
 # without a CUDA-enabled jax this is exit 2, not a run on the CPU
-exec "${PYTHON:-.venv/bin/python}" -m maxlm.train "$@" --config.platform="${MAXLM_PLATFORM:-gpu}"
+exec "$PYTHON" -m maxlm.train "$@" --config.platform="${MAXLM_PLATFORM:-gpu}"

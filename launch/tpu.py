@@ -6,9 +6,9 @@ everywhere, follow until done (restarting after preemptions), collect, delete.
 
 Every step is one `gcloud compute tpus ...` command, printed before it runs; `--dry_run` prints
 them and runs nothing. The code shipped is `git archive HEAD` of this checkout (commit first). On
-each worker `uv` (installed with the image's pip) makes a virtualenv on Python 3.11, a managed one
-when the image's is older (cached in ~/.local/share/uv, so `--reuse` installs fast), with the
-runtime lock and `locks/tpu.lock` (libtpu). `launch/tpu_worker.sh` then starts the same training
+each worker `uv` (installed with the image's pip) makes a virtualenv on the Python 3.12+ that
+launch/find_python.sh finds there, a managed one when the image's is older (cached in
+~/.local/share/uv, so `--reuse` installs fast), with the runtime lock and `locks/tpu.lock` (libtpu). `launch/tpu_worker.sh` then starts the same training
 command on every worker, detached from ssh (a dropped connection does not stop it), with
 `MAXLM_DISTRIBUTED=auto`: each host calls `jax.distributed.initialize()`, which reads the pod's
 topology.
@@ -108,8 +108,9 @@ class Pod:
 
 
 def install_command(args) -> str:
-    """Unpack the shipped code and make its virtualenv: uv brings a Python ≥ 3.11 whatever the
-    image has (TPU images ship 3.10), the runtime lock and the pinned libtpu, no test packages."""
+    """Unpack the shipped code and make its virtualenv: launch/find_python.sh's rule picks the
+    Python (--python, else a 3.12+ on the worker, else uv's managed one, as TPU images ship 3.10),
+    then the runtime lock and the pinned libtpu, no test packages."""
     uv = "~/.local/bin/uv"
     venv_pip = f"{uv} pip install --python .venv/bin/python --quiet"
     return " && ".join([
@@ -118,7 +119,8 @@ def install_command(args) -> str:
         # pip of the image's Python, else uv's standalone installer; both put uv in ~/.local/bin
         f"({uv} --version 2>/dev/null | grep -q ' {UV_VERSION}' || python3 -m pip install --user "
         f"--quiet uv=={UV_VERSION} || curl -LsSf https://astral.sh/uv/{UV_VERSION}/install.sh | sh)",
-        f"{uv} venv --python {args.python} .venv",
+        f"python=$(PYTHON={shlex.quote(args.python)} UV={uv} launch/find_python.sh)",
+        f'{uv} venv --python "$python" .venv',
         f"{venv_pip} -r requirements.lock -r locks/tpu.lock",
         f"{venv_pip} --no-deps -e .",
     ])
@@ -268,7 +270,9 @@ def main(argv: list[str]) -> int:
                         help="slices of --accelerator in one queued resource (multislice)")
     parser.add_argument("--project", default="")
     parser.add_argument("--runtime", default="", help="TPU software version (default by family)")
-    parser.add_argument("--python", default="3.11", help="Python version of the workers' virtualenv")
+    parser.add_argument("--python", default="",
+                        help="the workers' Python 3.12+ for the virtualenv (a path or name on the workers; "
+                             "default: launch/find_python.sh's rule there, which ends with uv's own 3.12)")
     parser.add_argument("--spot", action="store_true", help="spot capacity (preemptible)")
     parser.add_argument("--queued", action="store_true", help="use queued resources")
     parser.add_argument("--reuse", action="store_true", help="the TPU exists already: skip create")

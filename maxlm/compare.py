@@ -275,4 +275,4 @@ def define_flags() -> None:
     flags.DEFINE_string("peer_venv", "", "compare: the peer's venv, made from launch/peers/maxtext.lock when "
                         "missing (default: .venv-maxtext at the repository root).")
     flags.DEFINE_string("peer_python", "", "compare: the Python 3.12+ that makes the peer venv (default: "
-                        "python3.12 or python3.13 on PATH, pyenv's, uv's).")
+                        "the one maxlm runs on).")

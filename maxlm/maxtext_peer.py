@@ -8,7 +8,6 @@ the installed copy). The venv is made from launch/peers/maxtext.lock, a full fre
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import math
 import os
@@ -152,35 +151,18 @@ def check_keys(overrides: list[str], base_yml: str) -> None:
         raise PeerError(f"{base_yml} has no {', '.join(missing)}: maxlm/maxtext_peer.py maps to MaxText 0.2.5")
 
 
-def runs_python_312(python: str) -> bool:
+def peer_base_python(named: str) -> str:
+    """The Python the peer venv is made from: `named` (--peer_python), else the one maxlm runs on
+    (3.12+ for both since maxlm moved to jax 0.12)."""
+    if not named:
+        return sys._base_executable  # the interpreter behind maxlm's own venv
     try:
-        check = subprocess.run([python, "-c", "import sys; sys.exit(sys.version_info < (3, 12))"], capture_output=True)
+        check = subprocess.run([named, "-c", "import sys; sys.exit(sys.version_info < (3, 12))"], capture_output=True)
     except OSError:
-        return False
-    return check.returncode == 0
-
-
-def find_python(named: str, uv: str | None) -> str:
-    """A Python 3.12+ for the venv: `named` (--peer_python); else python3.12 or python3.13 on PATH
-    that runs (pyenv's shims may refuse); else pyenv's; else uv's, installed if need be."""
-    if named:
-        if not runs_python_312(named):
-            raise ConfigError(f"--peer_python={named} does not run as Python 3.12 or newer")
-        return named
-    candidates = [shutil.which(name) for name in ("python3.12", "python3.13")]
-    candidates += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[2-9]*/bin/python3")))
-    for python in filter(None, candidates):
-        if runs_python_312(python):
-            return python
-    if uv:
-        find = [uv, "python", "find", "3.12"]
-        if subprocess.run(find, capture_output=True).returncode:
-            subprocess.run([uv, "python", "install", "3.12"], stdout=sys.stderr)
-        found = subprocess.run(find, capture_output=True, text=True)
-        if found.returncode == 0:
-            return found.stdout.strip()
-    raise ConfigError("MaxText needs Python 3.12 or newer and none was found (python3.12 or python3.13 on "
-                      "PATH, ~/.pyenv/versions/3.12*, uv): install one, or name it with --peer_python")
+        check = None
+    if check is None or check.returncode:
+        raise ConfigError(f"--peer_python={named} does not run as Python 3.12 or newer")
+    return named
 
 
 def ensure_peer_venv(path: str, python: str = "") -> None:
@@ -199,7 +181,7 @@ def ensure_peer_venv(path: str, python: str = "") -> None:
             return progress(f"{path} has no {STAMP}: using its maxtext as it is")
     uv = shutil.which("uv")
     if not os.path.exists(venv_python):
-        base = find_python(python, uv)
+        base = peer_base_python(python)
         progress(f"creating {path} with {base}")
         checked([uv, "venv", "--python", base, path] if uv else [base, "-m", "venv", path])
     progress(f"installing {os.path.relpath(LOCK, REPO)} into {path} with {'uv' if uv else 'pip'} (about 2.3 GB)")

@@ -179,7 +179,7 @@ def test_a_venv_stamped_with_this_lock_is_not_installed_again(tmp_path, monkeypa
 
 def test_a_peer_python_that_is_not_3_12_is_refused():
     with pytest.raises(ConfigError, match="--peer_python=/nonexistent/python"):
-        maxtext_peer.find_python("/nonexistent/python", None)
+        maxtext_peer.peer_base_python("/nonexistent/python")
 
 
 # --- compiled TPU plans (compare --target) ---------------------------------------------------------

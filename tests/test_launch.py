@@ -147,10 +147,12 @@ def test_tpu_dry_run_prints_every_command():
     assert lines[0].startswith("[tpu] gcloud compute tpus queued-resources create pod --node-id=pod")
     assert "--accelerator-type=v5p-64" in lines[0] and "--spot" in lines[0]
     install = remote_command(next(line for line in lines if "uv venv" in line))
-    # uv (from the image's pip) brings Python 3.11 whatever the image ships; the runtime lock and
-    # the pinned libtpu (gcsfs for gs:// is in the runtime lock), no test packages
+    # uv (from the image's pip); the Python by launch/find_python.sh's rule, which ends with uv's
+    # own 3.12 (TPU images ship 3.10); the runtime lock and the pinned libtpu (gcsfs for gs:// is in
+    # the runtime lock), no test packages
     assert "python3 -m pip install --user --quiet uv==" in install
-    assert "uv venv --python 3.11 .venv" in install
+    assert "python=$(PYTHON='' UV=~/.local/bin/uv launch/find_python.sh)" in install
+    assert 'uv venv --python "$python" .venv' in install
     assert "-r requirements.lock -r locks/tpu.lock" in install and "requirements-test" not in install
     assert "gcsfs" not in install
     start = next(line for line in lines if "tpu_worker.sh start" in line)
@@ -247,7 +249,7 @@ def fake_slurm(tmp_path, srun_body: str) -> dict:
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     return {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(ROOT),
-            "PYTHON": "python3"}
+            "PYTHON": sys.executable}
 
 
 SBATCH = ["bash", str(ROOT / "launch" / "slurm.sbatch"), "--config=configs/llama_1b.py",
@@ -264,7 +266,7 @@ def test_slurm_script_runs_srun_and_requeues_on_preemption(tmp_path, status, res
     result = subprocess.run(SBATCH, env={**env, "SLURM_RESTART_COUNT": str(restarts)},
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == status
-    assert ("srun --kill-on-bad-exit=1 python3 -m maxlm.train --config=configs/llama_1b.py "
+    assert (f"srun --kill-on-bad-exit=1 {sys.executable} -m maxlm.train --config=configs/llama_1b.py "
             "--workdir=/shared/run --config.platform=gpu") in result.stdout
     assert "MAXLM_DISTRIBUTED=auto" in result.stdout
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in result.stdout
