@@ -25,11 +25,9 @@ test: $(STAMP) $(TEST_STAMP) $(TARGET_COMPILERS)/.installed
 	MAXLM_TARGET_COMPILERS=$(abspath $(TARGET_COMPILERS)) $(PY) -m pytest -n 2 --dist loadgroup -m "not ci" $(PYTEST_ARGS)
 
 # The slowest end-to-end runs (marked `ci`), left out of `make test` to keep it near 12 minutes:
-# CI runs them after it (.ci/run). The SLURM jobs run last and alone: next to the other
-# multi-process runs, their first start failed in jax.distributed's registration (twice), alone never.
+# CI runs them after it (.ci/run).
 test-ci: $(STAMP) $(TEST_STAMP) $(TARGET_COMPILERS)/.installed
-	MAXLM_TARGET_COMPILERS=$(abspath $(TARGET_COMPILERS)) $(PY) -m pytest -n 2 --dist loadgroup -m ci --ignore=tests/test_slurm.py $(PYTEST_ARGS)
-	$(PY) -m pytest -m ci tests/test_slurm.py $(PYTEST_ARGS)
+	MAXLM_TARGET_COMPILERS=$(abspath $(TARGET_COMPILERS)) $(PY) -m pytest -n 2 --dist loadgroup -m ci $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m maxlm.bench --config=configs/tiny.py

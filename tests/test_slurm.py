@@ -13,7 +13,8 @@ import pytest
 from tests import slurm_cluster
 from tests.helpers import ROOT, command_env
 
-# One cluster at a time: both tests run in the same xdist worker (make test uses --dist loadgroup).
+# Both tests share one cluster in one xdist worker (--dist loadgroup, as the Makefile runs them);
+# split over two (plain -n 2) each starts its own, which tests/slurm_cluster.py keeps apart.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 
@@ -69,8 +70,7 @@ def test_a_2_node_job_preempted_requeues_and_resumes_to_the_single_process_losse
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
     log = tmp_path / f"job-{job}.log"
-    # A first start can fail under load (jax.distributed's registration has raced on a busy
-    # host): the script then requeues the job, which is what it is for; the deadline allows it.
+    # generous: the first start compiles on a machine the other tests keep busy
     deadline = time.monotonic() + 480
     while len(losses(run)) < 6:  # under way, past its first checkpoint
         assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else "no log"
@@ -80,7 +80,9 @@ def test_a_2_node_job_preempted_requeues_and_resumes_to_the_single_process_losse
 
     text = log.read_text()
     saved = int(text.split("checkpoint of step ")[1].split()[0])
-    assert f"requeueing job {job} (1 of 20)" in text
+    # requeued once, by the preemption: a start that failed (it is requeued too: srun's TERM to the
+    # other task makes it exit 143) would be a second one
+    assert text.count("requeueing job") == 1 and f"requeueing job {job} (1 of 20)" in text, text[-3000:]
     assert f"resumed from {run / 'checkpoints'} at step {saved}" in text
     assert "done at step 16" in text
     got, want = losses(run), losses(reference)
