@@ -151,6 +151,8 @@ def test_off_by_default_the_spike_stays(data_dirs, tmp_path):
     cfg = tiny(data_dirs, **{"anomaly.enabled": False, "steps": 16})
     train.train_and_evaluate(cfg, str(tmp_path))
     r = rows(tmp_path)
-    assert r[16]["loss"] > 3 * r[14]["loss"] and "spikes" not in r[16]
+    # the spike stays: worse than the untrained model's first step and over twice step 14's loss
+    # (2.6x on jax 0.12; a fixed 3x held on jax 0.10 only), and nothing flagged
+    assert r[16]["loss"] > max(r[1]["loss"], 2 * r[14]["loss"]) and "spikes" not in r[16]
     _, meta = state_at(tmp_path, 16)
     assert "anomaly" not in meta and meta["data_position"] == 16
