@@ -109,11 +109,23 @@ def resolved_config(num_devices: int, num_granules: int | None = None, platform:
 
 def use_compile_cache(cfg) -> None:
     """JAX's persistent compilation cache in `cfg.compile_cache_dir`, when set, for every program
-    however quick to compile (a restart should compile nothing it compiled before)."""
+    however quick to compile (a restart should compile nothing it compiled before).
+
+    Off on several CPU devices, whoever asked for it: XLA:CPU (jaxlib 0.12) deserializes a while
+    loop's body (the scanned layers) with a collective-ordering resource of its own, so an
+    executable loaded from the cache no longer orders the loop's collectives against the ones
+    outside it; the devices then enter them in different orders and wait until XLA aborts the
+    process ("Termination timeout"). A compiled executable keeps one order (docs/testing.md)."""
     import jax
 
     from maxlm import paths
 
+    if jax.default_backend() == "cpu" and jax.device_count() > 1:
+        if cfg.compile_cache_dir or jax.config.jax_compilation_cache_dir:
+            warn(f"the compilation cache is off on {jax.device_count()} CPU devices: XLA:CPU loses the "
+                 "order of the collectives of an executable it loads from it (docs/testing.md)")
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
     if cfg.compile_cache_dir:
         path = cfg.compile_cache_dir
         jax.config.update("jax_compilation_cache_dir", path if paths.is_remote(path) else os.path.expanduser(path))

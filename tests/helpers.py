@@ -1,6 +1,5 @@
 """Shared test helpers: loading configs/*.py and building synthetic packed batches."""
 
-import os
 import pathlib
 import socket
 
@@ -18,12 +17,10 @@ def load_config(name: str):
 
 def command_env(home, devices: int | None = 8, **extra) -> dict:
     """The environment of a maxlm command a test starts: PATH, the CPU platform, `devices` fake CPU
-    devices (None: one), `home` as HOME, and the run's JAX compilation cache (tests/conftest.py)."""
+    devices (None: one), `home` as HOME; no compilation cache (tests/conftest.py says why)."""
     env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(home)}
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env.update({k: v for k, v in os.environ.items()
-                if k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))})
     return {**env, **extra}
 
 
