@@ -24,7 +24,7 @@ train: $(STAMP)
 test: $(STAMP) $(TEST_STAMP) $(TARGET_COMPILERS)/.installed
 	MAXLM_TARGET_COMPILERS=$(abspath $(TARGET_COMPILERS)) $(PY) -m pytest -n 2 --dist loadgroup -m "not ci" $(PYTEST_ARGS)
 
-# The slowest end-to-end runs (marked `ci`), left out of `make test` to keep it near 12 minutes:
+# The slowest end-to-end runs (marked `ci`), left out of `make test` to keep it within 12 minutes:
 # CI runs them after it (.ci/run).
 test-ci: $(STAMP) $(TEST_STAMP) $(TARGET_COMPILERS)/.installed
 	MAXLM_TARGET_COMPILERS=$(abspath $(TARGET_COMPILERS)) $(PY) -m pytest -n 2 --dist loadgroup -m ci $(PYTEST_ARGS)

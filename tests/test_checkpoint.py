@@ -102,6 +102,7 @@ def test_bad_streak_restores_last_good_checkpoint(tmp_path, data_dirs, clean_run
     assert rows[12]["lr"] == pytest.approx(clean[12]["lr"] / 2)
 
 
+@pytest.mark.ci
 def test_persistent_nan_stops_and_keeps_last_good(tmp_path, data_dirs):
     cfg = tiny(data_dirs, **{"debug.nan_at_step": 11, "debug.nan_steps": 3,
                              "debug.nan_transient": False, "checkpoint.max_to_keep": 1})

@@ -92,6 +92,7 @@ def test_a_bad_mixture_is_a_config_error(mixture, message):
         config_lib.resolve(cfg, 1)
 
 
+@pytest.mark.ci
 @pytest.mark.slow
 def test_a_mixture_trains_and_resumes_through_the_cli(tmp_path, data_dirs):
     """As a user types it: the mixture as a --config flag, stats per source, a run that stops and

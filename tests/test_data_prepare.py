@@ -136,6 +136,7 @@ def _long_doc(i: int, changed: int = -1) -> str:
     return " ".join("CHANGED" if j == changed else f"w{i}_{j}" for j in range(200))
 
 
+@pytest.mark.ci
 @pytest.mark.parametrize("kind", ["dedup", "near_dedup"])
 def test_one_or_two_workers_write_the_same_shards_and_dedup_across_them(tmp_path, kind):
     """`prepare --workers=1` and `--workers=2` on a folder of 24 files in units of ~4 KB: the

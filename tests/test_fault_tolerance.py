@@ -59,6 +59,7 @@ def final_state(workdir, step):
     return jax.tree.map(np.asarray, state)
 
 
+@pytest.mark.ci
 def test_kill9_and_sigterm_then_resume_is_bitwise_exact(tmp_path, data_dirs):
     ref = tmp_path / "ref"
     done = subprocess.run(command(ref, data_dirs), cwd=ROOT, env=env(tmp_path),
@@ -114,6 +115,7 @@ def test_kill9_and_sigterm_then_resume_is_bitwise_exact(tmp_path, data_dirs):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.ci
 def test_sigterm_two_processes_agree_on_the_step(tmp_path, data_dirs):
     run = tmp_path / "two"
     port = free_port()

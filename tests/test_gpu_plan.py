@@ -52,6 +52,7 @@ def plan(tmp_path, config: str, target: str, *overrides: str, xla_flags: str = "
     # docs/gpus.md's 2-node job: two processes of 8 GPUs, one FSDP mesh
     ("configs/llama_1b_h100x8.py", "h100x16", ("--config.mesh.fsdp=16", "--config.num_devices=16"), 2),
 ])
+@pytest.mark.ci
 def test_gpu_presets_fit_an_h100_with_cudnn_attention(tmp_path, config, target, overrides, hosts):
     result = plan(tmp_path, config, target, *overrides)
     assert result["device_kind"] == "NVIDIA H100 80GB HBM3"

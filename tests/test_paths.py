@@ -94,6 +94,7 @@ def test_checkpoint_scans_in_a_bucket(bucket, capsys):
     assert "gs://bkt/run/checkpoints: 3 checkpoint(s)" in listing and "incomplete" in listing
 
 
+@pytest.mark.ci
 @pytest.mark.slow
 def test_training_with_a_gs_workdir_writes_only_through_epath(bucket, data_dirs, monkeypatch):
     """config.json, metrics.jsonl, TensorBoard events and the checkpoint scans of a real run at

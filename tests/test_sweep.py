@@ -26,6 +26,7 @@ def test_validate_gives_the_config_errors_reason():
     assert sweep.validate("configs/tiny.py", {"mesh.data": 2, "mesh.fsdp": 4, "mesh.tensor": 1}, 8) is None
 
 
+@pytest.mark.ci
 @pytest.mark.slow
 def test_a_short_sweep_writes_a_sorted_csv(tmp_path):
     sweep_file = tmp_path / "short.py"

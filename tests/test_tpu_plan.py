@@ -59,6 +59,7 @@ def test_slices_have_cloud_tpus_chip_layouts(generation, chips, grid):
     assert tpu.chip_grid(generation, chips) == grid
 
 
+@pytest.mark.ci
 @pytest.mark.slow
 @needs_libtpu
 def test_a_v5p_plan_compiles_splash_natively_and_estimates_the_step(tmp_path):
@@ -130,6 +131,7 @@ def test_the_tpu_presets_fit_their_slices_with_splash_compiled(tmp_path, config,
     assert result["attention"] == "splash" and "tpu_custom_call" in result["kernels"]
 
 
+@pytest.mark.ci
 @pytest.mark.slow
 @needs_libtpu
 def test_two_slices_over_the_data_center_network(tmp_path):
