@@ -2,6 +2,7 @@
 log and maxlm's JSON read back, the pairs and medians with fake runs, the commands of both runtimes."""
 
 import hashlib
+import pathlib
 import re
 import sys
 
@@ -247,3 +248,11 @@ def test_a_tpu_plan_compiles_both_sides_with_the_same_layer_layout(scanned):
     maxlm_side, maxtext_side = compare_plan.sides(cfg, "v5p-64", "/v/bin/python", "/v/maxtext", [])
     assert maxlm_side.command[-1] == f"--config.model.scan_layers={scanned}"
     assert as_dict(maxtext_side.command[5:])["scan_layers"] == str(scanned)
+
+
+def test_the_peer_lock_and_venv_are_found_at_the_repository_root():
+    """The peer's lock is `launch/peers/maxtext.lock` and its default venv `.venv-maxtext`, both at
+    the repository root, wherever maxtext_peer.py sits in the package."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert pathlib.Path(maxtext_peer.REPO) == root
+    assert pathlib.Path(maxtext_peer.LOCK).is_file()

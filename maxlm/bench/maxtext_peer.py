@@ -22,7 +22,7 @@ from maxlm import config as config_lib, model
 from maxlm.errors import ConfigError
 from maxlm.model import attention
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # maxlm/bench/ is two below
 LOCK = os.path.join(REPO, "launch", "peers", "maxtext.lock")
 STAMP = ".maxlm-lock-sha256"  # in the venv: the sha256 of the lock it was installed from
 TRAIN_MODULE = "maxtext.trainers.pre_train.train"
