@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(ACCEL)
 TEST_STAMP := $(VENV)/.installed-test
 # The compilers of hardware that is not here: JAX's CUDA plugin (with cuDNN) and libtpu, kept out of
 # the venv's own packages so that CPU runs never try to load them. The plan tests put them on
-# PYTHONPATH to compile for H100/H200 hosts and TPU slices (maxlm/targets).
+# PYTHONPATH to compile for H100/H200 hosts and TPU slices (maxlm/bench/targets).
 TARGET_COMPILERS := $(VENV)/target-compilers
 
 .PHONY: train test test-ci bench install clean

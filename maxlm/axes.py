@@ -1,7 +1,7 @@
 """The mesh's five axes, the logical-axis rules that map onto them, and the checks a config's
 mesh must pass (part of `config.resolve`) before anything is compiled.
 
-Plain data and arithmetic, no JAX: `maxlm/mesh.py` builds the jax Mesh from the resolved sizes.
+Plain data and arithmetic, no JAX: `maxlm/train/mesh.py` builds the jax Mesh from the resolved sizes.
 """
 
 from __future__ import annotations

@@ -1,29 +1,59 @@
-"""Shared command-line plumbing: absl flags with an ml_collections `--config` file.
+"""What every command shares: absl flags with an ml_collections `--config` file, the XLA:CPU
+default, and the exit status of a user error.
 
 Every user error — a bad flag, an unknown `--config.KEY`, a config file that does not load, a
-value that fails validation — ends the same way: one line on stderr and exit status 2, no traceback.
-Warnings are one line on stderr too (`warn`), from process 0 only.
+value that fails validation, a `maxlm.errors.UserError` raised anywhere below — ends the same way:
+one line on stderr and exit status 2, no traceback. Only commands import this module; the library
+raises, and warns through maxlm/console.py.
+
+Before a command runs, `run` sets one XLA flag for the *CPU* backend (accelerators ignore `xla_cpu_*`
+flags; XLA reads XLA_FLAGS when the first backend starts, so importing JAX before is fine): matmuls
+and reductions run as YNNPACK fusions (`--xla_cpu_experimental_ynn_fusion_type=dot,reduce`),
+measured 8-12% faster than XLA:CPU's own code on the tiny and 50M configs on jaxlib 0.10, about
+1.25x on 0.12 and 1.55x at 125M (docs/performance.md). Elementwise fusions (`eltwise`) are left out:
+XLA emits YNN elementwise fusions for operands with non-default layouts, which it then rejects at
+run time ("Instruction with unsupported layout in YNN fusion"), as the sequence-parallel eval step
+did; they were also slower. `MAXLM_XLA_CPU_DEFAULTS=0` turns the flag off; a value already in
+XLA_FLAGS wins; other jaxlib series don't get it (XLA aborts on flags it does not know). Importing
+maxlm changes no environment variable.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import sys
 from typing import Callable, NoReturn
 
+from maxlm.errors import UserError
+
+# XLA_FLAGS as the environment gave them, before `set_xla_cpu_defaults` adds maxlm's (bench
+# compare passes these, not maxlm's, to the code it compares with).
+USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+CPU_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+CPU_DEFAULT = f"{CPU_FLAG}=dot,reduce"
+# XLA aborts on a flag it does not know, and experimental flags come and go: only for the jaxlib
+# series this was measured with (0.10, and 0.12 of requirements.lock; docs/performance.md).
+TESTED_JAXLIB = ("0.10.", "0.12.")
+
+
+def set_xla_cpu_defaults() -> None:
+    """Adds `CPU_DEFAULT` to XLA_FLAGS unless turned off, already set, or jaxlib is untested.
+    Call before the first JAX backend starts."""
+    try:
+        jaxlib = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        jaxlib = ""
+    if (os.environ.get("MAXLM_XLA_CPU_DEFAULTS", "1") != "0"
+            and CPU_FLAG not in os.environ.get("XLA_FLAGS", "")
+            and jaxlib.startswith(TESTED_JAXLIB)):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_DEFAULT}".strip()
+
 
 def config_error(message: str) -> NoReturn:
     print(f"maxlm: config error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def warn(message: str) -> None:
-    """`maxlm: warning: ...` on stderr (also when logging is not set up), from process 0 only."""
-    import jax
-
-    if jax.process_index() == 0:
-        print(f"maxlm: warning: {message}", file=sys.stderr, flush=True)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -56,15 +86,23 @@ def setup_logging() -> None:
 def run(main: Callable[[list[str]], None], define_flags: Callable[[], None],
         config_file: bool = True) -> None:
     """Defines `--config` (unless not `config_file`) plus `define_flags()`'s flags, parses them,
-    and runs `main(argv)`."""
+    and runs `main(argv)` with the XLA:CPU default set; a UserError from it ends as exit 2."""
     from absl import app
+
+    set_xla_cpu_defaults()
+
+    def guarded(argv):
+        try:
+            return main(argv)
+        except UserError as e:
+            config_error(str(e))
 
     if config_file:
         from ml_collections import config_flags
 
         config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
     define_flags()
-    app.run(main, flags_parser=parse_flags)
+    app.run(guarded, flags_parser=parse_flags)
 
 
 def start(argv: list[str], required: tuple[str, ...] = ()):
@@ -88,7 +126,8 @@ def resolved_config(num_devices: int, num_granules: int | None = None, platform:
     import jax
     from absl import flags
 
-    from maxlm import config as config_lib, mesh as mesh_lib
+    from maxlm import config as config_lib
+    from maxlm.train import mesh as mesh_lib
 
     if num_granules is None:
         num_granules = mesh_lib.num_granules()
@@ -118,11 +157,11 @@ def use_compile_cache(cfg) -> None:
     process ("Termination timeout"). A compiled executable keeps one order (docs/testing.md)."""
     import jax
 
-    from maxlm import paths
+    from maxlm import console, paths
 
     if jax.default_backend() == "cpu" and jax.device_count() > 1:
         if cfg.compile_cache_dir or jax.config.jax_compilation_cache_dir:
-            warn(f"the compilation cache is off on {jax.device_count()} CPU devices: XLA:CPU loses the "
+            console.warn(f"the compilation cache is off on {jax.device_count()} CPU devices: XLA:CPU loses the "
                  "order of the collectives of an executable it loads from it (docs/testing.md)")
         jax.config.update("jax_enable_compilation_cache", False)
         return

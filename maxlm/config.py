@@ -2,8 +2,10 @@
 
 A run's config is an `ml_collections.ConfigDict`. `configs/NAME.py` files start from `defaults()`
 and override what they need; command-line `--config.KEY=VALUE` flags override those. `resolve()`
-then checks every cross-field constraint *before* anything is compiled or written, fills the mesh's
-`-1`, and returns the config that `DIR/config.json` records.
+then checks every constraint that needs only the config, the device count and the platform,
+*before* anything is compiled or written (those that need the data, a checkpoint or a Hugging Face
+folder follow it: docs/config.md#validation), fills the mesh's `-1`, and returns the config that
+`DIR/config.json` records.
 """
 
 from __future__ import annotations
@@ -16,9 +18,23 @@ import ml_collections
 from maxlm import axes
 from maxlm.axes import DEFAULT_RULES, MESH_AXES  # noqa: F401  (MESH_AXES: config_lib.MESH_AXES)
 from maxlm.config_rules import (  # noqa: F401  (the choices, as config_lib.REMAT etc.)
-    ATTENTION, DTYPES, LR_BATCH_SCALING, MU_DTYPES, OPTIMIZERS, PLATFORMS, POSITIONS, REMAT, SCHEDULES,
-    SPLASH_BLOCK, check_data, check_eval, check_model_and_optim, check_optimizer, check_platform,
-    check_values)
+    ATTENTION,
+    DTYPES,
+    LR_BATCH_SCALING,
+    MU_DTYPES,
+    OPTIMIZERS,
+    PLATFORMS,
+    POSITIONS,
+    REMAT,
+    SCHEDULES,
+    SPLASH_BLOCK,
+    check_data,
+    check_eval,
+    check_model_and_optim,
+    check_optimizer,
+    check_platform,
+    check_values,
+)
 from maxlm.errors import ConfigError  # noqa: F401  (config_lib.ConfigError)
 
 
@@ -53,9 +69,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.debug.nan_transient = True  # only the first time those steps run in this process
     c.debug.spike_at_batch = -1  # fault injection: the batch at this data position trains at a
     c.debug.spike_batches = 1  # ... higher lr (and the next spike_batches - 1 batches) (-1 = off)
-    c.debug.spike_lr_scale = 1000.0  # ... of lr times this: a loss spike (maxlm/anomaly.py)
+    c.debug.spike_lr_scale = 1000.0  # ... of lr times this: a loss spike (maxlm/train/anomaly.py)
 
-    c.anomaly = ml_collections.ConfigDict()  # loss-spike recovery (maxlm/anomaly.py), off by default
+    c.anomaly = ml_collections.ConfigDict()  # loss-spike recovery (maxlm/train/anomaly.py), off by default
     c.anomaly.enabled = False
     c.anomaly.warmup = 100  # losses seen before spikes are looked for
     c.anomaly.ema = 0.99  # decay of the loss's running mean and variance
@@ -68,13 +84,13 @@ def defaults() -> ml_collections.ConfigDict:
     c.eval.every_steps = 100  # 0 disables periodic eval
     c.eval.steps = 4  # validation batches per eval
     c.eval.sets = ()  # more held-out sets: ((name, source), ...), each logged as eval/<name>/loss
-    c.eval.tasks = ()  # task .jsonl files scored at each eval (maxlm/tasks.py): eval/<stem>/acc, ...
+    c.eval.tasks = ()  # task .jsonl files scored at each eval (maxlm/train/tasks.py): eval/<stem>/acc, ...
     c.eval.task_shots = 0  # few-shot examples before each task example
 
     c.metrics = ml_collections.ConfigDict()
     c.metrics.tensorboard = True
 
-    c.profile = ml_collections.ConfigDict()  # a jax.profiler trace of a few steps (maxlm/profiler.py)
+    c.profile = ml_collections.ConfigDict()  # a jax.profiler trace of a few steps (maxlm/train/profiler.py)
     c.profile.start_step = 5  # the first traced step (after the compile and warm-up)
     c.profile.num_steps = 0  # 0 = off
     return c
@@ -119,7 +135,7 @@ def _model_defaults() -> ml_collections.ConfigDict:
     # largest of 512, 256, 128 that divides it)
     s.splash_block_q = 0
     s.splash_block_kv = 0
-    s.fp8 = False  # layer weight matmuls with float8 operands (maxlm/fp8.py)
+    s.fp8 = False  # layer weight matmuls with float8 operands (maxlm/model/fp8.py)
     s.logits_chunk_size = 0  # >0: the loss computes logits this many positions at a time
     s.z_loss = 0.0  # weight of log²Z in the objective (PaLM uses 1e-4)
     s.label_smoothing = 0.0
@@ -149,7 +165,7 @@ def _optim_defaults() -> ml_collections.ConfigDict:
     s.grad_accum_steps = 1  # microbatches per step, accumulated inside the jitted step
     s.shard_state_over_data = False  # ZeRO-1: optimizer state also sharded over mesh.data
     s.mu_dtype = "float32"  # first moment's dtype (adamw, lion): "float32" or "bfloat16"
-    # dynamic loss scaling, on with model.dtype="float16" only (maxlm/loss_scale.py)
+    # dynamic loss scaling, on with model.dtype="float16" only (maxlm/train/loss_scale.py)
     s.loss_scale_init = 2.0**15
     s.loss_scale_growth_interval = 2000  # consecutive applied steps before the scale doubles
     s.loss_scale_min = 1.0  # halving stops here; a non-finite step at the min is a bad step
@@ -199,7 +215,7 @@ def _checkpoint_defaults() -> ml_collections.ConfigDict:
     s.restore_lr_scale = 1.0  # lr multiplier applied at each such restore
     s.restore_from = ""  # start a fresh workdir from another run's checkpoint
     s.restore_params_only = False  # with restore_from: params only (step 0, new optimizer)
-    s.init_from_hf = ""  # a fresh workdir starts from a local HF Llama folder (maxlm/hf.py)
+    s.init_from_hf = ""  # a fresh workdir starts from a local HF Llama folder (maxlm/hf/files.py)
     return s
 
 

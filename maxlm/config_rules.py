@@ -16,13 +16,13 @@ from maxlm.errors import ConfigError
 PLATFORMS = ("", "cpu", "gpu", "tpu")  # platform: what jax.default_backend() must say ("" = any)
 DTYPES = ("float32", "bfloat16", "float16")  # model.dtype: compute; float16 turns on loss scaling
 MU_DTYPES = ("float32", "bfloat16")  # optim.mu_dtype
-OPTIMIZERS = ("adamw", "lion", "adafactor")  # optim.name; see maxlm/optim.py
+OPTIMIZERS = ("adamw", "lion", "adafactor")  # optim.name; see maxlm/train/optim.py
 SCHEDULES = ("cosine", "linear", "polynomial", "step", "wsd", "constant", "inverse_sqrt")  # optim.schedule
 LR_BATCH_SCALING = ("none", "sqrt", "linear")  # optim.lr_batch_scaling
 REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
 ATTENTION = ("auto", "xla", "cudnn", "splash")  # see attention.attention_backend
-POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/positions.py
-SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/attention.py)
+POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/model/positions.py
+SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/model/attention.py)
 
 
 

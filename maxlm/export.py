@@ -6,7 +6,7 @@ Loads the run like `python -m maxlm.eval` (DIR/config.json, one checkpoint's par
 the config's mesh rules; default the newest complete checkpoint) and writes into HFDIR what
 `transformers.LlamaForCausalLM.from_pretrained(HFDIR)` and `AutoTokenizer.from_pretrained(HFDIR)`
 load with no custom code: `config.json`, `generation_config.json`, `model.safetensors` (or shards
-and an index past --max_shard_mb) and the tokenizer files. The mapping is in `maxlm/hf_mapping.py`, the files in `maxlm/hf.py`; the
+and an index past --max_shard_mb) and the tokenizer files. The mapping is in `maxlm/hf/mapping.py`, the files in `maxlm/hf/files.py`; the
 way back is the config key `checkpoint.init_from_hf=HFDIR`. A run whose `model.positions` is not
 `rope` is refused (exit 2): transformers' Llama has only RoPE. Prints one JSON object: out, step,
 dtype, files, checkpoint.
@@ -18,7 +18,9 @@ import json
 
 import jax
 
-from maxlm import cli, distributed, hf, runs
+from maxlm import cli
+from maxlm.hf import files as hf
+from maxlm.train import distributed, runs
 
 
 def main(argv) -> None:

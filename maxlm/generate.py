@@ -35,7 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxlm import attention, cli, distributed, mesh as mesh_lib, model, positions, runs, state as state_lib
+from maxlm import cli, model
+from maxlm.model import attention, positions
+from maxlm.train import distributed, mesh as mesh_lib, runs, state as state_lib
 
 # ----------------------------------------------------------------------------- the cached forward
 

@@ -14,14 +14,16 @@ import io
 import math
 import sys
 
-from maxlm import cli, metrics, paths
+from maxlm import cli, paths
+from maxlm.errors import UserError
+from maxlm.train import metrics
 
 # (panel title, metrics.jsonl key), row by row
 PANELS = (("train loss", "loss"), ("eval loss", "eval_loss"),
           ("learning rate", "lr"), ("tokens/s", "tokens_per_sec"))
 
 
-class PlotError(ValueError):
+class PlotError(UserError):
     """A run directory that cannot be plotted (exit 2)."""
 
 

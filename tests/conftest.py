@@ -14,8 +14,11 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # whatever the caller's environment sets up
 
-
 import pytest  # noqa: E402  (after XLA_FLAGS, which must be set before JAX is imported)
+
+from maxlm import cli  # noqa: E402
+
+cli.set_xla_cpu_defaults()  # as every command does: tests run the CPU code the commands run
 
 
 @pytest.fixture(scope="session")

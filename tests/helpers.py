@@ -6,7 +6,8 @@ import socket
 import jax
 import numpy as np
 
-from maxlm import config as config_lib, mesh as mesh_lib, optim, state as state_lib, step as step_lib
+from maxlm import config as config_lib
+from maxlm.train import mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

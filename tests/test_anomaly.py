@@ -1,4 +1,4 @@
-"""Loss-spike recovery (maxlm/anomaly.py): the detector's arithmetic, the skip list, and real
+"""Loss-spike recovery (maxlm/train/anomaly.py): the detector's arithmetic, the skip list, and real
 in-process runs of configs/tiny.py where an injected spike (the batch at data position 13 trained
 at 1000x the lr) is rolled back, its batches skipped, and a resume after it is bitwise exact."""
 
@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm import anomaly, checkpoint, config as config_lib, train
+from maxlm import config as config_lib
 from maxlm.errors import ConfigError
+from maxlm.train import anomaly, checkpoint, loop
 from tests.helpers import load_config, with_overrides
 
 SPIKE = {"eval.every_steps": 0, "log_every_steps": 1, "metrics.tensorboard": False,
@@ -103,7 +104,7 @@ def state_at(workdir, step):
 @pytest.fixture(scope="module")
 def spike_run(tmp_path_factory, data_dirs):
     workdir = tmp_path_factory.mktemp("spike")
-    train.train_and_evaluate(tiny(data_dirs), str(workdir))
+    loop.train_and_evaluate(tiny(data_dirs), str(workdir))
     return workdir
 
 
@@ -137,7 +138,7 @@ def test_resume_before_and_after_the_rollback_is_bitwise_exact(spike_run, tmp_pa
         if step > keep:
             shutil.rmtree(run / "checkpoints" / str(step))
     (run / "metrics.jsonl").write_text("")
-    train.train_and_evaluate(tiny(data_dirs), str(run))
+    loop.train_and_evaluate(tiny(data_dirs), str(run))
     resumed, clean = rows(run), rows(spike_run)
     assert [resumed[s]["loss"] for s in range(keep + 1, 21)] == [clean[s]["loss"] for s in range(keep + 1, 21)]
     assert resumed[20]["rollbacks"] == 1 and resumed[20]["spikes"] == 2
@@ -149,7 +150,7 @@ def test_resume_before_and_after_the_rollback_is_bitwise_exact(spike_run, tmp_pa
 @pytest.mark.ci
 def test_off_by_default_the_spike_stays(data_dirs, tmp_path):
     cfg = tiny(data_dirs, **{"anomaly.enabled": False, "steps": 16})
-    train.train_and_evaluate(cfg, str(tmp_path))
+    loop.train_and_evaluate(cfg, str(tmp_path))
     r = rows(tmp_path)
     # the spike stays: worse than the untrained model's first step and over twice step 14's loss
     # (2.6x on jax 0.12; a fixed 3x held on jax 0.10 only), and nothing flagged

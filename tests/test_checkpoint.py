@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from maxlm import checkpoint, config as config_lib, faults, train
+from maxlm import checkpoint as checkpoint_command, config as config_lib
+from maxlm.train import checkpoint, faults, loop
 from tests.helpers import load_config, with_overrides
 
 BASE = {"eval.every_steps": 0, "log_every_steps": 1, "metrics.tensorboard": False,
@@ -48,7 +49,7 @@ def params_of(workdir, step):
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory, data_dirs):
     workdir = tmp_path_factory.mktemp("clean")
-    train.train_and_evaluate(tiny(data_dirs), str(workdir))
+    loop.train_and_evaluate(tiny(data_dirs), str(workdir))
     return workdir
 
 
@@ -60,9 +61,9 @@ def test_clean_run_checkpoints(clean_run, monkeypatch):
     meta = checkpoint.read_json(str(clean_run / "checkpoints" / "20"), "meta")
     assert meta["step"] == meta["data_position"] == 20 and meta["seed"] == 0
     assert meta["kind"] == "final" and meta["lr_scale"] == 1.0
-    assert checkpoint.cli_main(["verify", str(clean_run)]) == 0
+    assert checkpoint_command.main(["verify", str(clean_run)]) == 0
     monkeypatch.chdir(clean_run.parent)  # a relative DIR, as users type it
-    assert checkpoint.cli_main(["verify", clean_run.name]) == 0
+    assert checkpoint_command.main(["verify", clean_run.name]) == 0
 
 
 def test_nan_step_skipped_counted_never_saved(tmp_path, data_dirs, clean_run, caplog):
@@ -72,7 +73,7 @@ def test_nan_step_skipped_counted_never_saved(tmp_path, data_dirs, clean_run, ca
     step late and a save restarts it: temporary saves fall on 12, 14, 17, 19.)"""
     caplog.set_level(logging.INFO, logger="maxlm")
     cfg = tiny(data_dirs, **{"debug.nan_at_step": 13, "checkpoint.every_minutes": 1e-5})
-    last = train.train_and_evaluate(cfg, str(tmp_path))
+    last = loop.train_and_evaluate(cfg, str(tmp_path))
     rows = losses(tmp_path)
     assert not math.isfinite(float(rows[14]["grad_norm"])) and rows[14]["skipped_steps"] == 1
     assert rows[14]["param_norm"] == rows[13]["param_norm"]  # not applied
@@ -83,14 +84,14 @@ def test_nan_step_skipped_counted_never_saved(tmp_path, data_dirs, clean_run, ca
     assert rows[20]["loss"] != clean[20]["loss"]
     # temporary (every_minutes) saves were replaced by the next one; regular ones kept
     assert steps_in(tmp_path) == [10, 15, 20]
-    assert checkpoint.cli_main(["verify", str(tmp_path)]) == 0
+    assert checkpoint_command.main(["verify", str(tmp_path)]) == 0
 
 
 def test_bad_streak_restores_last_good_checkpoint(tmp_path, data_dirs, clean_run, capsys):
     """3 consecutive NaN steps (a transient fault) → back to step 10, replay: the clean losses."""
     cfg = tiny(data_dirs, **{"debug.nan_at_step": 11, "debug.nan_steps": 3,
                              "checkpoint.restore_lr_scale": 0.5})
-    last = train.train_and_evaluate(cfg, str(tmp_path))
+    last = loop.train_and_evaluate(cfg, str(tmp_path))
     err = capsys.readouterr().err
     assert "3 consecutive non-finite steps up to step 14: restored step 10" in err
     assert "lr scale 0.5" in err
@@ -107,9 +108,9 @@ def test_persistent_nan_stops_and_keeps_last_good(tmp_path, data_dirs):
     cfg = tiny(data_dirs, **{"debug.nan_at_step": 11, "debug.nan_steps": 3,
                              "debug.nan_transient": False, "checkpoint.max_to_keep": 1})
     with pytest.raises(faults.NonFiniteLossError, match=r"still after 2 restore\(s\).*step 10"):
-        train.train_and_evaluate(cfg, str(tmp_path))
+        loop.train_and_evaluate(cfg, str(tmp_path))
     assert steps_in(tmp_path) == [10]  # the only good one, kept whatever max_to_keep says
-    assert checkpoint.cli_main(["verify", str(tmp_path)]) == 0
+    assert checkpoint_command.main(["verify", str(tmp_path)]) == 0
 
 
 def test_damaged_and_incomplete_checkpoints_are_skipped(tmp_path, clean_run, data_dirs, capsys):
@@ -121,12 +122,12 @@ def test_damaged_and_incomplete_checkpoints_are_skipped(tmp_path, clean_run, dat
         f.truncate(50)
     (ckpts / "15" / "_CHECKPOINT_METADATA").write_text("{not json")  # unreadable metadata
     shutil.copytree(ckpts / "10", ckpts / "25.orbax-checkpoint-tmp")  # an interrupted write
-    assert checkpoint.cli_main(["verify", str(run)]) == 1
+    assert checkpoint_command.main(["verify", str(run)]) == 1
     out = capsys.readouterr().out
     assert "unreadable _CHECKPOINT_METADATA" in out and "does not restore" in out
     (run / "metrics.jsonl").write_text("")
 
-    last = train.train_and_evaluate(tiny(data_dirs, steps=20), str(run))
+    last = loop.train_and_evaluate(tiny(data_dirs, steps=20), str(run))
     err = capsys.readouterr().err
     assert f"ignoring incomplete checkpoint {ckpts / '25.orbax-checkpoint-tmp'}" in err
     assert f"skipping damaged checkpoint {ckpts / '15'}: unreadable _CHECKPOINT_METADATA" in err
@@ -139,7 +140,7 @@ def test_damaged_and_incomplete_checkpoints_are_skipped(tmp_path, clean_run, dat
     assert (ckpts / "20.damaged").is_dir() and (ckpts / "15.damaged").is_dir()  # never deleted
     assert steps_in(run) == [10, 15, 20]
     capsys.readouterr()  # drop what the run printed
-    assert checkpoint.cli_main(["list", str(run)]) == 0
+    assert checkpoint_command.main(["list", str(run)]) == 0
     listing = capsys.readouterr().out
     assert "damaged" in listing and "final" in listing and ("MB" in listing or "KB" in listing)
 
@@ -159,7 +160,7 @@ def test_keep_policies(tmp_path):
 def test_restore_from_another_run(tmp_path, clean_run, data_dirs):
     full = tmp_path / "full"
     cfg = tiny(data_dirs, **{"checkpoint.restore_from": str(clean_run / "checkpoints" / "10")})
-    train.train_and_evaluate(cfg, str(full))
+    loop.train_and_evaluate(cfg, str(full))
     rows, clean = losses(full), losses(clean_run)
     assert sorted(rows) == list(range(11, 21))  # the full state: step, optimizer, data position
     assert all(rows[s]["loss"] == clean[s]["loss"] for s in rows)
@@ -167,7 +168,7 @@ def test_restore_from_another_run(tmp_path, clean_run, data_dirs):
     params_only = tmp_path / "params"
     cfg = tiny(data_dirs, steps=3, **{"checkpoint.restore_from": str(clean_run), "optim.warmup_steps": 1,
                                       "checkpoint.restore_params_only": True})
-    train.train_and_evaluate(cfg, str(params_only))
+    loop.train_and_evaluate(cfg, str(params_only))
     rows = losses(params_only)
     assert sorted(rows) == [1, 2, 3]  # from step 0, a fresh optimizer
     assert rows[1]["loss"] < clean[1]["loss"] - 1.0  # but trained weights
@@ -198,12 +199,12 @@ def test_expected_state_holds_a_learned_position_table():
 def test_another_position_encoding_does_not_resume(clean_run, data_dirs, tmp_path):
     """Resuming (or restore_from) with another model.positions is one clear error before anything
     compiles, not every checkpoint set aside as damaged."""
-    train.check_start(tiny(data_dirs), str(clean_run))  # the same encoding resumes
+    loop.check_start(tiny(data_dirs), str(clean_run))  # the same encoding resumes
     learned = tiny(data_dirs, **{"model.positions": "learned"})
     with pytest.raises(ValueError, match=r"^model.positions='learned', model.max_positions=64, but the "
                        r"checkpoint .*/20 was written with model.positions='rope': its parameters do not fit"):
-        train.check_start(learned, str(clean_run))
+        loop.check_start(learned, str(clean_run))
     from_run = tiny(data_dirs, **{"model.positions": "sinusoidal", "checkpoint.restore_from": str(clean_run),
                                   "checkpoint.restore_params_only": True})
     with pytest.raises(ValueError, match="was written with model.positions='rope'"):
-        train.check_start(from_run, str(tmp_path))
+        loop.check_start(from_run, str(tmp_path))

@@ -2,13 +2,14 @@
 log and maxlm's JSON read back, the pairs and medians with fake runs, the commands of both runtimes."""
 
 import hashlib
+import pathlib
 import re
 import sys
 
 import pytest
 
-import maxlm
-from maxlm import compare, config as config_lib, maxtext_peer
+from maxlm import cli, config as config_lib
+from maxlm.bench import compare, maxtext_peer
 from maxlm.errors import ConfigError
 from tests.helpers import load_config
 
@@ -153,7 +154,7 @@ def test_maxlm_command_keeps_the_users_flags_but_compares():
 
 @pytest.mark.parametrize("runtime", ["own", "same"])
 def test_runtimes_choose_the_interpreter_and_xla_flags(runtime, monkeypatch):
-    monkeypatch.setattr(maxlm, "USER_XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    monkeypatch.setattr(cli, "USER_XLA_FLAGS", "--xla_dump_to=/tmp/d")
     maxlm_side, maxtext_side = compare.make_sides(issue_config(), runtime, "/v/bin/python", "/v/maxtext",
                                                   ["steps=5"], ["--config=configs/tiny.py"], 2, 3)
     assert maxtext_side.command == ["/v/bin/python", "-m", "maxtext.trainers.pre_train.train",
@@ -162,7 +163,7 @@ def test_runtimes_choose_the_interpreter_and_xla_flags(runtime, monkeypatch):
     same = runtime == "same"
     assert maxlm_side.command[0] == ("/v/bin/python" if same else sys.executable)
     # own: the user's flags (maxlm's process adds its default itself); same: maxlm's default for both
-    expected = "--xla_dump_to=/tmp/d" + (f" {maxlm.CPU_DEFAULT}" if same else "")
+    expected = "--xla_dump_to=/tmp/d" + (f" {cli.CPU_DEFAULT}" if same else "")
     assert maxlm_side.env["XLA_FLAGS"] == maxtext_side.env["XLA_FLAGS"] == expected
     assert ("PYTHONPATH" in maxlm_side.env) == same
     assert maxlm_side.shell().startswith("PYTHONPATH=" if same else "JAX_PLATFORMS=cpu XLA_FLAGS=")
@@ -199,7 +200,7 @@ host_alias_size_in_bytes=0, host_temp_size_in_bytes=0)
 
 
 def test_train_compile_output_is_read_back_with_the_same_peak_formula_as_ours():
-    from maxlm import compare_plan
+    from maxlm.bench import compare_plan
 
     figures = compare_plan.maxtext_plan(TRAIN_COMPILE_OUTPUT)
     assert figures["flops"] == 493210589724672.0 and figures["bytes_accessed"] == 996501422080.0
@@ -210,8 +211,9 @@ def test_train_compile_output_is_read_back_with_the_same_peak_formula_as_ours():
 
 
 def test_the_estimate_is_the_slower_of_compute_and_memory_at_the_chips_datasheet():
-    from maxlm import compare_plan, flops
-    from maxlm.targets import tpu
+    from maxlm.bench import compare_plan
+    from maxlm.bench.targets import tpu
+    from maxlm.train import flops
 
     peak, bandwidth = flops.table_peak("TPU v5", "bfloat16"), tpu.TPUS["v5p"][4]
     compute_bound = compare_plan.estimate({"flops": 100 * peak, "bytes_accessed": bandwidth}, "v5p-8", "bfloat16")
@@ -233,3 +235,24 @@ def test_a_tpu_plan_maps_the_mesh_chunks_and_splash_attention():
     # on the CPU the same chunks are refused: MaxText's CPU run is compared without them
     with pytest.raises(ConfigError, match="logits_chunk_size on CPU"):
         maxtext_peer.check_expressible(issue_config(**{"model.logits_chunk_size": 64}))
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+def test_a_tpu_plan_compiles_both_sides_with_the_same_layer_layout(scanned):
+    """`compare --target --layers=scanned` compiles both steps scanned (the presets' layout), the
+    default both unrolled: the two sides never differ in it."""
+    from maxlm.bench import compare_plan
+
+    cfg = config_lib.resolve(load_config("llama_8b_v5p64"), 32, 1, "tpu")
+    cfg.model.scan_layers = scanned
+    maxlm_side, maxtext_side = compare_plan.sides(cfg, "v5p-64", "/v/bin/python", "/v/maxtext", [])
+    assert maxlm_side.command[-1] == f"--config.model.scan_layers={scanned}"
+    assert as_dict(maxtext_side.command[5:])["scan_layers"] == str(scanned)
+
+
+def test_the_peer_lock_and_venv_are_found_at_the_repository_root():
+    """The peer's lock is `launch/peers/maxtext.lock` and its default venv `.venv-maxtext`, both at
+    the repository root, wherever maxtext_peer.py sits in the package."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert pathlib.Path(maxtext_peer.REPO) == root
+    assert pathlib.Path(maxtext_peer.LOCK).is_file()

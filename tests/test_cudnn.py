@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import attention
+from maxlm.model import attention
+
 
 def packed_rows(batch: int, length: int, seed: int = 0) -> np.ndarray:
     """Segment ids as the packer writes them: documents 1, 2, ... of random lengths, then padding (0)."""

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, evaluate as evaluate_lib, generate as gen, runs, state as state_lib
-from maxlm import mesh as mesh_lib, model, train
+from maxlm import config as config_lib, generate as gen, model
 from maxlm.data import make_dataset
 from maxlm.data.tokenizer import ByteTokenizer
+from maxlm.train import evaluate as evaluate_lib, loop, mesh as mesh_lib, runs, state as state_lib
 from tests.helpers import ROOT, command_env, load_config, with_overrides
 
 # ----------------------------------------------------------------------------- a trained run
@@ -31,7 +31,7 @@ def run(tmp_path_factory, data_dirs):
     overrides = {**data_dirs, "steps": 10, "checkpoint.every_steps": 5, "eval.every_steps": 5,
                  "metrics.tensorboard": False}
     cfg = config_lib.resolve(with_overrides(load_config("tiny"), overrides), jax.device_count())
-    train.train_and_evaluate(cfg, str(workdir))
+    loop.train_and_evaluate(cfg, str(workdir))
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     eval_losses = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
     assert sorted(eval_losses) == [5, 10]

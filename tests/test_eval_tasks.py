@@ -15,10 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, evaluate, generate as gen, mesh as mesh_lib, model, runs, state as state_lib, tasks, train
+from maxlm import config as config_lib, generate as gen, model
 from maxlm.data import sources
 from maxlm.data.errors import DataError
 from maxlm.data.tokenizer import ByteTokenizer
+from maxlm.train import evaluate, loop, mesh as mesh_lib, runs, state as state_lib, tasks
 from tests.helpers import ROOT, command_env, load_config, with_overrides
 
 STEPS, CHANCE = 100, 0.25
@@ -58,7 +59,7 @@ def trained(tmp_path_factory, data_dirs):
         "eval.every_steps": 50, "checkpoint.every_steps": 50, "metrics.tensorboard": False,
         "eval.sets": (("stdlib", "tfds:python_stdlib"), ("held", str(root / "held"))),
         "eval.tasks": (task,)})
-    train.train_and_evaluate(cfg, str(root / "run"))
+    loop.train_and_evaluate(cfg, str(root / "run"))
     rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     return cfg, root, {r["step"]: r for r in rows if "eval_loss" in r}, docs
 
@@ -294,8 +295,8 @@ def test_local_eval_sets_are_held_out_whole_unless_they_are_a_training_source(tm
 def test_bad_eval_data_fails_before_training(tmp_path, data_dirs):
     bad_set = tiny(**data_dirs, **{"eval.sets": (("web", str(tmp_path / "nowhere")),)})
     with pytest.raises(DataError, match=r"^eval.sets 'web': data.source='.*nowhere': no such file"):
-        train.load_data(bad_set)
+        loop.load_data(bad_set)
     (tmp_path / "t.jsonl").write_text('{"context": "a", "choices": ["x", "y"], "answer": 5}\n')
     bad_task = tiny(**data_dirs, **{"eval.tasks": (str(tmp_path / "t.jsonl"),)})
     with pytest.raises(DataError, match=r"t.jsonl:1: 'answer' must be"):
-        train.load_data(bad_task)
+        loop.load_data(bad_task)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm import checkpoint
+from maxlm.train import checkpoint
 from tests.helpers import ROOT, command_env, free_port
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """NVIDIA GPUs without a GPU: the launchers' XLA flags are accepted, and the GPU presets compiled
-for 8×H100 (maxlm/targets) fit, with cuDNN attention and, with model.fp8, cuBLASLt float8 GEMMs.
+for 8×H100 (maxlm/bench/targets) fit, with cuDNN attention and, with model.fp8, cuBLASLt float8 GEMMs.
 
 Each plan runs as a user types it, with the flags of launch/gpu_env.sh, JAX's CUDA plugin on
 PYTHONPATH (`make test` installs it in .venv/target-compilers and names it in MAXLM_TARGET_COMPILERS)."""

@@ -1,4 +1,4 @@
-"""Hugging Face export and import (maxlm/hf.py, `python -m maxlm.export`,
+"""Hugging Face export and import (maxlm/hf/files.py, `python -m maxlm.export`,
 `checkpoint.init_from_hf`): transformers' LlamaForCausalLM gives maxlm's logits on an export
 (tied and untied embeddings, grouped-query attention, a head_dim other than d_model/heads, a
 non-default RoPE base and norm eps); export → import is bitwise exact, onto sharded meshes with
@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, hf, hf_mapping, mesh as mesh_lib, model, runs, state as state_lib, train
+from maxlm import config as config_lib, model
 from maxlm.data import make_dataset
 from maxlm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer
+from maxlm.hf import files as hf, mapping as hf_mapping
+from maxlm.train import loop, mesh as mesh_lib, runs, state as state_lib
 from tests.helpers import ROOT, command_env, load_config, with_overrides
 
 torch = pytest.importorskip("torch")
@@ -261,7 +263,7 @@ def exported(tmp_path_factory, data_dirs):
     """A 6-step tiny run (fsdp=8), exported with `python -m maxlm.export`."""
     workdir = tmp_path_factory.mktemp("run")
     cfg = _cfg({**data_dirs, "steps": 6, "checkpoint.every_steps": 6})
-    train.train_and_evaluate(cfg, str(workdir))
+    loop.train_and_evaluate(cfg, str(workdir))
     out = tmp_path_factory.mktemp("export") / "hf"
     result = _cli("maxlm.export", f"--workdir={workdir}", f"--out={out}")
     assert result.returncode == 0, result.stderr
@@ -305,11 +307,11 @@ def test_training_starts_from_the_export(exported, tmp_path, data_dirs):
         loss_of = jax.jit(lambda p: model.loss_fn(cfg.model, p, batch)[1]["cross_entropy"])
         expected, fresh = float(loss_of(run["params"])), float(loss_of(initial))
     assert abs(expected - fresh) > 0.05  # the run learned something: the check can tell them apart
-    last = train.train_and_evaluate(cfg, str(tmp_path))
+    last = loop.train_and_evaluate(cfg, str(tmp_path))
     assert last["first_loss"] == pytest.approx(expected, rel=1e-5)
     gone = _cfg({**overrides, "checkpoint.init_from_hf": str(tmp_path / "deleted")})
-    train.check_start(gone, str(tmp_path))  # init_from_hf not read: the workdir has its own checkpoint
-    assert train.train_and_evaluate(gone, str(tmp_path)) == {}  # resumed at step 2: nothing to do
+    loop.check_start(gone, str(tmp_path))  # init_from_hf not read: the workdir has its own checkpoint
+    assert loop.train_and_evaluate(gone, str(tmp_path)) == {}  # resumed at step 2: nothing to do
 
 
 def test_train_cli_rejects_a_mismatched_checkpoint(exported, tmp_path, data_dirs):

@@ -178,3 +178,16 @@ def test_make_without_a_python_3_12_stops_with_the_rules_line_and_makes_nothing(
                           timeout=60, env=env)
     assert make.returncode == 2 and "maxlm needs Python 3.12 or newer and found none" in make.stderr
     assert not venv.exists()
+
+
+def test_every_data_file_in_the_package_is_installed_with_it():
+    """A wheel carries a non-Python file of maxlm/ only through pyproject's package-data: each one
+    (the GPU target descriptions, ...) must match a pattern declared for its own package."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    missing = []
+    for path in (ROOT / "maxlm").rglob("*"):
+        if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts:
+            package = ".".join(path.parent.relative_to(ROOT).parts)
+            if not any(path.match(pattern) for pattern in declared.get(package, [])):
+                missing.append(str(path.relative_to(ROOT)))
+    assert missing == []

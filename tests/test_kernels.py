@@ -9,7 +9,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from maxlm import attention, config as config_lib, fp8, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib
+from maxlm import config as config_lib, model
+from maxlm.model import attention, fp8
+from maxlm.train import mesh as mesh_lib, optim, state as state_lib, step as step_lib
 from tests.helpers import load_config, packed_batch
 
 

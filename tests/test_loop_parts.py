@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, faults, step_logger
+from maxlm import config as config_lib
+from maxlm.train import faults, step_logger
 
 
 def policy(clock=None, clock_every=1, broadcast=None, **overrides):

@@ -1,4 +1,4 @@
-"""float16 compute with dynamic loss scaling (maxlm/loss_scale.py): the forward at init, the
+"""float16 compute with dynamic loss scaling (maxlm/train/loss_scale.py): the forward at init, the
 step's skip / halve / grow rules, the bad-step machinery at the minimum scale, precision against
 float32 and bfloat16, gradient accumulation, checkpoints and an exact resume."""
 
@@ -12,8 +12,10 @@ import numpy as np
 import optax
 import pytest
 
-from maxlm import attention, checkpoint, config as config_lib, loss_scale, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib, train
+from maxlm import checkpoint as checkpoint_command, config as config_lib, model
 from maxlm.data import make_dataset
+from maxlm.model import attention
+from maxlm.train import checkpoint, loop, loss_scale, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 from tests.helpers import load_config, packed_batch, train_losses, with_overrides
 
 FP16 = {"model.dtype": "float16"}
@@ -289,7 +291,7 @@ def growing_run(tmp_path_factory, data_dirs):
     workdir = tmp_path_factory.mktemp("fp16")
     cfg = tiny(**data_dirs, **LOOP, **{"optim.loss_scale_init": 256.0,
                                        "optim.loss_scale_growth_interval": 4, "debug.nan_at_step": 12})
-    train.train_and_evaluate(cfg, str(workdir))
+    loop.train_and_evaluate(cfg, str(workdir))
     return cfg, workdir
 
 
@@ -311,7 +313,7 @@ def test_loop_grows_and_halves_the_scale_and_reports_it(growing_run):
     assert rows[20]["loss"] < rows[1]["loss"] - 0.5
     saved = saved_state(workdir, 15)  # the scale, its counter and the overflow count are saved
     assert (float(saved["loss_scale"]), int(saved["good_steps"]), int(saved["overflow_steps"])) == (1024.0, 2, 1)
-    assert checkpoint.cli_main(["verify", str(workdir)]) == 0
+    assert checkpoint_command.main(["verify", str(workdir)]) == 0
 
 
 @pytest.mark.slow
@@ -323,7 +325,7 @@ def test_resume_restores_the_scale_exactly(growing_run, tmp_path):
     shutil.copytree(workdir, resumed)
     shutil.rmtree(resumed / "checkpoints" / "20")
     (resumed / "metrics.jsonl").write_text("")
-    assert train.train_and_evaluate(cfg, str(resumed))["step"] == 20
+    assert loop.train_and_evaluate(cfg, str(resumed))["step"] == 20
     got, want = last_rows(resumed), last_rows(workdir)
     assert sorted(got) == list(range(16, 21))
     for step in got:
@@ -342,7 +344,7 @@ def test_non_finite_at_the_minimum_scale_is_a_bad_step(tmp_path, data_dirs, caps
     4); the replay is clean and the run finishes."""
     cfg = tiny(**data_dirs, **LOOP, **{"optim.loss_scale_init": 4.0, "optim.loss_scale_min": 1.0,
                                        "debug.nan_at_step": 11, "debug.nan_steps": 5})
-    last = train.train_and_evaluate(cfg, str(tmp_path))
+    last = loop.train_and_evaluate(cfg, str(tmp_path))
     assert "3 consecutive non-finite steps up to step 16: restored step 10" in capsys.readouterr().err
     first = {}
     for row in all_rows(tmp_path):

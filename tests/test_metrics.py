@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from maxlm import flops, metrics
+from maxlm.train import flops, metrics
 
 
 def model_cfg(**overrides):
@@ -164,7 +164,8 @@ def test_cpu_peak_is_the_float32_probe_whatever_the_model_dtype():
 
 
 def test_bench_reads_the_peak_between_its_timed_steps():
-    from maxlm import bench, config as config_lib
+    from maxlm import config as config_lib
+    from maxlm.bench import benchmarks as bench
 
     cfg = config_lib.resolve(config_lib.load_file("configs/tiny.py"), jax.device_count())
     result = bench.bench_train(cfg, warmup_steps=1, timed_steps=3)

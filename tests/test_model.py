@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from jax.sharding import PartitionSpec
 
-from maxlm import attention, backward_order, config as config_lib, model, positions as positions_lib
+from maxlm import config as config_lib, model
+from maxlm.model import attention, backward_order, positions as positions_lib
 from tests.helpers import load_config, packed_batch
 
 POSITIONS = pytest.mark.parametrize("positions", config_lib.POSITIONS)
@@ -280,8 +280,8 @@ def test_auto_attention_on_cpu_is_xla():
 
 @pytest.mark.parametrize("weight_spec", ["dv", "vd"])
 def test_output_projection_gradients_equal_the_plain_einsums(weight_spec):
-    # maxlm/head.py writes the backward pass out (the weight gradient in the weight's layout)
-    from maxlm import head
+    # maxlm/model/head.py writes the backward pass out (the weight gradient in the weight's layout)
+    from maxlm.model import head
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(2, 8, 16)), jnp.float32)

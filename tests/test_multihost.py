@@ -17,14 +17,15 @@ pytestmark = pytest.mark.slow
 # (as a process on a node with a stale or broken view of the shared filesystem would).
 TRAIN_WITH_A_BLIND_PROCESS = """
 import os, sys
-from maxlm import checkpoint, cli, train
+from maxlm.train import __main__ as train_command, checkpoint
+from maxlm import cli
 blind = os.environ.get("MAXLM_TEST_BLIND_STEP")
 if blind and os.environ["JAX_PROCESS_ID"] == "1":
     readable = checkpoint.file_problem
     checkpoint.file_problem = lambda path: (
         "unreadable from this process" if os.path.basename(path) == blind else readable(path))
 sys.argv = ["maxlm.train", *sys.argv[1:]]
-cli.run(train.main, train._define_flags)
+cli.run(train_command.main, train_command.define_flags)
 """
 
 

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, mesh as mesh_lib, metrics, optim, plot, state as state_lib, step as step_lib, step_logger, train
+from maxlm import config as config_lib, plot
+from maxlm.train import loop, mesh as mesh_lib, metrics, optim, state as state_lib, step as step_lib, step_logger
 from tests.helpers import ROOT, load_config, packed_batch, with_overrides
 
 STEPS = 8
@@ -49,7 +50,7 @@ def run(tmp_path_factory, data_dirs):
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     try:
-        train.train_and_evaluate(cfg, str(workdir))
+        loop.train_and_evaluate(cfg, str(workdir))
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -12,7 +12,8 @@ import numpy as np
 import optax
 import pytest
 
-from maxlm import checkpoint, config as config_lib, mesh as mesh_lib, model, optim, state as state_lib, train
+from maxlm import checkpoint as checkpoint_command, config as config_lib, model
+from maxlm.train import checkpoint, loop, mesh as mesh_lib, optim, state as state_lib
 from tests.helpers import ROOT, command_env, load_config, with_overrides
 
 
@@ -291,7 +292,7 @@ def test_train_resume_is_bitwise_on_a_zero1_mesh(overrides, tmp_path, data_dirs)
     first = rows(full)
     assert first[20]["loss"] < first[5]["loss"] - 0.5, first  # it learns
     assert first[5]["lr"] == pytest.approx(lr_at(cfg, 4), rel=1e-6)  # the rate step 5 used
-    assert checkpoint.cli_main(["verify", str(full)]) == 0
+    assert checkpoint_command.main(["verify", str(full)]) == 0
 
     resumed = tmp_path / "resumed"
     shutil.copytree(full, resumed)
@@ -306,4 +307,4 @@ def test_train_resume_is_bitwise_on_a_zero1_mesh(overrides, tmp_path, data_dirs)
     other = config_lib.resolve(with_overrides(load_config("tiny"), data_dirs), jax.device_count())
     with pytest.raises(ValueError, match=f"optim.name='adamw', but the checkpoint .* holds "
                                          f"'{cfg.optim.name}' optimizer state"):
-        train.check_start(other, str(full))
+        loop.check_start(other, str(full))

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from maxlm import config as config_lib, mesh as mesh_lib, metrics, model
+from maxlm import config as config_lib, model
+from maxlm.train import mesh as mesh_lib, metrics
 from tests.helpers import ROOT, command_env, load_config, packed_batch, synthetic_losses
 
 STEPS = 3

@@ -12,7 +12,8 @@ import jax
 import pytest
 from etils import epath
 
-from maxlm import checkpoint, config as config_lib, metrics, paths, profiler, train
+from maxlm import checkpoint as checkpoint_command, config as config_lib, paths
+from maxlm.train import checkpoint, loop, metrics, profiler
 from tests.helpers import ROOT, load_config, with_overrides
 
 
@@ -89,7 +90,7 @@ def test_checkpoint_scans_in_a_bucket(bucket, capsys):
     assert "_CHECKPOINT_METADATA" in checkpoint.file_problem("gs://bkt/run/checkpoints/20")
     assert checkpoint.read_json("gs://bkt/run/checkpoints/10", "meta") == {"step": 10}
     assert checkpoint.resolve_restore_from("gs://bkt/run") == "gs://bkt/run/checkpoints/10"
-    assert checkpoint.cli_main(["list", "gs://bkt/run"]) == 0
+    assert checkpoint_command.main(["list", "gs://bkt/run"]) == 0
     listing = capsys.readouterr().out
     assert "gs://bkt/run/checkpoints: 3 checkpoint(s)" in listing and "incomplete" in listing
 
@@ -106,13 +107,13 @@ def test_training_with_a_gs_workdir_writes_only_through_epath(bucket, data_dirs,
         bucket / real_checkpoint_dir(workdir)[len("gs://"):]))
     overrides = {**data_dirs, "steps": 2, "log_every_steps": 1, "eval.every_steps": 0, "optim.warmup_steps": 1}
     cfg = config_lib.resolve(with_overrides(load_config("tiny"), overrides), jax.device_count())
-    train.train_and_evaluate(cfg, "gs://bkt/run")
+    loop.train_and_evaluate(cfg, "gs://bkt/run")
     run = bucket / "bkt" / "run"
     assert json.loads((run / "config.json").read_text())["steps"] == 2
     assert list(run.glob("events.out.tfevents.*"))
     assert (run / "checkpoints" / "2").is_dir()
     cfg.steps = 3
-    last = train.train_and_evaluate(cfg, "gs://bkt/run")  # resumes at step 2
+    last = loop.train_and_evaluate(cfg, "gs://bkt/run")  # resumes at step 2
     assert last["step"] == 3 and last["first_loss"] == last["loss"]  # one step run this time
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]

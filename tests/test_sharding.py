@@ -8,7 +8,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, mesh as mesh_lib, model, optim, state as state_lib
+from maxlm import config as config_lib, model
+from maxlm.train import mesh as mesh_lib, optim, state as state_lib
 from tests.helpers import load_config, synthetic_losses
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4)]

@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, mesh as mesh_lib, plan as plan_lib, state as state_lib, step as step_lib, train
+from maxlm import config as config_lib
+from maxlm.bench import plan as plan_lib
+from maxlm.train import loop, mesh as mesh_lib, state as state_lib, step as step_lib
 from tests.helpers import load_config, packed_batch, train_losses
 
 
@@ -89,7 +91,7 @@ def test_grad_accum_gradients_directly():
 
     cfg, accum = single_device(), single_device(grad_accum_steps=4)  # 2 rows per microbatch
     batch = {k: jnp.asarray(v) for k, v in padded_batch(cfg, seed=1).items()}
-    params = train.model.init_params(cfg.model, jax.random.key(0))
+    params = loop.model.init_params(cfg.model, jax.random.key(0))
     (loss_a, aux_a), grads_a = jax.jit(lambda p, b: step_lib.loss_and_grads(cfg, p, b))(params, batch)
     (loss_b, aux_b), grads_b = jax.jit(lambda p, b: step_lib.loss_and_grads(accum, p, b))(params, batch)
     np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-5)
@@ -164,7 +166,7 @@ def test_plan_reports_memory():
     assert {"remat", "mesh", "dtype", "fits", "device_memory_bytes"} <= set(none)
     assert none["remat"] == "none" and none["mesh"] == {"stage": 1, "data": 8, "fsdp": 1, "sequence": 1, "tensor": 1}
     cfg = config_lib.resolve(load_config("tiny"), 8)
-    n_params = train.model.count_params(cfg.model)
+    n_params = loop.model.count_params(cfg.model)
     assert none["bytes_per_device"]["params"] == 4 * n_params  # replicated over data
     assert full["bytes_per_device"]["temp"] < none["bytes_per_device"]["temp"]
     # XLA's own counts; full remat recomputes the forward pass: more FLOPs for less memory

@@ -1,15 +1,39 @@
-"""The codebase's shape, as the design asks for it: no import cycle in maxlm/ (lazy imports
-included), modules of at most 450 lines, functions of at most 100, no private name used across
-modules, and no config default restated outside config.py."""
+"""The codebase's shape, as the design asks for it: the layers (commands → spine → model/data →
+config, tools above everything and imported by nothing of the library), no import cycle in maxlm/
+(lazy imports included), no private name used across modules, no config default restated outside
+config.py, and importing maxlm changes nothing in the environment. Module and function sizes are
+guides for reading (README.md), checked loosely: a concern is not split to fit a number."""
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "maxlm"
-MAX_MODULE_LINES = 450
+MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 100
+
+# A module may import modules of its own group and of lower-ranked groups only; two groups of the
+# same rank (the model and the data) do not import each other.
+RANKS = {"config": 0, "model": 1, "data": 1, "hf": 2, "train": 3, "cli": 4, "commands": 5, "bench": 5}
+COMMANDS = {"maxlm.eval", "maxlm.generate", "maxlm.export", "maxlm.plot", "maxlm.checkpoint"}
+
+
+def group(module: str) -> str:
+    """The layer a maxlm module belongs to."""
+    if module == "maxlm.cli":
+        return "cli"
+    if module.startswith("maxlm.bench"):
+        return "bench"
+    if module in COMMANDS or module.endswith(".__main__"):
+        return "commands"
+    for package in ("model", "data", "hf", "train", "bench"):
+        if module == f"maxlm.{package}" or module.startswith(f"maxlm.{package}."):
+            return package
+    return "config"  # maxlm, config, config_rules, axes, errors, console, paths
 
 
 def modules() -> dict[str, ast.Module]:
@@ -85,9 +109,45 @@ def test_no_import_cycle_lazy_imports_included():
     assert cycle is None, " -> ".join(cycle)
 
 
-def test_nothing_below_the_loop_imports_it():
-    importers = sorted(name for name, deps in import_graph().items() if "maxlm.train" in deps)
-    assert importers == []
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{name} ({group(name)}) imports {dep} ({group(dep)})"
+            for name, deps in sorted(graph.items()) for dep in sorted(deps)
+            if group(dep) != group(name) and RANKS[group(dep)] >= RANKS[group(name)]]
+
+
+def test_each_layer_imports_only_the_layers_below():
+    assert layer_violations(import_graph()) == []
+
+
+def test_the_layer_check_finds_violations():
+    assert layer_violations({"maxlm.model.transformer": {"maxlm.train.mesh"}}) != []  # model → spine
+    assert layer_violations({"maxlm.data.pipeline": {"maxlm.model"}}) != []  # data ↔ model
+    assert layer_violations({"maxlm.train.loop": {"maxlm.cli"}}) != []  # the core → the commands
+    assert layer_violations({"maxlm.train.step": {"maxlm.bench.plan"}}) != []  # the spine → tools
+    assert layer_violations({"maxlm.train.__main__": {"maxlm.train.loop", "maxlm.cli"}}) == []
+
+
+def test_only_commands_and_tools_import_the_loop_and_cli():
+    graph = import_graph()
+    for target in ("maxlm.train.loop", "maxlm.cli"):
+        importers = {name for name, deps in graph.items() if target in deps}
+        assert {group(name) for name in importers} <= {"commands", "bench"}, (target, importers)
+
+
+def test_importing_maxlm_changes_no_environment_variable():
+    """Only commands set XLA_FLAGS (maxlm/cli.py); the third-party libraries are imported first,
+    since some set variables of their own."""
+    names = sorted(modules())
+    code = ("import os, importlib, jax, flax, optax, orbax.checkpoint, grain, tensorflow_datasets\n"
+            "before = dict(os.environ)\n"
+            f"for name in {[n for n in names if not n.endswith('__main__')]!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(k for k in set(os.environ) | set(before) if os.environ.get(k) != before.get(k)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=PACKAGE.parent, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_the_cycle_finder_finds_cycles():
@@ -137,4 +197,31 @@ def test_config_defaults_are_not_restated():
                 target = ast.unparse(node.func.value)
                 if "cfg" in target or "config" in target.lower() or target.startswith("c."):
                     found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+
+
+@pytest.mark.parametrize("command", ["train", "data", "bench", "checkpoint", "eval", "generate", "export", "plot"])
+def test_every_command_users_type_is_runnable(command):
+    """`python -m maxlm.COMMAND` (the contract's commands) names a module, or a package's
+    `__main__`, that runs something when run as a script."""
+    module = PACKAGE / command / "__main__.py"
+    if not module.exists():
+        module = PACKAGE / f"{command}.py"
+    tree = ast.parse(module.read_text())
+    guards = [node for node in tree.body if isinstance(node, ast.If)
+              and ast.unparse(node.test) == "__name__ == '__main__'"]
+    assert guards, f"{module} has no `if __name__ == '__main__':`"
+
+
+def test_only_commands_exit():
+    """The library raises; only the commands (and the tools, which are commands) end the process."""
+    found = []
+    for name, tree in modules().items():
+        if group(name) in ("commands", "cli", "bench"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.exit", "os._exit", "exit", "quit"):
+                found.append(f"{name}:{node.lineno}")
+            if isinstance(node, ast.Raise) and node.exc is not None and "SystemExit" in ast.unparse(node.exc):
+                found.append(f"{name}:{node.lineno}")
     assert found == []

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from maxlm import flops
-from maxlm.targets import tpu
+from maxlm.bench.targets import tpu
+from maxlm.train import flops
 from tests.helpers import ROOT, command_env, load_config
 
 TARGET_COMPILERS = os.environ.get("MAXLM_TARGET_COMPILERS", "")

@@ -8,7 +8,8 @@ import sys
 import jax
 import pytest
 
-from maxlm import cli, config as config_lib, faults, train
+from maxlm import cli, config as config_lib
+from maxlm.train import faults, loop
 from tests.helpers import ROOT, command_env, load_config, with_overrides
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,7 @@ def train_rows(workdir):
 def full_run(tmp_path_factory, data_dirs):
     workdir = tmp_path_factory.mktemp("full")
     cfg = tiny(data_dirs)
-    train.train_and_evaluate(cfg, str(workdir))
+    loop.train_and_evaluate(cfg, str(workdir))
     return cfg, workdir
 
 
@@ -52,7 +53,7 @@ def test_outputs_of_a_run(full_run):
 
 def test_same_config_same_losses(full_run, tmp_path, data_dirs):
     cfg, workdir = full_run
-    train.train_and_evaluate(cfg, str(tmp_path))
+    loop.train_and_evaluate(cfg, str(tmp_path))
     again, first = train_rows(tmp_path), train_rows(workdir)
     assert [again[s]["loss"] for s in again] == [first[s]["loss"] for s in first]  # bitwise
 
@@ -64,7 +65,7 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
     shutil.copytree(workdir, resumed)
     shutil.rmtree(resumed / "checkpoints" / "20")
     (resumed / "metrics.jsonl").write_text("")
-    last = train.train_and_evaluate(cfg, str(resumed))
+    last = loop.train_and_evaluate(cfg, str(resumed))
     assert last["step"] == 20
     replayed = train_rows(resumed)
     assert sorted(replayed) == [15, 20]  # it continued the step count from 10
@@ -94,7 +95,7 @@ def test_cli_run_and_resume(tmp_path, data_dirs):
 def test_non_finite_loss_stops_without_saving(tmp_path, data_dirs):
     cfg = tiny(data_dirs, **{"optim.lr": 1e30, "optim.clip_norm": 0.0, "checkpoint.every_steps": 5})
     with pytest.raises(faults.NonFiniteLossError, match="consecutive non-finite steps"):
-        train.train_and_evaluate(cfg, str(tmp_path))
+        loop.train_and_evaluate(cfg, str(tmp_path))
     saved = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
     assert saved == []  # every update was skipped (non-finite): no good step, nothing written
 

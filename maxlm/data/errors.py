@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from maxlm.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError):
     """Bad input data or a data/config mismatch. `str(e)` is `FILE:LINE: what is wrong`.
 
-    A `ValueError`, so `maxlm.train` turns it into exit status 2 with one line, no traceback.
+    A `UserError`: a command ends on it with exit status 2 and one line, no traceback.
     """
 
     def __init__(self, message: str, file: str | None = None, line: int | None = None):

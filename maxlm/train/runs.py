@@ -18,10 +18,12 @@ from typing import Any
 import jax
 import ml_collections
 
-from maxlm import checkpoint, config as config_lib, mesh as mesh_lib, paths, state as state_lib
+from maxlm import config as config_lib, paths
+from maxlm.errors import UserError
+from maxlm.train import checkpoint, mesh as mesh_lib, state as state_lib
 
 
-class RunError(ValueError):
+class RunError(UserError):
     """A workdir that cannot be used: no config.json, no checkpoint, a bad split (exit 2)."""
 
 

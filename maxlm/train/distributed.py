@@ -22,7 +22,7 @@ import secrets
 import jax
 import numpy as np
 
-from maxlm import cli, paths
+from maxlm import paths
 from maxlm.errors import ConfigError
 
 
@@ -39,11 +39,8 @@ def initialize() -> bool:
     if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if auto:  # TPU pod, SLURM or Open MPI: JAX finds its peers
-        try:
-            local_device_ids = slurm_local_device_ids(os.environ)
-        except ConfigError as e:  # a job shape the GPUs cannot be split for: exit 2, one line
-            cli.config_error(str(e))
-        jax.distributed.initialize(local_device_ids=local_device_ids)
+        # a job shape the GPUs cannot be split for raises ConfigError: exit 2, one line
+        jax.distributed.initialize(local_device_ids=slurm_local_device_ids(os.environ))
     else:
         jax.distributed.initialize(
             coordinator_address=address,

@@ -1,4 +1,4 @@
-"""MaxText as the peer of `python -m maxlm.bench compare` (maxlm/compare.py): a maxlm config in
+"""MaxText as the peer of `python -m maxlm.bench compare` (maxlm/bench/compare.py): a maxlm config in
 MaxText's terms, what MaxText's log says, and the venv MaxText runs in.
 
 The mapping is to MaxText 0.2.5's keys (its configs/base.yml; `check_keys` verifies them against
@@ -18,10 +18,11 @@ import statistics
 import subprocess
 import sys
 
-from maxlm import attention, config as config_lib, model
+from maxlm import config as config_lib, model
 from maxlm.errors import ConfigError
+from maxlm.model import attention
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # maxlm/bench/ is two below
 LOCK = os.path.join(REPO, "launch", "peers", "maxtext.lock")
 STAMP = ".maxlm-lock-sha256"  # in the venv: the sha256 of the lock it was installed from
 TRAIN_MODULE = "maxtext.trainers.pre_train.train"
@@ -148,7 +149,7 @@ def check_keys(overrides: list[str], base_yml: str) -> None:
     keys = [override.split("=")[0] for override in overrides]
     missing = [key for key in keys if not re.search(rf"^{re.escape(key)}:", text, re.M)]
     if missing:
-        raise PeerError(f"{base_yml} has no {', '.join(missing)}: maxlm/maxtext_peer.py maps to MaxText 0.2.5")
+        raise PeerError(f"{base_yml} has no {', '.join(missing)}: maxlm/bench/maxtext_peer.py maps to MaxText 0.2.5")
 
 
 def peer_base_python(named: str) -> str:

@@ -3,7 +3,7 @@
     python -m maxlm.eval --workdir=DIR [--split=validation] [--step=N] [--eval_steps=N]
     python -m maxlm.eval --workdir=DIR --task=FILE.jsonl[,FILE.jsonl ...] [--shots=K] [--seed=S]
 
-(`eval.py` is the entry point; `python -m maxlm.evaluate` is the same command.) The command reads
+(`maxlm/eval.py` is that command.) The command reads
 the run back (`runs.load_run`: DIR/config.json, one checkpoint's parameters, default the newest)
 and prints one JSON object:
 
@@ -14,7 +14,7 @@ and prints one JSON object:
 loop's own eval reads, with the same jitted step, so at a step where the run evaluated, `loss`
 equals its `eval_loss`. `accuracy` is the share of those tokens whose argmax prediction is the
 target. With the run's `eval.sets` (and the validation split), `"sets"` holds the same for each
-named set. With `--task`, it prints one object per task instead (`maxlm/tasks.py`).
+named set. With `--task`, it prints one object per task instead (`maxlm/train/tasks.py`).
 
 The training loop's eval (`load_eval_data` before anything compiles, `eval_row` at each eval)
 covers the validation split, `eval.sets` and `eval.tasks` in one metrics row.
@@ -30,8 +30,9 @@ import math
 import jax
 import ml_collections
 
-from maxlm import cli, distributed, mesh as mesh_lib, model, runs, state as state_lib, tasks as tasks_lib
+from maxlm import model
 from maxlm.data.errors import DataError
+from maxlm.train import distributed, mesh as mesh_lib, runs, state as state_lib, tasks as tasks_lib
 
 
 def eval_step(model_cfg, params, batch) -> dict:
@@ -221,42 +222,3 @@ def evaluate_tasks(workdir: str, paths, shots: int | None = None, seed: int | No
                           cfg.seed if seed is None else seed)  # every file checked before scoring
     return [{**tasks_lib.score(cfg, run["params"], p, run["mesh"], run["rules"]), "step": run["step"],
              "checkpoint": run["path"]} for p in prepared]
-
-
-# ----------------------------------------------------------------------------- command line
-
-
-def main(argv) -> None:
-    f = cli.start(argv, required=("workdir",))
-    task_paths = [path for flag in f.task or () for path in flag.split(",") if path]
-    if task_paths and (f["split"].present or f["eval_steps"].present):
-        cli.config_error("--split and --eval_steps set the loss's batches; --task scores tasks instead")
-    distributed.initialize()
-    try:
-        if task_paths:
-            results = evaluate_tasks(f.workdir, task_paths, f.shots, f.seed, f.step)
-        else:
-            results = [evaluate_run(f.workdir, f.split, f.step, f.eval_steps)]
-    except ValueError as e:  # RunError, DataError: the user's to fix
-        cli.config_error(str(e))
-    if jax.process_index() == 0:
-        for result in results:
-            print(json.dumps(result), flush=True)
-
-
-def define_flags() -> None:
-    from absl import flags
-
-    flags.DEFINE_string("workdir", None, "A training run's workdir (config.json, checkpoints/).")
-    flags.DEFINE_string("split", "validation", "Data split: validation or train.")
-    flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest complete one).")
-    flags.DEFINE_integer("eval_steps", None, "Batches to evaluate (default: the config's eval.steps).")
-    flags.DEFINE_multi_string("task", None, "A task .jsonl file to score instead of the loss (repeat "
-                              "the flag or give a comma list); one JSON object per task.")
-    flags.DEFINE_integer("shots", None, "Few-shot examples before each one (default: the run's "
-                         "eval.task_shots).")
-    flags.DEFINE_integer("seed", None, "Seed that draws the few-shot examples (default: the run's seed).")
-
-
-if __name__ == "__main__":
-    cli.run(main, define_flags, config_file=False)

@@ -1,10 +1,13 @@
 """`python -m maxlm.bench compare --peer=maxtext --target=v5p-8 --config=...`: maxlm's and
 MaxText's train steps compiled for the same Cloud TPU slice, XLA's figures side by side. Nothing
-runs and no TPU is needed: libtpu compiles for the slice's topology (maxlm/targets).
+runs and no TPU is needed: libtpu compiles for the slice's topology (maxlm/bench/targets).
 
 Method. Both sides compile in the peer venv, with one jax and one libtpu: a compiler's figures
-compare only with the same compiler's. Layers are unrolled on both (`model.scan_layers=False`,
-MaxText's `scan_layers=False`), because XLA's cost analysis counts a loop's body once. maxlm runs
+compare only with the same compiler's. Layers are unrolled on both by default (`--layers=unrolled`:
+`model.scan_layers=False`, MaxText's `scan_layers=False`), because XLA's cost analysis counts a
+loop's body once. `--layers=scanned` compiles both with scanned layers, as the presets and MaxText
+train by default: its memory figures are what a user's run plans, while its FLOPs and bytes count
+one layer and are left out of the ratios. maxlm runs
 `maxlm.bench plan --target`; MaxText its `train_compile` with `compile_topology`, which prints the
 compiled step's cost and memory analyses. Of each, per device:
 
@@ -12,7 +15,7 @@ compiled step's cost and memory analyses. Of each, per device:
 - temp (activations and scratch), arguments, outputs and aliased (donated) bytes, and from them
   peak = arguments + outputs - aliased + temp, the same formula on both sides (memory analysis);
 - an estimated step time, max(flops / peak FLOP/s, bytes accessed / HBM bandwidth), from the
-  chip's datasheet (maxlm/flops.py, maxlm/targets/tpu.py).
+  chip's datasheet (maxlm/train/flops.py, maxlm/targets/tpu.py).
 
 The config's logits chunks map to MaxText's vocabulary tiling of the same size
 (`num_vocab_tiling` = seq_len / model.logits_chunk_size); the mesh's data, fsdp and tensor axes
@@ -27,8 +30,10 @@ import os
 import re
 import sys
 
-from maxlm import cli, compare, flops, maxtext_peer as peer
-from maxlm.targets import tpu
+from maxlm import cli
+from maxlm.bench import compare, maxtext_peer as peer
+from maxlm.bench.targets import tpu
+from maxlm.train import flops
 
 COMPILE_MODULE = "maxtext.trainers.pre_train.train_compile"
 COST_LINE = re.compile(r"^Cost analysis: (\{.*\})$", re.M)
@@ -74,11 +79,13 @@ def estimate(figures: dict, target: str, dtype: str) -> dict:
 
 
 def sides(cfg, target: str, peer_python: str, maxtext_dir: str, config_flags: list[str]) -> list:
+    """maxlm's and MaxText's compiles, both with `cfg.model.scan_layers`."""
     overrides = peer.maxtext_args(cfg, 1, "/tmp/maxlm-compare-plan", target=target)
     env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": peer.REPO}
     return [
         compare.Side("maxlm", [peer_python, "-m", "maxlm.bench", "plan", f"--target={target}", "--estimate=False",
-                               *config_flags, "--config.model.scan_layers=False"], env, None, maxlm_plan),
+                               *config_flags, f"--config.model.scan_layers={cfg.model.scan_layers}"], env, None,
+                     maxlm_plan),
         compare.Side("maxtext", [peer_python, "-m", COMPILE_MODULE, os.path.join(maxtext_dir, "configs", "base.yml"),
                                  f"compile_topology={target}", "compile_topology_num_slices=1", *overrides],
                      {"DECOUPLE_GCLOUD": "TRUE"}, None, maxtext_plan),
@@ -93,7 +100,7 @@ def compare_plans(f) -> dict:
         cli.config_error("compare --target compiles one slice (--num_slices=1)")
     cores = tpu.TPUS[f.target.split("-")[0]][2]
     cfg = cli.resolved_config(int(f.target.split("-")[1]) // cores, num_granules=1, platform="tpu")
-    cfg.model.scan_layers = False
+    cfg.model.scan_layers = f.layers == "scanned"
     venv = os.path.abspath(f.peer_venv or os.path.join(peer.REPO, ".venv-maxtext"))
     peer.ensure_peer_venv(venv, f.peer_python)
     peer_python = os.path.join(venv, "bin", "python")
@@ -106,11 +113,16 @@ def compare_plans(f) -> dict:
         peer.progress(f"compiling {side.name} for {f.target}:\n  {side.shell()}")
         results[side.name] = run = compare.run_side(side, compare.stream_output)
         del run["first_step_sec"]  # a compile has no steps
-        run["estimate"] = estimate(run, f.target, cfg.model.dtype)
-    ratios = {k: results["maxlm"][k] / results["maxtext"][k] for k in (*COSTS, *MEMORY) if results["maxtext"][k]}
-    ratios["estimated_step_sec"] = results["maxlm"]["estimate"]["step_sec"] / results["maxtext"]["estimate"]["step_sec"]
+        if f.layers == "unrolled":
+            run["estimate"] = estimate(run, f.target, cfg.model.dtype)
+    compared = (*COSTS, *MEMORY) if f.layers == "unrolled" else MEMORY  # a scanned step's costs count one layer
+    ratios = {k: results["maxlm"][k] / results["maxtext"][k] for k in compared if results["maxtext"][k]}
+    if f.layers == "unrolled":
+        ratios["estimated_step_sec"] = (results["maxlm"]["estimate"]["step_sec"]
+                                        / results["maxtext"]["estimate"]["step_sec"])
     return {
         "benchmark": "compare_plan", "peer": "maxtext", "peer_version": maxtext["version"], "target": f.target,
+        "layers": f.layers,
         "per_device": results, "ratio": ratios, "ratio_is": "maxlm / maxtext",
         "model": compare.model_summary(cfg, None), "mesh": {a: cfg.mesh[a] for a in ("data", "fsdp", "tensor")},
         "logits_chunk_size": cfg.model.logits_chunk_size, "attention": peer.attention_of(cfg, "tpu"),

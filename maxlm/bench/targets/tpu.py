@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import re
 
+from maxlm.bench.targets.target import Target
 from maxlm.errors import ConfigError
-from maxlm.targets.target import Target
 
 GiB = 2**30
 # generation -> (topology prefix, chip config, TensorCores per chip, HBM per chip, HBM bytes/s).

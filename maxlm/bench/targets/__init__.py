@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 
-from maxlm.targets import gpu, tpu
-from maxlm.targets.target import Target
+from maxlm.bench.targets import gpu, tpu
+from maxlm.bench.targets.target import Target
 
 __all__ = ["NAMES", "Target", "load", "prepare"]
 

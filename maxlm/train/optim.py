@@ -16,7 +16,7 @@ model grow them) are 1-D and decaying them towards zero only hurts. docs/archite
 | step | wsd | constant | inverse_sqrt, from optax's schedules. The peak is `peak_lr(cfg)`:
 `optim.lr`, times the batch-size scaling of `optim.lr_batch_scaling`.
 
-Gradient accumulation (`optim.grad_accum_steps`) lives in `maxlm/step.py` (it needs the loss
+Gradient accumulation (`optim.grad_accum_steps`) lives in `maxlm/train/step.py` (it needs the loss
 function): a scan over microbatches inside the jitted step, then one update of this chain.
 """
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from maxlm import faults
+from maxlm.train import faults
 
 
 class LossSpikeError(faults.NonFiniteLossError):

@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from maxlm import flops
+from maxlm.train import flops
 
 log = logging.getLogger("maxlm")
 
@@ -82,7 +82,7 @@ class StepLogger:
         self._pending = None  # (step, device metrics) of a log step not yet read back
         self._extra: dict = {}  # added to the next training row written (compile_sec)
         self._compiled: set = set()  # step functions already called once
-        self.counters = counters  # host-side counts added to each row (maxlm/anomaly.py's)
+        self.counters = counters  # host-side counts added to each row (maxlm/train/anomaly.py's)
         self.restart(start_step)
 
     def restart(self, step: int) -> None:

@@ -5,13 +5,13 @@
 
 Blocks are pre-norm: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)); attention is
 grouped-query. Positions are rotary embeddings in attention or an absolute encoding added to the
-token embeddings (`model.positions`: maxlm/positions.py). A batch is packed: `segment_ids` name
+token embeddings (`model.positions`: maxlm/model/positions.py). A batch is packed: `segment_ids` name
 the document each token belongs to (0 = padding) and `positions` restart at 0 for each document,
 so attention never crosses documents and every encoding sees per-document positions.
 
 Shape suffixes: B batch, L length (queries), S length (keys), D d_model, H heads, K kv heads,
 G heads per kv head (H = K·G), Dh head dim, F mlp hidden, V vocab, P max positions.
-Every parameter carries logical axis names (see maxlm/mesh.py); activations are constrained with
+Every parameter carries logical axis names (see maxlm/train/mesh.py); activations are constrained with
 the same names, which only bind while a mesh and rules are active.
 """
 
@@ -28,7 +28,7 @@ import ml_collections
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm import attention, backward_order, fp8, head, positions
+from maxlm.model import attention, backward_order, fp8, head, positions
 
 Batch = dict[str, jax.Array]
 
@@ -97,7 +97,7 @@ class RMSNorm(nn.Module):
 
 
 def weight_matmul(cfg, spec: str, x, w, dtype):
-    """A layer's weight matmul: float8 operands with `model.fp8` (see maxlm/fp8.py), else `dtype`."""
+    """A layer's weight matmul: float8 operands with `model.fp8` (see maxlm/model/fp8.py), else `dtype`."""
     if cfg.fp8:
         return fp8.fp8_einsum(spec, x, w, dtype)
     return jnp.einsum(spec, x, w.astype(dtype))

@@ -9,7 +9,7 @@ for, and the median is reported with the spread.
 nothing executed) and reports per-device bytes: parameters, optimizer state, batch, and XLA's
 temp (activations) and peak figures, whether that fits the device's memory when known, and the
 kernels XLA called (cuDNN attention, cuBLAS float8 GEMMs, ...). With `--target=h100x8` (or h200x8, h100x16: GPUxN) it
-compiles for that hardware instead of this machine's (maxlm/targets: no GPU needed).
+compiles for that hardware instead of this machine's (maxlm/bench/targets: no GPU needed).
 
 `prepare` writes a generated corpus (`--corpus_mb`, `--corpus_files`) and times the data
 `prepare` of it with each of `--prepare_workers` processes, checks that they wrote the same shards,
@@ -20,7 +20,7 @@ largest differences of outputs and gradients, and each one's forward+backward ti
 
 `compare --peer=maxtext` runs `train` and MaxText's trainer for the same model, batch and optimizer
 on the CPU, each in its own process, in interleaved pairs: each side's tokens/s and time to first
-step, and their ratios (maxlm/compare.py).
+step, and their ratios (maxlm/bench/compare.py).
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxlm import cli, config as config_lib, distributed, flops, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib, targets
-from maxlm.plan import plan
+from maxlm import cli, config as config_lib, model
+from maxlm.bench import targets
+from maxlm.bench.plan import plan
+from maxlm.train import distributed, flops, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 
 class SyntheticData:
@@ -143,7 +145,7 @@ def bench_checkpoint(cfg, repeats: int = 2) -> dict:
     """Blocking part of an async save, full save time and restore time for `cfg`'s train state."""
     import tempfile
 
-    from maxlm import checkpoint
+    from maxlm.train import checkpoint
 
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -189,7 +191,7 @@ def bench_attention(cfg, timed_steps: int) -> dict:
     """cuDNN against XLA attention at the config's shapes (one layer's q, k, v; packed documents):
     the largest differences of the outputs and of the three gradients, and each one's median
     forward+backward time. Needs an NVIDIA GPU (cuDNN)."""
-    from maxlm import attention
+    from maxlm.model import attention
 
     m = cfg.model
     B, L, dtype = cfg.batch_size, cfg.seq_len, model.compute_dtype(m)
@@ -254,7 +256,7 @@ def main(argv) -> None:
                          "attention, compare")
     cli.setup_logging()
     if what == "compare":  # two code bases, each in its own processes: nothing to initialise here
-        from maxlm import compare, compare_plan
+        from maxlm.bench import compare, compare_plan
 
         f = flags.FLAGS  # --target: both train steps compiled for a TPU slice, not run
         run = functools.partial(compare_plan.compare_plans, f) if f.target else compare.compare
@@ -303,7 +305,7 @@ def run_benchmark(what: str, cfg) -> dict:
     return bench_train(cfg, flags.FLAGS.warmup_steps, flags.FLAGS.steps, flags.FLAGS.profile_dir)
 
 
-def _define_flags() -> None:
+def define_flags() -> None:
     from absl import flags
 
     flags.DEFINE_integer("warmup_steps", 3, "Untimed steps first (the first one compiles).")
@@ -315,15 +317,12 @@ def _define_flags() -> None:
                         "GPUxN (N GPUs on hosts of 8) or a Cloud TPU slice, e.g. " + ", ".join(targets.NAMES)
                         + " (needs JAX's CUDA plugin or libtpu, no accelerator).")
     flags.DEFINE_bool("estimate", True, "plan --target: also estimate the step time and MFU (two more "
-                      "compiles, of 1 and 2 layers: see maxlm/plan.py).")
+                      "compiles, of 1 and 2 layers: see maxlm/bench/plan.py).")
     flags.DEFINE_integer("num_slices", 1, "plan --target=TPU slice: that many slices over the "
                          "data-center network (set mesh.dcn_data or dcn_fsdp to match).")
     flags.DEFINE_string("profile_dir", "", "train: also trace two untimed steps into this directory "
                         "(jax.profiler: TensorBoard's profile plugin or Perfetto).")
-    from maxlm import compare
+    from maxlm.bench import compare
 
     compare.define_flags()
 
-
-if __name__ == "__main__":
-    cli.run(main, _define_flags)

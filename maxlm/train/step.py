@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxlm import loss_scale, mesh as mesh_lib, model, optim
-from maxlm.state import State
+from maxlm import model
+from maxlm.train import loss_scale, mesh as mesh_lib, optim
+from maxlm.train.state import State
 
 
 def loss_and_grads(cfg, params, batch, scale=None):
@@ -30,7 +31,7 @@ def loss_and_grads(cfg, params, batch, scale=None):
     weighted by its token count and the sums divided by the batch's: the result equals the
     large-batch step (up to float summation order), however unevenly padding falls.
 
-    With a loss `scale` (float16 compute, see maxlm/loss_scale.py) each microbatch's objective is
+    With a loss `scale` (float16 compute, see maxlm/train/loss_scale.py) each microbatch's objective is
     multiplied by it before differentiating and the summed gradients divided by it in float32: the
     loss and gradients returned are unscaled (non-finite where the float16 backward overflowed).
     """
@@ -71,7 +72,7 @@ def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple
     `inject_nan` (a bool scalar; fault injection, see `faults.with_nan_injection`) makes this
     step's gradients NaN.
 
-    With float16 compute the state carries a dynamic loss scale (maxlm/loss_scale.py): non-finite
+    With float16 compute the state carries a dynamic loss scale (maxlm/train/loss_scale.py): non-finite
     gradients while the scale can still halve are an overflow, skipped and counted in
     `overflow_steps` but not a bad step (`bad_streak` neither grows nor resets).
     """

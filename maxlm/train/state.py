@@ -24,7 +24,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxlm import cli, loss_scale, mesh as mesh_lib, model
+from maxlm import console, model
+from maxlm.train import loss_scale, mesh as mesh_lib
 
 State = dict[str, Any]
 
@@ -173,7 +174,7 @@ def with_missing_from(restored: State, fallback: State, source: str) -> State:
     be missing (checkpoint.restore_state), when a float16 run resumes a checkpoint written
     without float16 compute (or before loss scaling existed)."""
     if any(key not in restored for key in fallback):
-        cli.warn(f"the checkpoint of step {int(restored['step'])} in {source} has no loss scale "
+        console.warn(f"the checkpoint of step {int(restored['step'])} in {source} has no loss scale "
                  f"(written without float16 compute): using {float(fallback['loss_scale']):g}")
     return {**fallback, **restored}
 

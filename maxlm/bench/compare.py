@@ -2,7 +2,7 @@
 this machine's CPU, the same model, batch and optimizer on both sides.
 
 Method. The resolved maxlm config is mapped key by key to MaxText's overrides
-(maxlm/maxtext_peer.py); what MaxText cannot express the same way is refused with one line
+(maxlm/bench/maxtext_peer.py); what MaxText cannot express the same way is refused with one line
 (exit 2). Each side runs as its own process, `maxlm.bench train` and MaxText's trainer on synthetic
 data, `--pairs` times, the side that goes first alternating so that a machine drifting faster or
 slower favours neither. Of each run:
@@ -37,8 +37,8 @@ import tempfile
 import time
 from typing import Callable
 
-import maxlm
-from maxlm import cli, maxtext_peer as peer, model
+from maxlm import cli, model
+from maxlm.bench import maxtext_peer as peer
 from maxlm.errors import ConfigError
 
 MAXLM_FIRST_STEP_LINE = re.compile(r"^bench: step 0 done")  # printed by maxlm.bench train
@@ -169,10 +169,10 @@ def maxlm_bench_flags(argv: list[str], warmup: int, timed: int) -> list[str]:
 def make_sides(cfg, runtime: str, peer_python: str, maxtext_dir: str, overrides: list[str],
                bench_flags: list[str], warmup: int, timed: int) -> list[Side]:
     """maxlm's and MaxText's commands and environments for `runtime` ("own" or "same")."""
-    user = maxlm.USER_XLA_FLAGS
+    user = cli.USER_XLA_FLAGS
     xla_flags, maxlm_python, maxlm_env = user, sys.executable, {}
     if runtime == "same":
-        xla_flags = user if maxlm.CPU_FLAG in user else f"{user} {maxlm.CPU_DEFAULT}".strip()
+        xla_flags = user if cli.CPU_FLAG in user else f"{user} {cli.CPU_DEFAULT}".strip()
         maxlm_python = peer_python
         maxlm_env = {"PYTHONPATH": os.pathsep.join(filter(None, [peer.REPO, os.environ.get("PYTHONPATH")]))}
     common = {"JAX_PLATFORMS": "cpu", **({"XLA_FLAGS": xla_flags} if xla_flags else {})}
@@ -212,7 +212,7 @@ def model_summary(cfg, maxtext_params_billion: float | None) -> dict:
 def check_flags(f) -> None:
     if f.warmup_steps < 2:
         cli.config_error("compare needs --warmup_steps of 2 or more: MaxText's first two step times are dispatch only")
-    if re.search(r"xla_force_host_platform_device_count=(?!1\b)", maxlm.USER_XLA_FLAGS):
+    if re.search(r"xla_force_host_platform_device_count=(?!1\b)", cli.USER_XLA_FLAGS):
         cli.config_error("compare runs on one device: take --xla_force_host_platform_device_count out of XLA_FLAGS")
 
 
@@ -274,5 +274,8 @@ def define_flags() -> None:
                       "its own defaults; same = maxlm in the peer's environment, both with the same XLA_FLAGS.")
     flags.DEFINE_string("peer_venv", "", "compare: the peer's venv, made from launch/peers/maxtext.lock when "
                         "missing (default: .venv-maxtext at the repository root).")
+    flags.DEFINE_enum("layers", "unrolled", ["unrolled", "scanned"], "compare --target: compile both sides' "
+                      "layers unrolled (every figure comparable) or scanned (memory as the presets run; XLA's "
+                      "costs then count one layer, so no cost ratios).")
     flags.DEFINE_string("peer_python", "", "compare: the Python 3.12+ that makes the peer venv (default: "
                         "the one maxlm runs on).")

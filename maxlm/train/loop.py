@@ -17,11 +17,12 @@ import sys
 import jax
 import ml_collections
 
-from maxlm import (anomaly, attention, checkpoint, cli, config as config_lib, distributed, evaluate, faults,
-                   flops, fp8, hf, mesh as mesh_lib, metrics, model, optim, paths, profiler,
-                   state as state_lib, step as step_lib)
+from maxlm import config as config_lib, console, model, paths
 from maxlm.data import make_dataset
-from maxlm.step_logger import StepLogger
+from maxlm.hf import files as hf
+from maxlm.model import attention, fp8
+from maxlm.train import anomaly, checkpoint, distributed, evaluate, faults, flops, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
+from maxlm.train.step_logger import StepLogger
 
 log = logging.getLogger("maxlm")
 
@@ -204,7 +205,7 @@ def recover(cfg, ckpt, policy: faults.FaultPolicy, abstract, fresh_state, state,
         state = state_lib.with_missing_from(back[0], state, ckpt.directory)
     lr_scale *= cfg.checkpoint.restore_lr_scale
     step = int(state["step"])
-    cli.warn(f"{cfg.checkpoint.max_bad_steps} consecutive non-finite steps up to step {bad_step}: "
+    console.warn(f"{cfg.checkpoint.max_bad_steps} consecutive non-finite steps up to step {bad_step}: "
              f"restored {'step %d' % step if back else 'the initial state'} "
              f"(restore {restores} of {cfg.checkpoint.max_restores}, lr scale {lr_scale:g})")
     return state, lr_scale, back[1] if back else None
@@ -213,7 +214,7 @@ def recover(cfg, ckpt, policy: faults.FaultPolicy, abstract, fresh_state, state,
 def roll_back(cfg, ckpt, anomalies: anomaly.Anomalies, abstract, fresh_state, state, last_spike: int):
     """After `anomaly.max_spikes` consecutive loss spikes ending at `last_spike`: the state of the
     newest good checkpoint from before the first spike (or `fresh_state()`'s), with the checkpoints
-    written since removed and the batches from there on skipped (maxlm/anomaly.py)."""
+    written since removed and the batches from there on skipped (maxlm/train/anomaly.py)."""
     first = anomalies.detector.stats.first
     threshold = anomalies.detector.threshold()
     anomalies.check_rollback(last_spike)  # raises past max_rollbacks, before anything changes
@@ -223,7 +224,7 @@ def roll_back(cfg, ckpt, anomalies: anomaly.Anomalies, abstract, fresh_state, st
     state = state_lib.with_missing_from(back[0], state, ckpt.directory) if back else fresh_state()[0]
     step = int(state["step"])
     skipped = anomalies.rolled_back(last_spike, step, back[1] if back else None)
-    cli.warn(f"{cfg.anomaly.max_spikes} consecutive loss spikes (steps {first}-{last_spike}, above "
+    console.warn(f"{cfg.anomaly.max_spikes} consecutive loss spikes (steps {first}-{last_spike}, above "
              f"{threshold:.4g}): rolled back to {'step %d' % step if back else 'the initial state'}, "
              f"skipping {skipped} batches from there (rollback {anomalies.rollbacks})")
     return state
@@ -254,55 +255,11 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
                  cfg.mesh.sequence, stages, m.num_layers // stages, micro,
                  100 * model.bubble_fraction(stages, micro))
     if m.fp8 and jax.default_backend() == "gpu" and fp8.TRITON_GEMM_OFF not in os.environ.get("XLA_FLAGS", ""):
-        cli.warn(f"model.fp8 without {fp8.TRITON_GEMM_OFF} (launch/gpu_env.sh sets it): XLA may compile "
+        console.warn(f"model.fp8 without {fp8.TRITON_GEMM_OFF} (launch/gpu_env.sh sets it): XLA may compile "
                  "the float8 dots as 16-bit Triton GEMMs, not float8 ones")
     if m.fp8 and not fp8.is_native(jax.devices()[0]):
-        cli.warn(f"model.fp8 is emulated on {jax.devices()[0].device_kind}: float8-rounded operands, "
+        console.warn(f"model.fp8 is emulated on {jax.devices()[0].device_kind}: float8-rounded operands, "
                  "not faster (float8 GEMMs need an NVIDIA GPU of compute capability >= 8.9)")
     return StepLogger(writer, start_step=start_step, total_steps=cfg.steps, log_every=cfg.log_every_steps,
                       tokens_per_step=cfg.batch_size * cfg.seq_len, flops_per_token=per_token,
                       peak_flops_per_sec=peak["total_flops_per_sec"], counters=counters)
-
-
-# ----------------------------------------------------------------------------- command line
-
-
-def main(argv) -> None:
-    f = cli.start(argv, required=("workdir",))
-    distributed.initialize()  # multi-process runs: from JAX_COORDINATOR_ADDRESS etc.
-    cfg = cli.resolved_config(jax.device_count())
-    cli.use_compile_cache(cfg)
-    try:
-        distributed.check_shared_workdir(f.workdir)  # every process sees the same checkpoints
-        data = load_data(cfg)
-        check_start(cfg, f.workdir)
-    except ValueError as e:  # bad data or a data/config mismatch: the user's to fix
-        cli.config_error(str(e))
-    try:
-        last = train_and_evaluate(cfg, f.workdir, data)
-    except faults.NonFiniteLossError as e:
-        print(f"maxlm: {e}", file=sys.stderr)
-        sys.exit(3)
-    except faults.Preempted as e:
-        print(f"maxlm: preempted (SIGTERM): checkpoint of step {e.step} committed in "
-              f"{checkpoint.checkpoint_dir(f.workdir)}; rerun the same command to resume",
-              file=sys.stderr)
-        sys.exit(faults.PREEMPTED_EXIT)
-    if jax.process_index() == 0:
-        if "loss" in last:
-            print(f"done at step {last['step']}: loss {last['loss']:.4f} "
-                  f"(first step of this run: {last['first_loss']:.4f})")
-        else:
-            print(f"nothing to do: the checkpoint in {f.workdir} is already at step {cfg.steps}")
-        print(f"checkpoints: {checkpoint.checkpoint_dir(f.workdir)}")
-        print(f"metrics:     {paths.workdir_path(f.workdir) / 'metrics.jsonl'}")
-
-
-def _define_flags() -> None:
-    from absl import flags
-
-    flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and config.json.")
-
-
-if __name__ == "__main__":
-    cli.run(main, _define_flags)

@@ -44,9 +44,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from maxlm import mesh as mesh_lib, model, state as state_lib
+from maxlm import model
 from maxlm.data.errors import DataError
 from maxlm.data.prefetch import batch_parts_key
+from maxlm.train import mesh as mesh_lib, state as state_lib
 
 log = logging.getLogger(__name__)
 

@@ -49,8 +49,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel, splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec
 
 LANES = 128  # a splash block is a multiple of this
@@ -99,7 +98,7 @@ SPLASH = ("splash", SPLASH_INTERPRET)
 
 def target_platform() -> str:
     """The platform being compiled for: that of the active mesh's devices, which may be GPUs or
-    TPUs that exist only as a topology (a plan compiled from another machine, maxlm/targets),
+    TPUs that exist only as a topology (a plan compiled from another machine, maxlm/bench/targets),
     else JAX's default backend."""
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     platform = device.platform if device is not None else jax.default_backend()

@@ -3,7 +3,7 @@
 `FaultPolicy` decides from plain values (the step, the bad-step streak, the clock), so it is
 testable without orbax or a device:
 
-* a step whose update came out non-finite is skipped inside the jitted step (maxlm/step.py);
+* a step whose update came out non-finite is skipped inside the jitted step (maxlm/train/step.py);
   after `checkpoint.max_bad_steps` consecutive ones the loop restores the last good checkpoint,
   with the learning rate times `checkpoint.restore_lr_scale`; after `checkpoint.max_restores`
   such restores without getting past the failure it stops (`NonFiniteLossError`, exit 3);
@@ -118,7 +118,7 @@ class FaultPolicy:
 
     def at_save_point(self, done: int, kind: str, bad_streak: int, spiking: bool = False) -> str:
         """SAVE, POSTPONE (step `done` was non-finite, or a loss-spike streak is running
-        (`spiking`, maxlm/anomaly.py): save at the next good step) or RECOVER (it ended a streak of
+        (`spiking`, maxlm/train/anomaly.py): save at the next good step) or RECOVER (it ended a streak of
         `max_bad_steps`). A preemption or the final step saves regardless: the state saved is the
         last good one (skipped steps leave it unchanged)."""
         forced = kind in ("preemption", "final")

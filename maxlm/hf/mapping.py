@@ -1,5 +1,5 @@
 """Hugging Face Llama ↔ maxlm: the weight and config mapping (the files are read and written in
-`maxlm/hf.py`).
+`maxlm/hf/files.py`).
 
 maxlm's model is the Llama architecture (pre-norm RMSNorm, RoPE, SwiGLU, grouped-query attention,
 no biases), so a run converts to `transformers.LlamaForCausalLM` without custom code; a run with
@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from maxlm import config as config_lib
+
 
 class Tensor(NamedTuple):
     """How one HF tensor relates to a maxlm array (of one layer, for a layer's parameter)."""

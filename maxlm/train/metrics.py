@@ -152,8 +152,10 @@ class TensorBoardWriter:
     """
 
     def __init__(self, logdir: str | os.PathLike):
-        from tensorboardX import SummaryWriter  # only runs that want TB pay for it
-        from tensorboardX import record_writer
+        from tensorboardX import (
+            SummaryWriter,  # only runs that want TB pay for it
+            record_writer,
+        )
 
         logdir = os.fspath(logdir)
         if paths.is_remote(logdir):

@@ -18,8 +18,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from maxlm import attention, config as config_lib, flops, mesh as mesh_lib, model, optim, state as state_lib, step as step_lib
-from maxlm.targets import Target
+from maxlm import config as config_lib, model
+from maxlm.bench.targets import Target
+from maxlm.model import attention
+from maxlm.train import flops, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ESTIMATE_MODEL = ("step_sec = max(hardware FLOPs / peak FLOP/s, bytes accessed / memory bandwidth) per "
                   "device, a roofline lower bound (no communication, perfect overlap): hardware FLOPs "

@@ -10,7 +10,7 @@ Import (`load_params`, the config key `checkpoint.init_from_hf`) checks the fold
 tensors against the run (one exit-2 line listing every mismatch), then builds each parameter with
 `jax.make_array_from_callback`, every device reading only its own block (`hf_mapping.read_block`)
 from the memory-mapped safetensors files: no device and no host ever holds more than a shard of a
-parameter (times the layers of a scanned one). The mapping itself is in `maxlm/hf_mapping.py`.
+parameter (times the layers of a scanned one). The mapping itself is in `maxlm/hf/mapping.py`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxlm import cli, config as config_lib
-from maxlm.hf_mapping import check_config, hf_config, hf_tensors, read_block, require_rope, sources, to_hf
+from maxlm import config as config_lib, console
+from maxlm.hf.mapping import check_config, hf_config, hf_tensors, read_block, require_rope, sources, to_hf
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -312,7 +312,7 @@ def export(params, cfg, out: str, dtype: str = "float32",
     tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer)
     m = cfg.model
     if m.d_model % m.num_heads:
-        cli.warn(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}: "
+        console.warn(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}: "
                  "the weights are right, but transformers' LlamaConfig rejects such a config")
     if jax.process_index() == 0:
         os.makedirs(out, exist_ok=True)

@@ -1,0 +1,48 @@
+"""The model: a decoder-only Transformer as pure functions of a config and a plain param pytree.
+
+    from maxlm import model
+    params = model.init_params(cfg.model, rng)
+    loss, aux = model.loss_fn(cfg.model, params, batch)
+
+`transformer.py` is the network (blocks, the pipelined forward, the losses); `attention.py` its
+attention backends and packed mask, `positions.py` the position encodings, `head.py` the output
+projection, `fp8.py` float8 matmuls, `backward_order.py` the unrolled layers' backward order.
+Nothing here knows about meshes, optimizers or data files.
+"""
+
+from maxlm.model.transformer import (
+    REMAT_POLICIES,
+    Attention,
+    Batch,
+    Block,
+    RMSNorm,
+    SwiGLU,
+    Transformer,
+    apply,
+    bubble_fraction,
+    compute_dtype,
+    count_params,
+    embed,
+    head_weights,
+    hidden_states,
+    init_params,
+    is_spec,
+    loss_fn,
+    microbatches,
+    output_logits,
+    param_logical_specs,
+    pipeline_stages,
+    pipelined_hidden_states,
+    stack_layers,
+    token_losses,
+    unstack_layers,
+    weight_matmul,
+)
+
+__all__ = [
+    "REMAT_POLICIES", "Attention", "Batch", "Block", "RMSNorm", "SwiGLU", "Transformer", "apply",
+    "bubble_fraction", "compute_dtype", "count_params", "embed", "head_weights", "hidden_states",
+    "init_params", "is_spec", "loss_fn", "microbatches", "output_logits", "param_logical_specs",
+    "pipeline_stages", "pipelined_hidden_states", "stack_layers", "token_losses", "unstack_layers",
+    "weight_matmul",
+]

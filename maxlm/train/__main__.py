@@ -1,0 +1,54 @@
+"""`python -m maxlm.train --config=configs/NAME.py --workdir=DIR [--config.KEY=VALUE ...]`.
+
+The command around the training loop (maxlm/train/loop.py): flags, the config validated for this
+machine's devices, and the exit status: 0 done, 2 bad config or data (before anything is
+compiled or written), 3 non-finite steps persist, 143 preempted with a checkpoint committed.
+"""
+
+import sys
+
+import jax
+
+from maxlm import cli, paths
+from maxlm.train import checkpoint, distributed, faults, loop
+
+
+def main(argv) -> None:
+    f = cli.start(argv, required=("workdir",))
+    distributed.initialize()  # multi-process runs: from JAX_COORDINATOR_ADDRESS etc.
+    cfg = cli.resolved_config(jax.device_count())
+    cli.use_compile_cache(cfg)
+    try:
+        distributed.check_shared_workdir(f.workdir)  # every process sees the same checkpoints
+        data = loop.load_data(cfg)
+        loop.check_start(cfg, f.workdir)
+    except ValueError as e:  # bad data or a data/config mismatch: the user's to fix
+        cli.config_error(str(e))
+    try:
+        last = loop.train_and_evaluate(cfg, f.workdir, data)
+    except faults.NonFiniteLossError as e:
+        print(f"maxlm: {e}", file=sys.stderr)
+        sys.exit(3)
+    except faults.Preempted as e:
+        print(f"maxlm: preempted (SIGTERM): checkpoint of step {e.step} committed in "
+              f"{checkpoint.checkpoint_dir(f.workdir)}; rerun the same command to resume",
+              file=sys.stderr)
+        sys.exit(faults.PREEMPTED_EXIT)
+    if jax.process_index() == 0:
+        if "loss" in last:
+            print(f"done at step {last['step']}: loss {last['loss']:.4f} "
+                  f"(first step of this run: {last['first_loss']:.4f})")
+        else:
+            print(f"nothing to do: the checkpoint in {f.workdir} is already at step {cfg.steps}")
+        print(f"checkpoints: {checkpoint.checkpoint_dir(f.workdir)}")
+        print(f"metrics:     {paths.workdir_path(f.workdir) / 'metrics.jsonl'}")
+
+
+def define_flags() -> None:
+    from absl import flags
+
+    flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and config.json.")
+
+
+if __name__ == "__main__":
+    cli.run(main, define_flags)

@@ -1,0 +1,383 @@
+"""Orbax wiring: where checkpoints live, when they are written and kept, how a run resumes.
+
+`python -m maxlm.checkpoint {list,verify} DIR` reads them (maxlm/checkpoint.py).
+
+A checkpoint is `WORKDIR/checkpoints/STEP/` with three orbax items:
+  state   the whole train state: step, params, optimizer state, skipped-step counters
+  meta    JSON: step, seed (the model has no dropout, so the seed is all the RNG there is), data
+          position (the step plus the batches skipped after loss spikes: maxlm/train/anomaly.py,
+          so a step's batch is a pure function of the config, the step and the skips), lr scale,
+          kind (regular / temporary / preemption / final), wall time, mesh, process count
+  config  the resolved config as JSON
+Saves are async: `save()` blocks only while the device arrays are copied to host memory, the write
+happens in a background thread, and the next save first waits for the previous one to commit.
+Orbax writes into `STEP.orbax-checkpoint-tmp` and renames it when complete, so an interrupted save
+is never mistaken for a checkpoint. On resume every candidate is checked (metadata readable, all
+items present, arrays readable, values finite); a damaged one is renamed `STEP.damaged` (never
+deleted) with a one-line warning and the previous one is used.
+
+Retention (done here, not by orbax, so that its rules are ours): the newest `max_to_keep` regular
+checkpoints, every step that is a multiple of `keep_period` forever, a time-based (temporary)
+checkpoint only until a newer one has committed, and never the newest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import re
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from maxlm import config as config_lib, console, paths
+from maxlm.train import loss_scale, optim, state as state_lib
+
+log = logging.getLogger("maxlm")
+
+ITEMS = ("state", "meta", "config")
+# State entries a checkpoint may lack or hold beyond the restore target: the dynamic loss scale
+# exists only in float16 runs (and not in checkpoints written before it did). See restore_state.
+OPTIONAL_STATE = frozenset(loss_scale.STATE_KEYS)
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+DAMAGED_SUFFIX = ".damaged"
+
+
+def checkpoint_dir(workdir: str) -> str:
+    """WORKDIR/checkpoints: absolute for a local workdir, the URL itself for gs:// and the like."""
+    return os.fspath(paths.workdir_path(workdir) / "checkpoints")
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def agreed(problem: str | None, what: str) -> str | None:
+    """One verdict on `what` (a checkpoint) for every process, from each one's own `problem` (None:
+    fine): damaged if any process found it so. Each process reads its own view of the files;
+    deciding alone, one would quarantine a checkpoint and wait at a barrier while the others
+    restored it in a collective, and the job would hang."""
+    if jax.process_count() == 1:
+        return problem
+    from jax.experimental import multihost_utils
+
+    if problem is not None:
+        log.warning("process %d: %s: %s", jax.process_index(), what, problem)
+    seen = np.asarray(multihost_utils.process_allgather(np.int32(problem is not None)))
+    if problem is None and seen.any():
+        problem = f"damaged as process {int(np.flatnonzero(seen)[0])} reads it"
+    return problem
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def step_dirs(directory: str) -> dict[str, list]:
+    """{"complete": [(step, path)], "incomplete": [...], "damaged": [...]} sorted by step."""
+    found: dict[str, list] = {"complete": [], "incomplete": [], "damaged": []}
+    if not epath.Path(directory).is_dir():
+        return found
+    for entry in epath.Path(directory).iterdir():
+        name, path = entry.name, os.fspath(entry)
+        if not entry.is_dir():
+            continue
+        if name.isdigit():
+            found["complete"].append((int(name), path))
+        elif (m := re.fullmatch(r"(\d+)" + re.escape(TMP_SUFFIX) + r".*", name)):
+            found["incomplete"].append((int(m.group(1)), path))
+        elif (m := re.fullmatch(r"(\d+)" + re.escape(DAMAGED_SUFFIX) + r".*", name)):
+            found["damaged"].append((int(m.group(1)), path))
+    return {k: sorted(v) for k, v in found.items()}
+
+
+def file_problem(path: str) -> str | None:
+    """Why the checkpoint at `path` is damaged judging by its files alone, or None."""
+    path = epath.Path(path)  # local, or gs:// and the like
+    try:
+        json.loads((path / "_CHECKPOINT_METADATA").read_text())
+    except (OSError, ValueError) as e:
+        return f"unreadable _CHECKPOINT_METADATA ({type(e).__name__})"
+    for item in ITEMS:
+        if not (path / item).is_dir():
+            return f"item {item!r} missing"
+    for item in ("meta", "config"):
+        try:
+            json.loads((path / item / "metadata").read_text())
+        except (OSError, ValueError) as e:
+            return f"unreadable {item}/metadata ({type(e).__name__})"
+    for name in ("manifest.ocdbt", "_sharding"):
+        if not (path / "state" / name).exists():
+            return f"state/{name} missing"
+    return None
+
+
+def short(e: Exception) -> str:
+    """An exception as one short line, for messages."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:160]}"
+
+
+def read_json(path: str, item: str) -> dict:
+    return json.loads((epath.Path(path) / item / "metadata").read_text())
+
+
+# ----------------------------------------------------------------------------- the manager
+
+
+class Checkpointer:
+    """An orbax CheckpointManager plus our retention rules, integrity checks and resume."""
+
+    def __init__(self, workdir: str, checkpoint_cfg):
+        self.directory = checkpoint_dir(workdir)
+        self.cfg = checkpoint_cfg
+        self.temporary: set[int] = set()  # time-based saves of this process, replaced by the next
+        epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
+        found = step_dirs(self.directory)
+        for step, path in found["incomplete"]:
+            console.warn(f"ignoring incomplete checkpoint {path} (interrupted write; removed)")
+        for step, path in found["complete"]:  # checked before orbax reads (and logs about) them
+            if (problem := agreed(file_problem(path), path)) is not None:
+                self._quarantine(path, problem)
+        _sync("maxlm_checkpoint_scan")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None,  # retention is ours: see prune()
+            enable_async_checkpointing=True,  # training continues while the write happens
+            cleanup_tmp_directories=True,  # interrupted writes (named in the warning above)
+            create=True,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+
+    def _quarantine(self, path: str, problem: str) -> None:
+        target = path + DAMAGED_SUFFIX
+        n = 1
+        while epath.Path(target).exists():
+            n += 1
+            target = f"{path}{DAMAGED_SUFFIX}{n}"
+        console.warn(f"skipping damaged checkpoint {path}: {problem}; kept as {target}")
+        if jax.process_index() == 0:
+            epath.Path(path).rename(target)
+
+    # -- saving
+
+    def save(self, step: int, state, meta: dict, config_dict: dict, kind: str = "regular") -> None:
+        """Starts an async save; returns once the arrays are on the host (the write continues).
+
+        The previous save is waited for first (it must commit before retention may drop older
+        checkpoints), then retention runs.
+        """
+        self.manager.wait_until_finished()
+        self.prune()
+        if step in self.manager.all_steps():  # e.g. the final step, already saved
+            return
+        meta = dict({"data_position": step}, **meta, step=step, kind=kind,
+                    saved_at=datetime.datetime.now().isoformat(timespec="seconds"))
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave(meta),
+                config=ocp.args.JsonSave(config_dict),
+            ),
+            force=True,
+        )
+        if kind == "temporary":
+            self.temporary.add(step)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def prune(self) -> None:
+        """Applies retention to the committed checkpoints (call only when no save is pending)."""
+        committed = sorted(self.manager.all_steps())
+        if not committed:
+            return
+        regular = [s for s in committed if s not in self.temporary]
+        keep = set(regular[-self.cfg.max_to_keep:]) | {committed[-1]}
+        if self.cfg.keep_period:
+            keep |= {s for s in committed if s % self.cfg.keep_period == 0}
+        for step in committed:
+            if step not in keep:
+                self.manager.delete(step)
+                self.temporary.discard(step)
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.prune()
+        self.manager.close()
+
+    # -- restoring
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def restore_latest(self, abstract_state, before: int | None = None) -> tuple[Any, dict] | None:
+        """(state, meta) of the newest checkpoint that restores and is finite, or None; with
+        `before`, the newest of those with a step below it.
+
+        `abstract_state` holds jax.ShapeDtypeStructs with shardings, so a checkpoint written on
+        one mesh (or device or process count) lands directly, resharded, on the current one.
+        Damaged checkpoints are renamed aside with a warning, never deleted. Every verdict is
+        agreed by all processes (`agreed`), so they restore the same checkpoint.
+        """
+        self.manager.reload()
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            if before is not None and step >= before:
+                continue
+            path = os.path.join(self.directory, str(step))
+            problem = agreed(file_problem(path), path)
+            if problem is None:
+                try:
+                    restored = restore_state(path, abstract_state)
+                    problem = _content_problem(restored[0], step)
+                except Exception as e:  # noqa: BLE001 - any failure to read is damage
+                    problem = f"does not restore ({short(e)})"
+                problem = agreed(problem, path)
+            if problem is None:
+                return restored
+            _sync(f"maxlm_checkpoint_check_{step}")
+            self._quarantine(path, problem)
+            _sync(f"maxlm_checkpoint_quarantine_{step}")
+            self.manager.reload()
+        return None
+
+
+    def discard_after(self, step: int) -> None:
+        """Deletes the checkpoints newer than `step`: after a loss-spike rollback to `step` they
+        hold states from within the spike, and the steps they hold are trained again."""
+        self.manager.wait_until_finished()
+        self.manager.reload()
+        for newer in sorted(s for s in self.manager.all_steps() if s > step):
+            console.warn(f"removing checkpoint {os.path.join(self.directory, str(newer))}: written after "
+                     "the loss spike began")
+            self.manager.delete(newer)
+            self.temporary.discard(newer)
+
+
+def _content_problem(state, step: int) -> str | None:
+    """Why a restored state cannot be the checkpoint of `step`, or None."""
+    if int(state["step"]) != step:
+        return f"holds step {int(state['step'])}"
+    if not bool(jax.jit(state_lib.all_finite)(state)):
+        return "holds non-finite values"
+    return None
+
+
+def restore_state(path: str, abstract_state, params_only: bool = False):
+    """(state, meta) of the checkpoint directory `path` (`.../checkpoints/STEP`).
+
+    Only the OPTIONAL_STATE entries (the loss scale) may differ from `abstract_state`: those the
+    checkpoint lacks are missing from the state returned (the caller keeps its own, see
+    `state.with_missing_from`), those the target lacks are not read. Any other difference fails.
+    """
+    handler = ocp.PyTreeCheckpointer()
+    directory = os.path.join(path, "state")
+    target, partial = {"params": abstract_state["params"]}, True
+    if not params_only:
+        saved = set(_saved_tree(handler, directory))
+        target = {k: v for k, v in abstract_state.items() if k in saved or k not in OPTIONAL_STATE}
+        extra = saved - set(target)
+        partial = bool(extra) and extra <= OPTIONAL_STATE
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    state = handler.restore(
+        directory, args=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=partial)
+    )
+    return state, read_json(path, "meta")
+
+
+def _saved_tree(handler, directory: str):
+    """The saved pytree's metadata (its leaves describe the arrays)."""
+    saved = handler.metadata(directory)
+    return saved.item_metadata.tree if hasattr(saved, "item_metadata") else saved.tree
+
+
+def complete_steps(directory: str) -> list[tuple[int, str]]:
+    """[(step, path)] of the checkpoints in `directory` that are complete by their files, by step."""
+    return [(s, p) for s, p in step_dirs(directory)["complete"] if file_problem(p) is None]
+
+
+def resolve_restore_from(path: str) -> str:
+    """A checkpoint step directory from PATH: a step dir, a `checkpoints/` dir or a workdir."""
+    path = path if paths.is_remote(path) else os.path.abspath(os.path.expanduser(path))
+    if epath.Path(path, "state").is_dir():
+        return path
+    for candidate in (os.path.join(path, "checkpoints"), path):
+        steps = complete_steps(candidate)
+        if steps:
+            return steps[-1][1]
+    raise ValueError(f"checkpoint.restore_from={path} holds no complete checkpoint")
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def expected_state(config_dict: dict):
+    """The state's ShapeDtypeStructs (on one device) for a recorded config: what a checkpoint of
+    it must hold, and the target to restore it into."""
+    cfg = config_lib.from_recorded(config_dict)
+    tx = optim.make_optimizer(cfg)
+    return state_lib.abstract_state(cfg, tx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+
+def _shapes_by_path(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{path: shape} of a pytree's leaves, a path being the names of its keys, indices and fields
+    alike: orbax's metadata holds optax's namedtuples (Adam's, Adafactor's states) as dicts of
+    their fields, sorted by name, and its tuples as lists."""
+    def name(key) -> str:
+        return str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {tuple(name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def _positions(model_cfg) -> str:
+    table = f", model.max_positions={model_cfg.max_positions}" if model_cfg.positions == "learned" else ""
+    return f"model.positions={model_cfg.positions!r}{table}"
+
+
+def start_problem(path: str, cfg, full_state: bool) -> str | None:
+    """Why `cfg` cannot start from the checkpoint at `path` (restoring would set it aside as
+    damaged), or None: its parameters were written with another position encoding or learned table
+    length, or, for a `full_state`, its optimizer state by another `optim.name`."""
+    saved = config_lib.from_recorded(read_json(path, "config"))
+    if _positions(saved.model) != _positions(cfg.model):
+        return (f"{_positions(cfg.model)}, but the checkpoint {path} was written with {_positions(saved.model)}: "
+                "its parameters do not fit; resume with its settings or start another workdir")
+    if full_state and saved.optim.name != cfg.optim.name:
+        return (f"optim.name={cfg.optim.name!r}, but the checkpoint {path} holds {saved.optim.name!r} optimizer "
+                f"state: resume with optim.name={saved.optim.name!r}, or start a new workdir from its "
+                f"parameters (checkpoint.restore_from={path} checkpoint.restore_params_only=True)")
+    return None
+
+
+def verify_one(path: str, config_dict: dict | None = None) -> str | None:
+    """None if the checkpoint at `path` is complete, restores, is finite and has the shapes of
+    its config (or of `config_dict`); else what is wrong."""
+    if (problem := file_problem(path)) is not None:
+        return problem
+    try:
+        expected = expected_state(config_dict or read_json(path, "config"))
+        saved_tree = _saved_tree(ocp.PyTreeCheckpointer(), os.path.join(path, "state"))
+        saved_shapes, expected_shapes = _shapes_by_path(saved_tree), _shapes_by_path(expected)
+        if saved_shapes != expected_shapes:
+            first = min(set(saved_shapes.items()) ^ set(expected_shapes.items()))[0]
+            return (f"shapes differ from the config ({len(saved_shapes)} arrays saved, "
+                    f"{len(expected_shapes)} expected; first at {'/'.join(first)})")
+        state, meta = restore_state(path, expected)
+    except Exception as e:  # noqa: BLE001
+        return f"does not restore ({short(e)})"
+    if not bool(jax.jit(state_lib.all_finite)(state)):
+        return "holds non-finite values"
+    if int(state["step"]) != int(os.path.basename(path)) or meta.get("step") != int(state["step"]):
+        return f"step mismatch (state {int(state['step'])}, meta {meta.get('step')})"
+    return None
