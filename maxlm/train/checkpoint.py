@@ -23,14 +23,11 @@ checkpoint only until a newer one has committed, and never the newest committed 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
 import os
 import re
-import sys
-import time
 from typing import Any
 
 import jax

@@ -32,7 +32,7 @@ import ml_collections
 
 from maxlm import model
 from maxlm.data.errors import DataError
-from maxlm.train import distributed, mesh as mesh_lib, runs, state as state_lib, tasks as tasks_lib
+from maxlm.train import mesh as mesh_lib, runs, state as state_lib, tasks as tasks_lib
 
 
 def eval_step(model_cfg, params, batch) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 
 import jax
 import ml_collections
@@ -21,7 +20,7 @@ from maxlm import config as config_lib, console, model, paths
 from maxlm.data import make_dataset
 from maxlm.hf import files as hf
 from maxlm.model import attention, fp8
-from maxlm.train import anomaly, checkpoint, distributed, evaluate, faults, flops, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
+from maxlm.train import anomaly, checkpoint, evaluate, faults, flops, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
 from maxlm.train.step_logger import StepLogger
 
 log = logging.getLogger("maxlm")
