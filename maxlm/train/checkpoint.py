@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from maxlm import config as config_lib, console, paths
+from maxlm.errors import ConfigError
 from maxlm.train import loss_scale, optim, state as state_lib
 
 log = logging.getLogger("maxlm")
@@ -233,7 +234,11 @@ class Checkpointer:
                 continue
             path = os.path.join(self.directory, str(step))
             problem = agreed(file_problem(path), path)
-            if problem is None:
+            if problem is None:  # readable: a checkpoint that does not fit the run is not damage
+                misfit = agreed(shape_problem(path, abstract_state), path)
+                if misfit is not None:
+                    raise ConfigError(f"the checkpoint {path} does not fit this run: {misfit}; nothing was "
+                                      "changed (resume with the checkpoint's config, or use another workdir)")
                 try:
                     restored = restore_state(path, abstract_state)
                     problem = _content_problem(restored[0], step)
@@ -342,10 +347,42 @@ def _positions(model_cfg) -> str:
     return f"model.positions={model_cfg.positions!r}{table}"
 
 
+def shape_problem(path: str, abstract_state, params_only: bool = False) -> str | None:
+    """Why the arrays saved at `path` cannot be restored into `abstract_state` (another tree or
+    other shapes), or None; only the parameters with `params_only`. Reads metadata, no arrays."""
+    saved = _shapes_by_path(_saved_tree(ocp.PyTreeCheckpointer(), os.path.join(path, "state")))
+    wanted = _shapes_by_path(abstract_state)
+    keep = (lambda k: k[0] == "params") if params_only else (lambda k: k[0] not in OPTIONAL_STATE)
+    saved, wanted = ({k: v for k, v in d.items() if keep(k)} for d in (saved, wanted))
+    if saved == wanted:
+        return None
+    differ = sorted(set(saved.items()) ^ set(wanted.items()))
+    first = differ[0][0]
+    return (f"{len(saved)} arrays saved, {len(wanted)} expected; first difference at {'/'.join(first)}: "
+            f"saved {saved.get(first, 'nothing')}, expected {wanted.get(first, 'nothing')}")
+
+
+def config_changes(saved: dict, now: dict) -> list[str]:
+    """`KEY=NOW (checkpoint: SAVED)` for each config key whose value differs, those that shape the
+    state (`model.*`, `optim.*`) alone when there are any."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(saved), flat(now)
+    changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    shaping = [k for k in changed if k.startswith(("model.", "optim."))]
+    return [f"{k}={b.get(k)!r} (checkpoint: {a.get(k)!r})" for k in (shaping or changed)]
+
+
 def start_problem(path: str, cfg, full_state: bool) -> str | None:
-    """Why `cfg` cannot start from the checkpoint at `path` (restoring would set it aside as
-    damaged), or None: its parameters were written with another position encoding or learned table
-    length, or, for a `full_state`, its optimizer state by another `optim.name`."""
+    """Why `cfg` cannot start from the checkpoint at `path`, or None: its parameters were written
+    with another position encoding or learned table length; for a `full_state`, its optimizer
+    state by another `optim.name`; or its arrays have other shapes (another model size), named by
+    the config keys that differ from the checkpoint's recorded config. Restoring regardless would
+    fail, and such a checkpoint is not damaged."""
     saved = config_lib.from_recorded(read_json(path, "config"))
     if _positions(saved.model) != _positions(cfg.model):
         return (f"{_positions(cfg.model)}, but the checkpoint {path} was written with {_positions(saved.model)}: "
@@ -354,6 +391,14 @@ def start_problem(path: str, cfg, full_state: bool) -> str | None:
         return (f"optim.name={cfg.optim.name!r}, but the checkpoint {path} holds {saved.optim.name!r} optimizer "
                 f"state: resume with optim.name={saved.optim.name!r}, or start a new workdir from its "
                 f"parameters (checkpoint.restore_from={path} checkpoint.restore_params_only=True)")
+    tx = optim.make_optimizer(cfg)
+    wanted = state_lib.abstract_state(cfg, tx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    if (misfit := shape_problem(path, wanted, params_only=not full_state)) is not None:
+        changes = config_changes(saved.to_dict(), cfg.to_dict())
+        return (f"the checkpoint {path} does not fit this config ({misfit}); the config differs from the "
+                f"checkpoint's in {', '.join(changes) or 'no key'}. Resume with the checkpoint's settings, or "
+                "start another workdir (checkpoint.restore_from with checkpoint.restore_params_only=True keeps "
+                "the parameters when only the optimizer changed)")
     return None
 
 

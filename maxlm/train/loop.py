@@ -18,6 +18,7 @@ import ml_collections
 
 from maxlm import config as config_lib, console, model, paths
 from maxlm.data import make_dataset
+from maxlm.errors import ConfigError
 from maxlm.hf import files as hf
 from maxlm.model import attention, fp8
 from maxlm.train import anomaly, checkpoint, evaluate, faults, flops, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
@@ -154,7 +155,7 @@ def check_start(cfg, workdir: str) -> None:
     start = own[-1][1] if own else source
     full_state = bool(own) or not ckpt_cfg.restore_params_only
     if start and (problem := checkpoint.start_problem(start, cfg, full_state)):
-        raise ValueError(problem)
+        raise ConfigError(problem)
 
 
 def step_builder(cfg, mesh, rules, shardings, position):

@@ -1,0 +1,90 @@
+"""Restarts as users meet them: a checkpoint that does not fit the config is refused, not damaged."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from maxlm import config as config_lib
+from maxlm.errors import ConfigError
+from maxlm.train import checkpoint, loop, optim, state as state_lib
+from tests.helpers import ROOT, command_env, load_config, with_overrides
+
+pytestmark = pytest.mark.slow
+
+BASE = {"steps": 4, "eval.every_steps": 0, "log_every_steps": 1, "metrics.tensorboard": False,
+        "checkpoint.every_steps": 2, "optim.warmup_steps": 1}
+
+
+def tiny(data_dirs, **overrides):
+    return config_lib.resolve(with_overrides(load_config("tiny"), {**data_dirs, **BASE, **overrides}),
+                              jax.device_count())
+
+
+@pytest.fixture(scope="module")
+def two_layer_run(tmp_path_factory, data_dirs):
+    workdir = tmp_path_factory.mktemp("two_layers")
+    loop.train_and_evaluate(tiny(data_dirs), str(workdir))
+    return workdir
+
+
+def listing(workdir) -> dict[str, float]:
+    """Every file under the workdir's checkpoints/ with its modification time."""
+    out = {}
+    for root, _, files in os.walk(workdir / "checkpoints"):
+        for name in files:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, workdir)] = os.stat(path).st_mtime_ns
+    return out
+
+
+def test_a_rerun_with_more_layers_exits_2_naming_the_key_and_touches_nothing(two_layer_run, data_dirs):
+    before = listing(two_layer_run)
+    metrics_before = (two_layer_run / "metrics.jsonl").read_text()
+    result = subprocess.run(
+        [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={two_layer_run}",
+         *(f"--config.{k}={v}" for k, v in {**data_dirs, **BASE}.items()), "--config.steps=8",
+         "--config.model.num_layers=3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=command_env(two_layer_run, devices=None))
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("maxlm:")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "model.num_layers=3 (checkpoint: 2)" in lines[0] and "does not fit" in lines[0]
+    assert listing(two_layer_run) == before  # no checkpoint renamed, written or removed
+    assert not [p for p in (two_layer_run / "checkpoints").iterdir() if not p.name.isdigit()]
+    assert (two_layer_run / "metrics.jsonl").read_text() == metrics_before
+
+
+def test_another_width_is_refused_before_anything_compiles(two_layer_run, data_dirs):
+    wider = tiny(data_dirs, **{"model.d_model": 128})
+    with pytest.raises(ConfigError, match=r"model.d_model=128 \(checkpoint: 64\)"):
+        loop.check_start(wider, str(two_layer_run))
+    loop.check_start(tiny(data_dirs, steps=8), str(two_layer_run))  # the same model resumes
+
+
+def test_restoring_a_checkpoint_that_does_not_fit_raises_and_sets_nothing_aside(two_layer_run, data_dirs):
+    """The restore itself (reached when a start check is bypassed, or by a recovery) refuses a
+    checkpoint of other shapes with a ConfigError; only unreadable data counts as damaged."""
+    cfg = tiny(data_dirs, **{"model.num_layers": 3})
+    tx = optim.make_optimizer(cfg)
+    abstract = state_lib.abstract_state(cfg, tx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    before = listing(two_layer_run)
+    ckpt = checkpoint.Checkpointer(str(two_layer_run), cfg.checkpoint)
+    with pytest.raises(ConfigError, match="does not fit this run: .* arrays saved"):
+        ckpt.restore_latest(abstract)
+    ckpt.close()
+    assert listing(two_layer_run) == before
+
+
+def test_restore_params_only_keeps_its_documented_use(two_layer_run, data_dirs, tmp_path):
+    """Another optimizer from a run's parameters is the documented deliberate change; parameters of
+    another shape are refused there too."""
+    other_optimizer = tiny(data_dirs, **{"optim.name": "lion", "checkpoint.restore_from": str(two_layer_run),
+                                         "checkpoint.restore_params_only": True})
+    loop.check_start(other_optimizer, str(tmp_path / "new"))
+    bigger = tiny(data_dirs, **{"model.num_layers": 3, "checkpoint.restore_from": str(two_layer_run),
+                                "checkpoint.restore_params_only": True})
+    with pytest.raises(ConfigError, match=r"model.num_layers=3 \(checkpoint: 2\)"):
+        loop.check_start(bigger, str(tmp_path / "new"))
