@@ -1,15 +1,19 @@
-"""Restarts as users meet them: a checkpoint that does not fit the config is refused, not damaged."""
+"""Restarts as users meet them: a checkpoint that does not fit the config is refused, not damaged;
+Ctrl-C saves like a preemption."""
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
 
 from maxlm import config as config_lib
 from maxlm.errors import ConfigError
-from maxlm.train import checkpoint, loop, optim, state as state_lib
+from maxlm.train import checkpoint, faults, loop, optim, state as state_lib
 from tests.helpers import ROOT, command_env, load_config, with_overrides
 
 pytestmark = pytest.mark.slow
@@ -88,3 +92,51 @@ def test_restore_params_only_keeps_its_documented_use(two_layer_run, data_dirs, 
                                 "checkpoint.restore_params_only": True})
     with pytest.raises(ConfigError, match=r"model.num_layers=3 \(checkpoint: 2\)"):
         loop.check_start(bigger, str(tmp_path / "new"))
+
+
+def test_ctrl_c_saves_at_the_step_boundary_and_exits_130(tmp_path, data_dirs):
+    """The first Ctrl-C behaves as a preemption: the step finishes, its checkpoint commits, one
+    line says so, exit 130; the rerun resumes from it."""
+    workdir = tmp_path / "run"
+    command = [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={workdir}",
+               *(f"--config.{k}={v}" for k, v in {**data_dirs, **BASE}.items()),
+               "--config.steps=100000", "--config.checkpoint.every_steps=100000"]
+    env = command_env(tmp_path, devices=None)
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not rows_at_least(workdir, 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]  # 128 + SIGINT, as shells report a Ctrl-C
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    line = re.search(r"maxlm: interrupted \(Ctrl-C\): checkpoint of step (\d+) committed in (\S+); rerun", err)
+    assert line, err[-3000:]
+    step = int(line.group(1))
+    assert step >= 3 and checkpoint.verify_one(str(workdir / "checkpoints" / str(step))) is None
+    resumed = subprocess.run([*command[:-2], f"--config.steps={step + 1}"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and f"at step {step}" in resumed.stderr, resumed.stderr[-3000:]
+
+
+def rows_at_least(workdir, step: int) -> bool:
+    metrics = workdir / "metrics.jsonl"
+    return metrics.exists() and any(f'"step": {step},' in line for line in metrics.read_text().splitlines())
+
+
+def test_a_second_ctrl_c_is_left_to_the_default_action():
+    """After the first Ctrl-C the watcher hands SIGINT back to its default action, so a second one
+    ends the process at once (orbax's tmp directory keeps the earlier checkpoints whole); leaving
+    the loop restores the handlers it found."""
+    found = signal.getsignal(signal.SIGINT)
+    with faults.PreemptionWatcher() as watcher:
+        assert not watcher.reached(0)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # Python runs the handler between bytecodes
+        assert watcher.reached(1) and watcher.interrupted
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is found

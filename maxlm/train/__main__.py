@@ -2,19 +2,30 @@
 
 The command around the training loop (maxlm/train/loop.py): flags, the config validated for this
 machine's devices, and the exit status: 0 done, 2 bad config or data (before anything is
-compiled or written), 3 non-finite steps persist, 143 preempted with a checkpoint committed.
+compiled or written), 3 non-finite steps persist, 143 preempted (SIGTERM) and 130 interrupted
+(Ctrl-C), each with a checkpoint committed.
 """
 
 import sys
 
 import jax
+from absl import flags
 
 from maxlm import cli, paths
 from maxlm.train import checkpoint, distributed, faults, loop
 
 
 def main(argv) -> None:
-    f = cli.start(argv, required=("workdir",))
+    try:
+        train(cli.start(argv, required=("workdir",)))
+    except KeyboardInterrupt:  # Ctrl-C outside the steps (data, compilation), which save on it
+        print(f"maxlm: interrupted (Ctrl-C) outside the training steps; the checkpoints committed in "
+              f"{checkpoint.checkpoint_dir(flags.FLAGS.workdir)} are intact; rerun the same command to resume",
+              file=sys.stderr)
+        sys.exit(faults.INTERRUPTED_EXIT)
+
+
+def train(f) -> None:
     distributed.initialize()  # multi-process runs: from JAX_COORDINATOR_ADDRESS etc.
     cfg = cli.resolved_config(jax.device_count())
     cli.use_compile_cache(cfg)
@@ -30,10 +41,11 @@ def main(argv) -> None:
         print(f"maxlm: {e}", file=sys.stderr)
         sys.exit(3)
     except faults.Preempted as e:
-        print(f"maxlm: preempted (SIGTERM): checkpoint of step {e.step} committed in "
+        why = "interrupted (Ctrl-C)" if e.interrupted else "preempted (SIGTERM)"
+        print(f"maxlm: {why}: checkpoint of step {e.step} committed in "
               f"{checkpoint.checkpoint_dir(f.workdir)}; rerun the same command to resume",
               file=sys.stderr)
-        sys.exit(faults.PREEMPTED_EXIT)
+        sys.exit(faults.INTERRUPTED_EXIT if e.interrupted else faults.PREEMPTED_EXIT)
     if jax.process_index() == 0:
         if "loss" in last:
             print(f"done at step {last['step']}: loss {last['loss']:.4f} "
@@ -45,8 +57,6 @@ def main(argv) -> None:
 
 
 def define_flags() -> None:
-    from absl import flags
-
     flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and config.json.")
 
 

@@ -12,18 +12,23 @@ testable without orbax or a device:
   so every checkpoint is a good one to restore; the minutes are read off process 0's clock at log
   steps only, without a host sync (`broadcast_later`);
 * SIGTERM (`PreemptionWatcher`) saves at the current step and ends the run with `Preempted`
-  (exit `PREEMPTED_EXIT`); every process agrees on that step.
+  (exit `PREEMPTED_EXIT`); every process agrees on that step. Ctrl-C (SIGINT) does the same
+  (exit `INTERRUPTED_EXIT`); a second Ctrl-C kills the process at once, which loses only the
+  save in progress (orbax writes into a tmp directory, so the earlier checkpoints stay whole).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import time
 
 import jax
 import numpy as np
+
+from maxlm import console
 
 log = logging.getLogger("maxlm")
 
@@ -31,6 +36,7 @@ log = logging.getLogger("maxlm")
 # by SIGTERM" and retry (Kubernetes/GKE Job restart and podFailurePolicy rules, SLURM requeue
 # scripts); 0 would tell them the run is finished and stop the requeue.
 PREEMPTED_EXIT = 143
+INTERRUPTED_EXIT = 130  # 128 + SIGINT: the user's Ctrl-C, the checkpoint committed
 
 SAVE, POSTPONE, RECOVER = "save", "postpone", "recover"  # FaultPolicy.at_save_point's verdicts
 
@@ -40,11 +46,11 @@ class NonFiniteLossError(RuntimeError):
 
 
 class Preempted(Exception):
-    """SIGTERM arrived; a checkpoint of `step` has been committed."""
+    """SIGTERM (or, with `interrupted`, Ctrl-C) arrived; a checkpoint of `step` has been committed."""
 
-    def __init__(self, step: int):
+    def __init__(self, step: int, interrupted: bool = False):
         super().__init__(step)
-        self.step = step
+        self.step, self.interrupted = step, interrupted
 
 
 def broadcast_later(flag: bool):
@@ -158,29 +164,43 @@ class FaultPolicy:
 
 
 class PreemptionWatcher:
-    """Has a preemption notice (SIGTERM) arrived? Every process gets the same answer per step.
+    """Has a preemption notice (SIGTERM) or a Ctrl-C arrived? Every process gets the same answer
+    per step.
 
     Multi-process: JAX's preemption sync point (the coordination service catches SIGTERM and
-    all processes agree on the first step at which to stop). Single process: our own handler.
+    all processes agree on the first step at which to stop); a Ctrl-C is passed on to it as a
+    SIGTERM to this process. Single process: our own handlers. After the first Ctrl-C, SIGINT is
+    back to its default action: a second one ends the process at once.
     """
 
     def __init__(self):
-        self.flag = False
+        self.flag = self.interrupted = False
         self.multi = jax.process_count() > 1
-        self._previous = None
+        self._previous = {}
 
     def __enter__(self):
-        if not self.multi:
-            with contextlib.suppress(ValueError):  # not the main thread: no handler
-                self._previous = signal.signal(signal.SIGTERM, self._handle)
+        with contextlib.suppress(ValueError):  # not the main thread: no handlers
+            if not self.multi:
+                self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
         return self
 
     def _handle(self, signum, frame):
         self.flag = True
 
+    def _interrupt(self, signum, frame):
+        self.interrupted = True
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        console.warn("Ctrl-C: saving a checkpoint at the end of this step; Ctrl-C again stops at once without it")
+        if self.multi:
+            os.kill(os.getpid(), signal.SIGTERM)  # to JAX's handler, which agrees on a step
+        else:
+            self.flag = True
+
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            if previous is not None:
+                signal.signal(signum, previous)
 
     def reached(self, step: int) -> bool:
         if self.multi:

@@ -38,7 +38,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     """Trains `cfg` (already resolved) in `workdir`, resuming from its newest good checkpoint.
 
     `data` is `load_data(cfg)`'s result, loaded here when None. Returns the last training row.
-    Raises faults.Preempted after SIGTERM (its checkpoint committed) and NonFiniteLossError
+    Raises faults.Preempted after SIGTERM or Ctrl-C (its checkpoint committed) and NonFiniteLossError
     when non-finite steps persist after `checkpoint.max_restores` restores.
     """
     train_data, eval_data = data if data is not None else load_data(cfg)
@@ -108,7 +108,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                     logger.restart(step)
                 elif preempted:
                     ckpt.wait()
-                    raise faults.Preempted(done)
+                    raise faults.Preempted(done, interrupted=preemption.interrupted)
             logger.flush()
     finally:
         trace.close()
