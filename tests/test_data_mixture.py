@@ -130,3 +130,22 @@ def test_a_mixture_trains_and_resumes_through_the_cli(tmp_path, data_dirs):
                                if json.loads(line).get("step", 0) <= 4))
     resumed, log = train(tmp_path / "resumed", 8)
     assert "at step 4" in log and resumed == whole and len(whole) == 8
+
+
+def test_a_mixtures_pass_ends_before_any_source_repeats_a_row():
+    """`steps_per_epoch` of a mixture (how far an eval may read): whole blocks before the source
+    that runs out first comes round again."""
+    from types import SimpleNamespace
+
+    from maxlm.data.mixture import MixtureDataset
+
+    parts = [("a", SimpleNamespace(num_rows=3 * BLOCK)), ("b", SimpleNamespace(num_rows=BLOCK // 2))]
+    stats = {"a": {"tokens": 1, "sequences": 1}, "b": {"tokens": 1, "sequences": 1}}
+    mixture = MixtureDataset(parts, [0.75, 0.25], tokenizer=None, batch_size=64, seq_len=8, seed=0,
+                             split="validation", stats=stats)
+    assert list(mixture.counts) == [3 * BLOCK // 4, BLOCK // 4]
+    assert mixture.steps_per_epoch == 2 * BLOCK // 64  # b: BLOCK/2 rows, BLOCK/4 a block: 2 blocks
+    slots = np.arange(mixture.steps_per_epoch * 64)
+    source, sample = mixture.slot_sources(slots)
+    for i, (_, rows) in enumerate(parts):
+        assert sample[source == i].max() < rows.num_rows and len(np.unique(sample[source == i])) == (source == i).sum()

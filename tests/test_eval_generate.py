@@ -277,3 +277,19 @@ def test_samples_of_one_prompt_differ():
     draw = lambda seed: gen.generate(cfg, params, [[1, 10, 20]] * 3, max_new_tokens=12, temperature=1.0, seed=seed)
     rows = draw(3)
     assert len({tuple(r) for r in rows}) == 3 and draw(3) == rows
+
+
+def test_eval_reads_each_validation_row_at_most_once(run):
+    """More eval batches than the split holds stop at its end: past it the rows would come round
+    again and count twice."""
+    cfg, workdir, _ = run
+    loaded = runs.load_run(str(workdir))
+    big = config_lib.resolve(with_overrides(load_config("tiny"), {**{k: cfg.data[k.split(".")[1]] for k in
+                                                                     ("data.tfds_dir", "data.cache_dir")},
+                                                                  "batch_size": 2048}), jax.device_count())
+    dataset = make_dataset(big, "validation")
+    whole = dataset.steps_per_epoch
+    assert 1 <= whole < 10
+    capped = evaluate_lib.evaluate(big, loaded["params"], dataset, loaded["mesh"], loaded["rules"], whole + 3)
+    exact = evaluate_lib.evaluate(big, loaded["params"], dataset, loaded["mesh"], loaded["rules"], whole)
+    assert capped == exact and capped["batches"] == whole

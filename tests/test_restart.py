@@ -9,7 +9,9 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import pytest
+from ml_collections import ConfigDict
 
 from maxlm import config as config_lib
 from maxlm.errors import ConfigError
@@ -140,3 +142,21 @@ def test_a_second_ctrl_c_is_left_to_the_default_action():
         assert watcher.reached(1) and watcher.interrupted
         assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
     assert signal.getsignal(signal.SIGINT) is found
+
+
+def test_a_time_based_checkpoint_stays_temporary_after_a_restart(tmp_path):
+    """Retention reads each checkpoint's recorded kind: after a restart, an earlier time-based
+    (temporary) save does not count as a regular checkpoint and evict a real one."""
+    cfg = ConfigDict({"max_to_keep": 2, "keep_period": 0})
+
+    def save(ckpt, step, kind):
+        ckpt.save(step, {"step": jnp.int32(step), "w": jnp.ones(3)}, {}, {}, kind=kind)
+
+    first = checkpoint.Checkpointer(str(tmp_path), cfg)
+    save(first, 10, "regular")
+    save(first, 12, "temporary")
+    first.close()
+    restarted = checkpoint.Checkpointer(str(tmp_path), cfg)  # a new process: nothing in memory
+    save(restarted, 20, "regular")
+    restarted.close()
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [10, 20]

@@ -55,6 +55,9 @@ class MixtureDataset:
             if seed is not None:  # each source its own shuffle, epochs independent of the others'
                 order = order.shuffle(seed=int(np.random.SeedSequence([seed, i]).generate_state(1)[0]))
             self.orders.append(order.repeat(None))
+        # steps of whole blocks before some source's rows come round again (an eval pass's length)
+        self.steps_per_epoch = min(rows.num_rows // count for rows, count in zip(self._rows, self.counts)) \
+            * BLOCK // batch_size
         tokens = sum(s["tokens"] for s in stats.values())
         self.packing_efficiency = tokens / (sum(s["sequences"] for s in stats.values()) * seq_len)
 

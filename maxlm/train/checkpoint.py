@@ -120,6 +120,14 @@ def file_problem(path: str) -> str | None:
     return None
 
 
+def _recorded_kind(path: str) -> str | None:
+    """The kind a checkpoint's meta records (regular, temporary, preemption, final), or None."""
+    try:
+        return read_json(path, "meta").get("kind")
+    except (OSError, ValueError):
+        return None
+
+
 def short(e: Exception) -> str:
     """An exception as one short line, for messages."""
     text = " ".join(str(e).split())
@@ -139,7 +147,7 @@ class Checkpointer:
     def __init__(self, workdir: str, checkpoint_cfg):
         self.directory = checkpoint_dir(workdir)
         self.cfg = checkpoint_cfg
-        self.temporary: set[int] = set()  # time-based saves of this process, replaced by the next
+        self.temporary: set[int] = set()  # time-based saves, replaced by the next committed one
         epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
         found = step_dirs(self.directory)
         for step, path in found["incomplete"]:
@@ -148,6 +156,9 @@ class Checkpointer:
             if (problem := agreed(file_problem(path), path)) is not None:
                 self._quarantine(path, problem)
         _sync("maxlm_checkpoint_scan")
+        # a time-based save stays temporary across restarts: its kind is in its meta
+        self.temporary = {step for step, path in step_dirs(self.directory)["complete"]
+                          if _recorded_kind(path) == "temporary"}
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,  # retention is ours: see prune()
             enable_async_checkpointing=True,  # training continues while the write happens

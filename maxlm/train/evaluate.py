@@ -68,7 +68,9 @@ def perplexity(loss: float) -> float:
 
 
 def evaluate(cfg, params, dataset, mesh, rules, num_batches: int) -> dict:
-    """Loss, perplexity and next-token accuracy over batches 0..num_batches-1 of `dataset`."""
+    """Loss, perplexity and next-token accuracy over batches 0..num_batches-1 of `dataset`, at most
+    one pass over it: past its last batch the split would start again and count rows twice."""
+    num_batches = min(num_batches, dataset.steps_per_epoch)
     step_fn = make_eval_step(cfg.model, mesh, rules)
     with mesh_lib.activate(mesh, rules):
         sums = jax.device_get([step_fn(params, mesh_lib.read_batch(dataset, i, mesh, rules))
