@@ -160,3 +160,14 @@ def test_a_time_based_checkpoint_stays_temporary_after_a_restart(tmp_path):
     save(restarted, 20, "regular")
     restarted.close()
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [10, 20]
+
+
+def test_a_non_finite_state_is_never_saved(tmp_path):
+    """The checkpointer checks every leaf before it writes: a NaN anywhere in the state (here the
+    optimizer's) is refused with the exit-3 error, and nothing of that step reaches the disk."""
+    ckpt = checkpoint.Checkpointer(str(tmp_path), ConfigDict({"max_to_keep": 2, "keep_period": 0}))
+    ckpt.save(1, {"step": jnp.int32(1), "params": jnp.ones(3), "opt_state": jnp.zeros(2)}, {}, {})
+    with pytest.raises(faults.NonFiniteLossError, match="state of step 2 holds non-finite values: not saved"):
+        ckpt.save(2, {"step": jnp.int32(2), "params": jnp.ones(3), "opt_state": jnp.array([0.0, jnp.nan])}, {}, {})
+    ckpt.close()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]

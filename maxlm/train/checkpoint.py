@@ -37,7 +37,7 @@ from etils import epath
 
 from maxlm import config as config_lib, console, paths
 from maxlm.errors import ConfigError
-from maxlm.train import loss_scale, optim, state as state_lib
+from maxlm.train import faults, loss_scale, optim, state as state_lib
 
 log = logging.getLogger("maxlm")
 
@@ -47,6 +47,7 @@ ITEMS = ("state", "meta", "config")
 OPTIONAL_STATE = frozenset(loss_scale.STATE_KEYS)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 DAMAGED_SUFFIX = ".damaged"
+_all_finite = jax.jit(state_lib.all_finite)
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -189,6 +190,13 @@ class Checkpointer:
         self.prune()
         if step in self.manager.all_steps():  # e.g. the final step, already saved
             return
+        # The step skips non-finite updates and the fault policy postpones saves inside a streak of
+        # them, so this never fires in a healthy run; it makes "no non-finite state is ever saved"
+        # hold whatever went wrong, for one on-device pass over the state (the save then copies all
+        # of it to the host anyway).
+        if not bool(_all_finite(state)):
+            raise faults.NonFiniteLossError(f"the state of step {step} holds non-finite values: not saved "
+                                            f"(the checkpoints in {self.directory} are untouched)")
         meta = dict({"data_position": step}, **meta, step=step, kind=kind,
                     saved_at=datetime.datetime.now().isoformat(timespec="seconds"))
         self.manager.save(
@@ -281,7 +289,7 @@ def _content_problem(state, step: int) -> str | None:
     """Why a restored state cannot be the checkpoint of `step`, or None."""
     if int(state["step"]) != step:
         return f"holds step {int(state['step'])}"
-    if not bool(jax.jit(state_lib.all_finite)(state)):
+    if not bool(_all_finite(state)):
         return "holds non-finite values"
     return None
 
@@ -429,7 +437,7 @@ def verify_one(path: str, config_dict: dict | None = None) -> str | None:
         state, meta = restore_state(path, expected)
     except Exception as e:  # noqa: BLE001
         return f"does not restore ({short(e)})"
-    if not bool(jax.jit(state_lib.all_finite)(state)):
+    if not bool(_all_finite(state)):
         return "holds non-finite values"
     if int(state["step"]) != int(os.path.basename(path)) or meta.get("step") != int(state["step"]):
         return f"step mismatch (state {int(state['step'])}, meta {meta.get('step')})"

@@ -89,7 +89,7 @@ def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple
     # Scalars, not a pass over every leaf (6% of a small model's CPU step): from a finite state,
     # finite gradients with a finite Σg² keep every optimizer moment finite (running means of g
     # and g², clipped or sign-taken), and a finite update keeps the parameters finite. The
-    # checkpointer still checks every leaf before it writes (checkpoint.py).
+    # checkpointer checks every leaf before it writes, so nothing non-finite is ever saved.
     ok = grads_finite & jnp.isfinite(optax.tree.norm(updates))
     keep_if_bad = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
     params = keep_if_bad(params, state["params"])
