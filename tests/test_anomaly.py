@@ -60,12 +60,15 @@ def test_rollbacks_stop_after_max_rollbacks_without_progress():
 def test_meta_round_trips_the_skips_statistics_and_the_unread_loss():
     anomalies = anomaly.Anomalies(anomaly_cfg(warmup=0))
     for step, loss in enumerate([3.0, 2.5, 2.25]):
-        anomalies.spiked(step, {"loss": np.float32(loss), "bad_streak": np.int32(0)})
+        anomalies.spiked(step, {"loss": np.float32(loss), "bad_streak": np.int32(0), "applied": np.int32(1)})
     anomalies.skips.append((1, 5))
     meta = json.loads(json.dumps(anomalies.meta()))
     again = anomaly.Anomalies(anomaly_cfg(warmup=0), meta)
     assert again.skips == [(1, 5)] and again.detector.stats == anomalies.detector.stats
-    assert meta["anomaly"]["pending"] == [2, 2.25, 0]  # the last loss, not yet read into the stats
+    assert meta["anomaly"]["pending"] == [2, 2.25, 0, 1]  # the last loss, not yet read into the stats
+    # a checkpoint from before `applied` was recorded: bad_streak 0 meant an applied step
+    older = dict(meta["anomaly"], pending=[2, 2.25, 0])
+    assert anomaly.Anomalies(anomaly_cfg(warmup=0), {"anomaly": older})._previous[1]["applied"] == 1
     assert anomaly.Anomalies(anomaly_cfg(enabled=False)).meta() == {}
 
 

@@ -144,6 +144,11 @@ def test_scaling_keeps_float16_gradients_and_accumulation_matches():
 # ----------------------------------------------------------------------------- the step's rules
 
 
+def without_schedule_count(opt_state):
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    return jax.tree.map(lambda x: None if is_schedule(x) else x, opt_state, is_leaf=is_schedule)
+
+
 def test_overflow_skips_halves_and_only_the_minimum_counts_as_bad():
     """Jitted float16 steps with injected non-finite gradients (what an overflow gives), growth
     interval 2 and minimum 2^13, from 2^15."""
@@ -161,9 +166,10 @@ def test_overflow_skips_halves_and_only_the_minimum_counts_as_bad():
         with mesh_lib.activate(mesh, rules):
             state, metrics = train_fn(state, batch, np.bool_(overflow))
         after = host(state)
+        # the schedule's count follows the step, skipped or not (maxlm/train/step.py); the rest stays
         unchanged = all(np.array_equal(a, b) for a, b in zip(
-            jax.tree.leaves((before["params"], before["opt_state"])),
-            jax.tree.leaves((after["params"], after["opt_state"]))))
+            jax.tree.leaves((before["params"], without_schedule_count(before["opt_state"]))),
+            jax.tree.leaves((after["params"], without_schedule_count(after["opt_state"])))))
         assert float(metrics["loss_scale"]) == float(before["loss_scale"])  # the scale it used
         assert after["step"] == before["step"] + 1
         return unchanged, tuple(float(after[k]) for k in counters)

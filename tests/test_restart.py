@@ -10,6 +10,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from ml_collections import ConfigDict
 
@@ -171,3 +172,45 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
         ckpt.save(2, {"step": jnp.int32(2), "params": jnp.ones(3), "opt_state": jnp.array([0.0, jnp.nan])}, {}, {})
     ckpt.close()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
+
+
+def schedule_counts(opt_state) -> list[int]:
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+    return [int(n.count) for n in nodes if isinstance(n, optax.ScaleByScheduleState)]
+
+
+@pytest.mark.parametrize("skips", ["nan", "float16_overflow"])
+def test_the_schedule_applied_after_skipped_steps_is_the_logged_one(tmp_path, data_dirs, skips):
+    """Skipped steps (NaN gradients; float16 overflows) roll the optimizer state back but not the
+    schedule's count: it stays the step, so the rate applied is `schedule(step)`, the `lr` logged,
+    and the decay ends when planned. Adam's own count (bias correction) counts applied updates."""
+    overrides = {"steps": 6, "checkpoint.every_steps": 6}
+    if skips == "nan":
+        overrides.update({"debug.nan_at_step": 2, "debug.nan_steps": 2})
+    else:
+        overrides.update({"model.dtype": "float16", "optim.loss_scale_init": 2.0**40})
+    workdir = tmp_path / "run"
+    loop.train_and_evaluate(tiny(data_dirs, **overrides), str(workdir))
+    path = str(workdir / "checkpoints" / "6")
+    state, _ = checkpoint.restore_state(path, checkpoint.expected_state(checkpoint.read_json(path, "config")))
+    skipped = int(state["skipped_steps"]) + int(state.get("overflow_steps", 0))
+    assert skipped >= 2 and int(state["step"]) == 6
+    assert schedule_counts(state["opt_state"]) == [6]
+    adam = [n for n in jax.tree.leaves(state["opt_state"], is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(n, optax.ScaleByAdamState)]
+    assert [int(n.count) for n in adam] == [6 - skipped]
+
+
+def test_a_float16_overflow_step_is_not_a_sample_of_the_spike_detector():
+    """The step reports `applied`; an overflow skip (bad_streak unchanged at 0) is not applied, so
+    its loss, however large, is neither a spike nor a sample."""
+    from maxlm.train import anomaly
+
+    cfg = ConfigDict({"enabled": True, "warmup": 2, "ema": 0.9, "spike_sigma": 3.0, "max_spikes": 1,
+                      "skip_batches": 1, "max_rollbacks": 1})
+    anomalies = anomaly.Anomalies(cfg)
+    steps = [(1, 2.0, 1), (2, 2.1, 1), (3, 2.0, 1), (4, 1e6, 0), (5, 2.0, 1), (6, 2.0, 1)]
+    spikes = [anomalies.spiked(step, {"loss": loss, "bad_streak": 0, "applied": applied})
+              for step, loss, applied in steps]
+    assert spikes == [None] * 6 and anomalies.spikes == 0
+    assert anomalies.detector.stats.count == 4  # steps 1, 2, 3 and 5: the last one is still pending

@@ -123,7 +123,7 @@ class Anomalies:
         pending = None
         if self._previous is not None:
             step, metrics = self._previous
-            pending = [step, float(metrics["loss"]), int(metrics["bad_streak"])]
+            pending = [step, float(metrics["loss"]), int(metrics["bad_streak"]), int(metrics["applied"])]
         return {"anomaly": {"skips": [list(s) for s in self.skips], "spikes": self.spikes,
                             "rollbacks": self.rollbacks, "stats": dataclasses.asdict(self.detector.stats),
                             "pending": pending}}
@@ -140,7 +140,7 @@ class Anomalies:
         if not self.enabled or previous is None:
             return None
         prev_step, metrics = previous
-        loss, applied = float(metrics["loss"]), int(metrics["bad_streak"]) == 0
+        loss, applied = float(metrics["loss"]), bool(int(metrics["applied"]))
         if not (applied and math.isfinite(loss)):  # a skipped step: FaultPolicy's to handle
             return None
         if self.detector.observe(prev_step, loss):
@@ -183,7 +183,11 @@ class Anomalies:
         recorded = (restored_meta or {}).get("anomaly", {})
         self.detector = SpikeDetector(self.cfg, SpikeStats(**recorded.get("stats", {})))
         pending = recorded.get("pending")  # (step, device metrics) of the step dispatched last
-        self._previous = None if pending is None else (pending[0], {"loss": pending[1], "bad_streak": pending[2]})
+        if pending is not None:  # checkpoints from before `applied` was recorded: bad_streak 0 meant it
+            applied = pending[3] if len(pending) > 3 else int(pending[2] == 0)
+            self._previous = (pending[0], {"loss": pending[1], "bad_streak": pending[2], "applied": applied})
+        else:
+            self._previous = None
 
 
 def with_spike_injection(train_fn, spiked_fn, debug_cfg, position):

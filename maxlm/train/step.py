@@ -93,7 +93,11 @@ def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple
     ok = grads_finite & jnp.isfinite(optax.tree.norm(updates))
     keep_if_bad = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
     params = keep_if_bad(params, state["params"])
-    opt_state = keep_if_bad(opt_state, state["opt_state"])
+    # A skipped step rolls the optimizer state back, all but the schedule's count: the schedule
+    # is indexed by the step, so the rate applied is the `lr` logged (schedule(step)) and the decay
+    # ends when planned. Counts that measure applied updates (Adam's bias correction) roll back.
+    opt_state = jax.tree.map(lambda new, old: new if isinstance(new, optax.ScaleByScheduleState)
+                             else keep_if_bad(new, old), opt_state, state["opt_state"], is_leaf=_is_schedule_state)
     bad = ~ok
     if scale is not None:
         bad &= ~loss_scale.overflowed(cfg.optim, state, grads_finite)
@@ -114,12 +118,17 @@ def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple
         "num_tokens": aux["num_tokens"],
         "skipped_steps": new_state["skipped_steps"],
         "bad_streak": new_state["bad_streak"],
+        "applied": ok.astype(jnp.int32),  # 0: skipped (non-finite, or a float16 overflow)
     }
     if scale is not None:
         new_state.update(loss_scale.update(cfg.optim, state, grads_finite, applied=ok))
         step_metrics.update(loss_scale=scale,  # the scale this step used, as `lr`
                             overflow_steps=new_state["overflow_steps"])
     return new_state, step_metrics
+
+
+def _is_schedule_state(x) -> bool:
+    return isinstance(x, optax.ScaleByScheduleState)
 
 
 def make_train_step(cfg, tx, mesh, rules, state_shardings, inject_nan: bool = False):
