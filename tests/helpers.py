@@ -47,7 +47,8 @@ def train_losses(cfg, steps: int, batch_for_step):
     losses = []
     with mesh_lib.activate(mesh, rules):
         for step in range(steps):
-            state, step_metrics = train_fn(state, mesh_lib.global_batch(batch_for_step(step), mesh, rules))
+            state, step_metrics = train_fn(state, mesh_lib.global_batch(batch_for_step(step), mesh, rules),
+                                           np.float32(1.0))
             losses.append(float(step_metrics["loss"]))
     return np.array(losses), state
 

@@ -103,23 +103,22 @@ def test_nan_injection_runs_the_injecting_step_only_where_asked_and_replays_tran
     debug = config_lib.defaults().debug
     debug.update(nan_at_step=3, nan_steps=2, nan_transient=True)
     calls = []
-    clean = lambda state, batch: calls.append((int(state["step"]), "clean"))  # noqa: E731
-    injecting = lambda state, batch, inject: calls.append((int(state["step"]), bool(inject)))  # noqa: E731
+    clean = lambda state, batch, lr_scale: calls.append((int(state["step"]), "clean"))  # noqa: E731
+    injecting = lambda state, batch, lr_scale, inject: calls.append((int(state["step"]), bool(inject)))  # noqa: E731
     injected = set()
     first = faults.with_nan_injection(clean, injecting, debug, injected)
     for s in range(6):
-        first({"step": np.int32(s)}, None)
+        first({"step": np.int32(s)}, None, 1.0)
     assert calls == [(0, "clean"), (1, "clean"), (2, "clean"), (3, True), (4, True), (5, "clean")]
     calls.clear()
-    again = faults.with_nan_injection(clean, injecting, debug, injected)  # rebuilt after a restore to step 2
-    for s in range(2, 6):
-        again({"step": np.int32(s)}, None)
+    for s in range(2, 6):  # after a restore to step 2
+        first({"step": np.int32(s)}, None, 1.0)
     assert calls == [(s, "clean") for s in range(2, 6)]
     debug.nan_transient = False
     calls.clear()
     persistent = faults.with_nan_injection(clean, injecting, debug, set())
     for s in (3, 3, 5):
-        persistent({"step": np.int32(s)}, None)
+        persistent({"step": np.int32(s)}, None, 1.0)
     assert calls == [(3, True), (3, True), (5, "clean")]
 
 

@@ -164,7 +164,7 @@ def test_overflow_skips_halves_and_only_the_minimum_counts_as_bad():
         before = host(state)  # the step donates `state`
         batch = mesh_lib.global_batch(packed_batch(8, 64, 264, seed=int(before["step"])), mesh, rules)
         with mesh_lib.activate(mesh, rules):
-            state, metrics = train_fn(state, batch, np.bool_(overflow))
+            state, metrics = train_fn(state, batch, np.float32(1.0), np.bool_(overflow))
         after = host(state)
         # the schedule's count follows the step, skipped or not (maxlm/train/step.py); the rest stays
         unchanged = all(np.array_equal(a, b) for a, b in zip(

@@ -184,9 +184,9 @@ def test_update_ratio_is_the_applied_update_over_the_params():
                                       for x in jax.tree.leaves(tree)))
     with mesh_lib.activate(mesh, rules):
         before = jax.device_get(state["params"])  # the state is donated
-        state, applied = train_fn(state, batch, np.bool_(False))
+        state, applied = train_fn(state, batch, np.float32(1.0), np.bool_(False))
         after = jax.device_get(state["params"])
-        state, skipped = train_fn(state, batch, np.bool_(True))  # NaN gradients: not applied
+        state, skipped = train_fn(state, batch, np.float32(1.0), np.bool_(True))  # NaN gradients: not applied
         unchanged = jax.device_get(state["params"])
     update = jax.tree.map(lambda a, b: a.astype(np.float64) - b, after, before)
     expected = norm(update) / norm(before)

@@ -1,6 +1,8 @@
 """Restarts as users meet them: a checkpoint that does not fit the config is refused, not damaged;
 Ctrl-C saves like a preemption."""
 
+import json
+import logging
 import os
 import re
 import signal
@@ -214,3 +216,18 @@ def test_a_float16_overflow_step_is_not_a_sample_of_the_spike_detector():
               for step, loss, applied in steps]
     assert spikes == [None] * 6 and anomalies.spikes == 0
     assert anomalies.detector.stats.count == 4  # steps 1, 2, 3 and 5: the last one is still pending
+
+
+def test_a_restore_after_non_finite_steps_reuses_the_compiled_step(tmp_path, data_dirs, caplog, capsys):
+    """The lowered learning rate after a restore is an argument of the step, not a new program:
+    the run compiles its step once, restore included, and the rate logged after it is lowered."""
+    cfg = tiny(data_dirs, **{"steps": 8, "checkpoint.every_steps": 2, "debug.nan_at_step": 5,
+                             "debug.nan_steps": 3, "checkpoint.max_bad_steps": 3,
+                             "checkpoint.restore_lr_scale": 0.5})
+    with caplog.at_level(logging.INFO, logger="maxlm"):
+        last = loop.train_and_evaluate(cfg, str(tmp_path))
+    assert last["step"] == 8 and "restored step 4" in capsys.readouterr().err
+    assert caplog.text.count("compiled the train step") == 1
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lr_at_6 = [r["lr"] for r in rows if r["step"] == 6]  # before the restore, and after it
+    assert len(lr_at_6) == 2 and lr_at_6[1] == pytest.approx(0.5 * lr_at_6[0], rel=1e-6)

@@ -80,7 +80,7 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "")
     for i in range(warmup_steps + timed_steps):
         start = time.perf_counter()
         with mesh_lib.activate(mesh, rules):
-            state, step_metrics = train_fn(state, batch)
+            state, step_metrics = train_fn(state, batch, np.float32(1.0))
         jax.block_until_ready(step_metrics)
         if i == 0:
             compile_sec = time.perf_counter() - compile_start
@@ -93,7 +93,7 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "")
         if profile_dir:
             with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
                 for _ in range(2):
-                    state, step_metrics = train_fn(state, batch)
+                    state, step_metrics = train_fn(state, batch, np.float32(1.0))
                 jax.block_until_ready(step_metrics)
 
     step_sec = statistics.median(times)

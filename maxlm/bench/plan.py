@@ -49,7 +49,7 @@ def compile_step(cfg, devices):
              for k in ("inputs", "targets", "segment_ids", "positions")}
     train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings)
     with mesh_lib.activate(mesh, rules):
-        return train_fn.lower(state, batch).compile(), state, batch
+        return train_fn.lower(state, batch, np.float32(1.0)).compile(), state, batch
 
 
 def _attention(cfg, platform: str) -> dict:

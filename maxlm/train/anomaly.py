@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from maxlm.train import faults
 
 
@@ -190,17 +192,17 @@ class Anomalies:
             self._previous = None
 
 
-def with_spike_injection(train_fn, spiked_fn, debug_cfg, position):
-    """Fault injection (`debug.spike_at_batch`): a `(state, batch)` step that runs `spiked_fn` (the
-    step with the learning rate times `debug.spike_lr_scale`) on the batches at data positions
-    spike_at_batch ... spike_at_batch + spike_batches - 1, `train_fn` elsewhere. Tied to the
+def with_spike_injection(train_fn, debug_cfg, position):
+    """Fault injection (`debug.spike_at_batch`): a `(state, batch, lr_scale)` step that runs
+    `train_fn` with the learning rate times `debug.spike_lr_scale` on the batches at data positions
+    spike_at_batch ... spike_at_batch + spike_batches - 1, as it is elsewhere. Tied to the
     data, as a bad stretch of data would be: once a rollback skips those batches, they are not
     read again. `position(step)`: the data position of a step. Reads the state's step back from the
     device, a sync a debugging knob can afford."""
     first, count = debug_cfg.spike_at_batch, debug_cfg.spike_batches
 
-    def step_fn(state, batch):
+    def step_fn(state, batch, lr_scale):
         hit = first <= position(int(state["step"])) < first + count
-        return (spiked_fn if hit else train_fn)(state, batch)
+        return train_fn(state, batch, np.float32(lr_scale * debug_cfg.spike_lr_scale) if hit else lr_scale)
 
     return step_fn

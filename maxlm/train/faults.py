@@ -211,7 +211,7 @@ class PreemptionWatcher:
 
 
 def with_nan_injection(train_fn, injecting_fn, debug_cfg, injected: set[int]):
-    """Fault injection (`debug.nan_at_step`): a `(state, batch)` step that runs `train_fn`, except
+    """Fault injection (`debug.nan_at_step`): a `(state, batch, lr_scale)` step that runs `train_fn`, except
     in steps nan_at_step ... nan_at_step + nan_steps - 1 (with `nan_transient` only the first time
     each of them runs in this process: `injected` records them, shared by the steps built for one
     run, so a restore replays them clean), which run `injecting_fn(state, batch, True)` (made with
@@ -221,11 +221,11 @@ def with_nan_injection(train_fn, injecting_fn, debug_cfg, injected: set[int]):
     Reads the state's step back from the device, a sync a debugging knob can afford."""
     first, count, transient = debug_cfg.nan_at_step, debug_cfg.nan_steps, debug_cfg.nan_transient
 
-    def step_fn(state, batch):
+    def step_fn(state, batch, lr_scale):
         step = int(state["step"])
         if first <= step < first + count and not (transient and step in injected):
             injected.add(step)
-            return injecting_fn(state, batch, np.bool_(True))
-        return train_fn(state, batch)
+            return injecting_fn(state, batch, lr_scale, np.bool_(True))
+        return train_fn(state, batch, lr_scale)
 
     return step_fn

@@ -14,7 +14,7 @@ import logging
 import os
 
 import jax
-import ml_collections
+import numpy as np
 
 from maxlm import config as config_lib, console, model, paths
 from maxlm.data import make_dataset
@@ -55,8 +55,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint)
     state, lr_scale, meta = starting_state(cfg, ckpt, state, abstract)
     anomalies = anomaly.Anomalies(cfg.anomaly, meta)  # loss spikes: detector, skipped batches
-    build_step = step_builder(cfg, mesh, rules, shardings, anomalies.position)
-    train_fn = build_step(lr_scale)
+    train_fn = train_step_fn(cfg, mesh, rules, shardings, anomalies.position)
     policy = faults.FaultPolicy(cfg.checkpoint, cfg.steps, clock_every=cfg.log_every_steps)
     writer = metrics.make_writers(workdir, jax.process_index() == 0, cfg.metrics.tensorboard)
     writer.write_hparams(metrics.flatten_config(cfg.to_dict()))
@@ -68,7 +67,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
             while step < cfg.steps:
                 trace.before_step(step)
                 batch = mesh_lib.read_batch(train_data.prefetch(), anomalies.position(step), mesh, rules)
-                state, step_metrics = logger.call(train_fn, state, batch)
+                state, step_metrics = logger.call(train_fn, state, batch, np.float32(lr_scale))
                 done = step = step + 1
                 if trace.after_step(done, step_metrics):  # waited for the step, wrote the trace
                     logger.flush()
@@ -104,7 +103,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                     state, lr_scale, meta = recover(cfg, ckpt, policy, abstract, fresh_state, state,
                                                     lr_scale, bad_step)
                     anomalies.restored(meta)
-                    step, train_fn = int(state["step"]), build_step(lr_scale)
+                    step = int(state["step"])
                     logger.restart(step)
                 elif preempted:
                     ckpt.wait()
@@ -158,33 +157,20 @@ def check_start(cfg, workdir: str) -> None:
         raise ConfigError(problem)
 
 
-def step_builder(cfg, mesh, rules, shardings, position):
-    """`build(lr_scale)`: the jitted train step with the learning rate times `lr_scale` (restores
-    lower it), wrapped for fault injection when a `debug.` key asks for it: NaN gradients
-    (`debug.nan_at_step`; every step it builds shares one record of the steps injected, so
-    `nan_transient` steps replay clean after a restore) and loss spikes (`debug.spike_at_batch`,
-    at the data positions `position(step)` says)."""
-    injecting, injected = cfg.debug.nan_at_step >= 0, set()
-
-    def jitted(lr_scale: float):
-        run_cfg = cfg
-        if lr_scale != 1.0:
-            run_cfg = ml_collections.ConfigDict(cfg.to_dict())
-            run_cfg.optim.lr *= lr_scale
-        tx = optim.make_optimizer(run_cfg)
-        train_fn = step_lib.make_train_step(run_cfg, tx, mesh, rules, shardings)
-        if not injecting:
-            return train_fn
-        injecting_fn = step_lib.make_train_step(run_cfg, tx, mesh, rules, shardings, inject_nan=True)
-        return faults.with_nan_injection(train_fn, injecting_fn, cfg.debug, injected)
-
-    def build(lr_scale: float):
-        if cfg.debug.spike_at_batch < 0:
-            return jitted(lr_scale)
-        return anomaly.with_spike_injection(jitted(lr_scale), jitted(lr_scale * cfg.debug.spike_lr_scale),
-                                            cfg.debug, position)
-
-    return build
+def train_step_fn(cfg, mesh, rules, shardings, position):
+    """The jitted train step, `(state, batch, lr_scale)` (restores lower the scale without a new
+    compile), wrapped for fault injection when a `debug.` key asks for it: NaN gradients
+    (`debug.nan_at_step`; one record of the steps injected, so `nan_transient` steps replay clean
+    after a restore) and loss spikes (`debug.spike_at_batch`, at the data positions `position(step)`
+    says)."""
+    tx = optim.make_optimizer(cfg)
+    train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings)
+    if cfg.debug.nan_at_step >= 0:
+        injecting_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings, inject_nan=True)
+        train_fn = faults.with_nan_injection(train_fn, injecting_fn, cfg.debug, set())
+    if cfg.debug.spike_at_batch >= 0:
+        train_fn = anomaly.with_spike_injection(train_fn, cfg.debug, position)
+    return train_fn
 
 
 def eval_due(cfg, done: int) -> bool:

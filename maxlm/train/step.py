@@ -64,8 +64,13 @@ def loss_and_grads(cfg, params, batch, scale=None):
     return (sums["loss"] / denom, aux), unscale(grads)
 
 
-def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple[State, dict]:
+def train_step(cfg, tx, schedule, state: State, batch, lr_scale, inject_nan=None) -> tuple[State, dict]:
     """One update; a step whose loss, gradient norm or update norm is NaN/inf is not applied.
+
+    `lr_scale` (a float scalar) multiplies the learning rate: restores after non-finite steps lower
+    it (`checkpoint.restore_lr_scale`). An argument, so a restore runs the same compiled step; as
+    every update of the chain ends in the learning rate (weight decay included), scaling the
+    update is scaling the rate.
 
     A skipped step still advances `step` (its batch is consumed: the data position stays a pure
     function of the step) and counts in `skipped_steps` and `bad_streak` (reset by a good step).
@@ -82,6 +87,7 @@ def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple
         grads = jax.tree.map(lambda g: jnp.where(inject_nan, jnp.nan, g), grads)
     grad_norm = optax.tree.norm(grads)  # before clipping
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    updates = jax.tree.map(lambda u: (u * lr_scale).astype(u.dtype), updates)
     params = optax.apply_updates(state["params"], updates)
     # how far this step moved the weights, relative to their size (~1e-3 is typical for Adam)
     update_ratio = optax.tree.norm(updates) / optax.tree.norm(state["params"])
@@ -114,7 +120,7 @@ def train_step(cfg, tx, schedule, state: State, batch, inject_nan=None) -> tuple
         "grad_norm": grad_norm,
         "param_norm": optax.tree.norm(params),
         "update_ratio": jnp.where(ok, update_ratio, 0.0),  # 0: the update was not applied
-        "lr": schedule(state["step"]),  # the rate this update used
+        "lr": schedule(state["step"]) * lr_scale,  # the rate this update used
         "num_tokens": aux["num_tokens"],
         "skipped_steps": new_state["skipped_steps"],
         "bad_streak": new_state["bad_streak"],
@@ -134,13 +140,14 @@ def _is_schedule_state(x) -> bool:
 def make_train_step(cfg, tx, mesh, rules, state_shardings, inject_nan: bool = False):
     """`train_step` jitted with explicit in/out shardings, the state donated.
 
-    With `inject_nan` it takes a third argument, a bool scalar (fault injection).
+    Called as `(state, batch, lr_scale)`; with `inject_nan`, `(state, batch, lr_scale, inject)`, a
+    bool scalar (fault injection).
     """
     batch_sharding = mesh_lib.batch_sharding(mesh, rules)
     scalars = mesh_lib.replicated(mesh)
     return jax.jit(
         functools.partial(train_step, cfg, tx, optim.learning_rate_schedule(cfg)),
-        in_shardings=(state_shardings, batch_sharding) + ((scalars,) if inject_nan else ()),
+        in_shardings=(state_shardings, batch_sharding, scalars) + ((scalars,) if inject_nan else ()),
         out_shardings=(state_shardings, scalars),
         donate_argnums=(0,),  # the old state's buffers become the new state's
     )
