@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -231,3 +232,18 @@ def test_a_restore_after_non_finite_steps_reuses_the_compiled_step(tmp_path, dat
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     lr_at_6 = [r["lr"] for r in rows if r["step"] == 6]  # before the restore, and after it
     assert len(lr_at_6) == 2 and lr_at_6[1] == pytest.approx(0.5 * lr_at_6[0], rel=1e-6)
+
+
+def test_a_resume_never_initialises_a_second_state(two_layer_run, data_dirs, monkeypatch, tmp_path):
+    """A resume restores straight into the abstract state: no fresh state is built beside the
+    restored one (params and optimizer state held twice would make a run filling 60% of HBM
+    resumable only by OOM). A fresh start does initialise."""
+    resumable = tmp_path / "copy"
+    shutil.copytree(two_layer_run, resumable)
+    created = []
+    real = state_lib.create_sharded_state
+    monkeypatch.setattr(state_lib, "create_sharded_state", lambda *a, **k: created.append(1) or real(*a, **k))
+    loop.train_and_evaluate(tiny(data_dirs, steps=5), str(resumable))
+    assert created == []
+    loop.train_and_evaluate(tiny(data_dirs, steps=1), str(tmp_path / "fresh"))
+    assert created == [1]

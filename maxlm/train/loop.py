@@ -21,7 +21,7 @@ from maxlm.data import make_dataset
 from maxlm.errors import ConfigError
 from maxlm.hf import files as hf
 from maxlm.model import attention, fp8
-from maxlm.train import anomaly, checkpoint, evaluate, faults, flops, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
+from maxlm.train import anomaly, checkpoint, evaluate, faults, flops, loss_scale, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
 from maxlm.train.step_logger import StepLogger
 
 log = logging.getLogger("maxlm")
@@ -48,12 +48,15 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     if jax.process_index() == 0:
         (out / "config.json").write_text(config_lib.to_json(cfg))
     tx = optim.make_optimizer(cfg)
-    fresh_state = functools.partial(state_lib.create_sharded_state, cfg, tx, mesh, rules,
-                                    jax.random.key(cfg.seed))
-    state, shardings = fresh_state()
+    rng = jax.random.key(cfg.seed)
+    shardings = state_lib.shardings(cfg, tx, mesh, rules, jax.eval_shape(functools.partial(state_lib.init_state, cfg, tx), rng))
     abstract = state_lib.abstract_state(cfg, tx, shardings)
+
+    def fresh_state():  # initialised only when nothing restores: a resume holds one state, not two
+        return state_lib.create_sharded_state(cfg, tx, mesh, rules, rng)[0]
+
     ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint)
-    state, lr_scale, meta = starting_state(cfg, ckpt, state, abstract)
+    state, lr_scale, meta = starting_state(cfg, ckpt, fresh_state, abstract)
     anomalies = anomaly.Anomalies(cfg.anomaly, meta)  # loss spikes: detector, skipped batches
     train_fn = train_step_fn(cfg, mesh, rules, shardings, anomalies.position)
     policy = faults.FaultPolicy(cfg.checkpoint, cfg.steps, clock_every=cfg.log_every_steps)
@@ -116,30 +119,32 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     return logger.last_row
 
 
-def starting_state(cfg, ckpt: checkpoint.Checkpointer, state, abstract):
+def starting_state(cfg, ckpt: checkpoint.Checkpointer, fresh_state, abstract):
     """(state, lr scale, meta) to start from: the workdir's newest good checkpoint; else, for an
-    empty workdir, `checkpoint.restore_from` or `checkpoint.init_from_hf`; else `state` (fresh).
-    `meta`: the checkpoint's meta when a whole state was restored (its skipped batches and spike
-    statistics carry on), else {}."""
+    empty workdir, `checkpoint.restore_from` or `checkpoint.init_from_hf`; else `fresh_state()`,
+    which is called only when the parameters or the optimizer state do not all come from a
+    checkpoint. `meta`: the checkpoint's meta when a whole state was restored (its skipped batches
+    and spike statistics carry on), else {}."""
     ckpt_cfg = cfg.checkpoint
+    # what a checkpoint written without float16 compute lacks: the initial loss scale
+    missing = loss_scale.init(cfg.optim) if loss_scale.enabled(cfg) else {}
     restored = ckpt.restore_latest(abstract)
     if restored is not None:
         log.info("resumed from %s at step %d", ckpt.directory, int(restored[0]["step"]))
         lr_scale = float(restored[1].get("lr_scale", 1.0))
-        return state_lib.with_missing_from(restored[0], state, ckpt.directory), lr_scale, restored[1]
+        return state_lib.with_missing_from(restored[0], missing, ckpt.directory), lr_scale, restored[1]
     if ckpt_cfg.restore_from:
         path = checkpoint.resolve_restore_from(ckpt_cfg.restore_from)
         only = ckpt_cfg.restore_params_only
-        loaded, meta = checkpoint.restore_state(path, abstract, params_only=only)
         log.info("started from %s (%s)", path, "params only" if only else "full state")
         if only:
-            return dict(state, params=loaded["params"]), 1.0, {}
-        return state_lib.with_missing_from(loaded, state, path), 1.0, meta
+            return dict(fresh_state(), params=checkpoint.restore_state(path, abstract, params_only=True)[0]["params"]), 1.0, {}
+        loaded, meta = checkpoint.restore_state(path, abstract)
+        return state_lib.with_missing_from(loaded, missing, path), 1.0, meta
     if ckpt_cfg.init_from_hf:  # a Hugging Face Llama folder: params only, step 0
         log.info("starting from Hugging Face checkpoint %s (params only)", ckpt_cfg.init_from_hf)
-        params = hf.load_params(ckpt_cfg.init_from_hf, cfg.model, abstract["params"])
-        return dict(state, params=params), 1.0, {}
-    return state, 1.0, {}
+        return dict(fresh_state(), params=hf.load_params(ckpt_cfg.init_from_hf, cfg.model, abstract["params"])), 1.0, {}
+    return fresh_state(), 1.0, {}
 
 
 def check_start(cfg, workdir: str) -> None:
@@ -186,7 +191,7 @@ def recover(cfg, ckpt, policy: faults.FaultPolicy, abstract, fresh_state, state,
     restores = policy.recovering(bad_step, ckpt.latest_step())  # raises past max_restores
     back = ckpt.restore_latest(abstract)
     if back is None:
-        state, _ = fresh_state()
+        state = fresh_state()
     else:
         state = state_lib.with_missing_from(back[0], state, ckpt.directory)
     lr_scale *= cfg.checkpoint.restore_lr_scale
@@ -207,7 +212,7 @@ def roll_back(cfg, ckpt, anomalies: anomaly.Anomalies, abstract, fresh_state, st
     ckpt.wait()
     back = ckpt.restore_latest(abstract, before=first)
     ckpt.discard_after(int(back[0]["step"]) if back else -1)
-    state = state_lib.with_missing_from(back[0], state, ckpt.directory) if back else fresh_state()[0]
+    state = state_lib.with_missing_from(back[0], state, ckpt.directory) if back else fresh_state()
     step = int(state["step"])
     skipped = anomalies.rolled_back(last_spike, step, back[1] if back else None)
     console.warn(f"{cfg.anomaly.max_spikes} consecutive loss spikes (steps {first}-{last_spike}, above "
