@@ -247,3 +247,32 @@ def test_a_resume_never_initialises_a_second_state(two_layer_run, data_dirs, mon
     assert created == []
     loop.train_and_evaluate(tiny(data_dirs, steps=1), str(tmp_path / "fresh"))
     assert created == [1]
+
+
+def test_a_second_run_on_a_live_workdir_exits_2_naming_the_holder_and_a_dead_ones_lock_is_taken_over(
+        tmp_path, data_dirs):
+    workdir = tmp_path / "run"
+    command = [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={workdir}",
+               *(f"--config.{k}={v}" for k, v in {**data_dirs, **BASE}.items()),
+               "--config.steps=100000", "--config.checkpoint.every_steps=2"]
+    env = command_env(tmp_path, devices=None)
+    first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (workdir / "checkpoints" / "2").is_dir():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+        before = sorted(p.name for p in workdir.iterdir())
+        second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert re.search(rf"maxlm: config error: the workdir {re.escape(str(workdir))} is in use by host \S+, "
+                         rf"pid {first.pid}, started \S+: one run per workdir", second.stderr), second.stderr[-2000:]
+        assert "Traceback" not in second.stderr
+        assert first.poll() is None  # the live run goes on
+        assert sorted(p.name for p in workdir.iterdir()) == before
+    finally:
+        first.kill()  # SIGKILL: no cleanup, the kernel releases the lock
+        first.wait()
+    resumed = subprocess.run([*command[:-2], "--config.steps=3"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]

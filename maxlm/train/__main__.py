@@ -12,7 +12,7 @@ import jax
 from absl import flags
 
 from maxlm import cli, paths
-from maxlm.train import checkpoint, distributed, faults, loop
+from maxlm.train import checkpoint, distributed, faults, loop, workdir_lock
 
 
 def main(argv) -> None:
@@ -30,6 +30,7 @@ def train(f) -> None:
     cfg = cli.resolved_config(jax.device_count())
     cli.use_compile_cache(cfg)
     try:
+        workdir_lock.hold(f.workdir)  # one run per workdir: a second one stops here, touching nothing
         distributed.check_shared_workdir(f.workdir)  # every process sees the same checkpoints
         data = loop.load_data(cfg)
         loop.check_start(cfg, f.workdir)
