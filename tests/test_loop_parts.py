@@ -3,6 +3,7 @@ device), NaN injection as a step wrapper, and the step logger (one step late, th
 
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,14 +17,12 @@ def policy(clock=None, clock_every=1, broadcast=None, **overrides):
     extra = {k: v for k, v in (("clock", clock), ("broadcast", broadcast)) if v is not None}
     return faults.FaultPolicy(cfg, total_steps=40, clock_every=clock_every, **extra)
 
-
 def test_save_points_regular_final_preemption():
     p = policy()
     assert [p.save_kind(s, preempted=False) for s in (1, 9, 10, 20, 39, 40)] == \
         [None, None, "regular", "regular", None, "final"]
     assert p.save_kind(7, preempted=True) == "preemption"
     assert p.save_kind(40, preempted=True) == "preemption"
-
 
 def test_time_based_saves_read_the_clock_at_log_steps_one_period_late():
     """Process 0's clock is read every `clock_every` steps and broadcast; the reading is used a
@@ -45,7 +44,6 @@ def test_time_based_saves_read_the_clock_at_log_steps_one_period_late():
     assert p.save_kind(45, preempted=False) == "temporary"  # 35's: 139 s since the save at 61 s
     assert sent == [True, True, False, True, True]
 
-
 def test_a_save_in_a_bad_streak_waits_for_a_good_step():
     p = policy()
     assert p.at_save_point(10, "regular", bad_streak=1) == faults.POSTPONE
@@ -61,7 +59,6 @@ def test_a_save_in_a_bad_streak_waits_for_a_good_step():
     assert p.at_save_point(20, "regular", bad_streak=3) == faults.RECOVER
     assert p.at_save_point(40, "final", bad_streak=3) == faults.RECOVER
 
-
 def test_a_save_in_a_loss_spike_waits_unless_forced():
     p = policy()
     assert p.at_save_point(10, "regular", bad_streak=0, spiking=True) == faults.POSTPONE
@@ -73,12 +70,10 @@ def test_a_save_in_a_loss_spike_waits_unless_forced():
     p.restarted()
     assert p.save_kind(14, preempted=False) is None
 
-
 def test_streak_is_read_one_step_late():
     p = policy()
     verdicts = [p.streak_ended({"bad_streak": np.int32(s)}) for s in (0, 3, 0, 1)]
     assert verdicts == [False, False, True, False]  # step 2's streak, seen after step 3's dispatch
-
 
 def test_restores_count_until_past_the_failure_then_stop():
     p = policy()
@@ -89,7 +84,6 @@ def test_restores_count_until_past_the_failure_then_stop():
                        r"max_restores=2.*Newest checkpoint: step 10"):
         p.recovering(bad_step=14, newest=10)
 
-
 def test_getting_past_the_failure_resets_the_restores():
     p = policy()
     p.recovering(bad_step=14, newest=10)
@@ -97,7 +91,6 @@ def test_getting_past_the_failure_resets_the_restores():
     p.saved(20)  # saved after step 14: the fault is behind us
     assert p.restores == 0
     assert p.recovering(bad_step=33, newest=30) == 1
-
 
 def test_nan_injection_runs_the_injecting_step_only_where_asked_and_replays_transient_steps_clean():
     debug = config_lib.defaults().debug
@@ -121,14 +114,11 @@ def test_nan_injection_runs_the_injecting_step_only_where_asked_and_replays_tran
         persistent({"step": np.int32(s)}, None, 1.0)
     assert calls == [(3, True), (3, True), (5, "clean")]
 
-
 class Recorder:
     def __init__(self):
         self.rows = []
-
     def write(self, step, row):
         self.rows.append((step, dict(row)))
-
 
 @pytest.fixture
 def clock(monkeypatch):
@@ -136,16 +126,13 @@ def clock(monkeypatch):
     monkeypatch.setattr(step_logger.time, "perf_counter", lambda: now[0])
     return now
 
-
 def make_logger(writer, **overrides):
     kwargs = dict(start_step=0, total_steps=6, log_every=2, tokens_per_step=1000,
                   flops_per_token=10.0, peak_flops_per_sec=1e6)
     return step_logger.StepLogger(writer, **{**kwargs, **overrides})
 
-
 def metrics_of(step):
     return {"loss": np.float32(5.0 - step), "num_tokens": np.float32(1000), "bad_streak": np.int32(0)}
-
 
 def test_rows_are_read_one_step_late_and_timed_between_read_backs(clock):
     writer = Recorder()
@@ -169,7 +156,6 @@ def test_rows_are_read_one_step_late_and_timed_between_read_backs(clock):
     assert second["tokens_per_sec"] == pytest.approx(2 * 1000 / 1.0)
     assert second["mfu"] == pytest.approx(2000 * 10.0 / 1e6)
     assert logger.first_loss == 4.0 and logger.last_row["step"] == 6
-
 
 def test_eval_and_restarts_stay_out_of_the_throughput(clock):
     writer = Recorder()
@@ -196,3 +182,16 @@ def test_eval_and_restarts_stay_out_of_the_throughput(clock):
     clock[0] += 1.0
     logger.step_done(3, metrics_of(3))
     assert writer.rows[-1][0] == 2
+
+def test_the_devices_of_each_process_are_grouped_by_process_not_by_position(monkeypatch):
+    """`jax.devices()` may interleave processes (as some topologies order them): each row of the
+    broadcast's mesh must hold one process's own devices."""
+    from types import SimpleNamespace
+
+    devices = [SimpleNamespace(id=i, process_index=i % 2) for i in range(8)]  # interleaved
+    monkeypatch.setattr(jax, "devices", lambda: devices)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "local_device_count", lambda: 4)
+    monkeypatch.setattr(jax, "local_devices", lambda process_index: [d for d in devices if d.process_index == process_index])
+    rows = faults.devices_by_process()
+    assert [[d.process_index for d in row] for row in rows] == [[0, 0, 0, 0], [1, 1, 1, 1]]

@@ -53,6 +53,12 @@ class Preempted(Exception):
         self.step, self.interrupted = step, interrupted
 
 
+def devices_by_process() -> np.ndarray:
+    """[process, local device] of every device, each row one process's own devices: grouped by
+    asking each process's devices, as `jax.devices()`'s order need not put a process's together."""
+    return np.array([jax.local_devices(process_index=p) for p in range(jax.process_count())])
+
+
 def broadcast_later(flag: bool):
     """Process 0's `flag` on every process, as a value to read later with `bool(read(...))`: a tiny
     collective dispatched now, which runs after the steps already queued. Reading it at once would
@@ -63,8 +69,7 @@ def broadcast_later(flag: bool):
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
-    mesh = Mesh(devices, ("processes", "local_devices"))
+    mesh = Mesh(devices_by_process(), ("processes", "local_devices"))
     mine = np.array([flag and jax.process_index() == 0], np.int32)  # only process 0 contributes
     spread = multihost_utils.host_local_array_to_global_array(mine, mesh, PartitionSpec("processes"))
     with jax.set_mesh(mesh):
