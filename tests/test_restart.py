@@ -276,3 +276,39 @@ def test_a_second_run_on_a_live_workdir_exits_2_naming_the_holder_and_a_dead_one
     resumed = subprocess.run([*command[:-2], "--config.steps=3"], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=300)
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+
+
+def test_the_preemption_sync_point_is_asked_every_iteration_with_an_increasing_id(tmp_path, data_dirs, monkeypatch):
+    """JAX's preemption sync point must be reached by every process at the same ids: the loop asks
+    it on every iteration, a restore's included, with an id that never goes back (the step does)."""
+    asked = []
+
+    class Recording(faults.PreemptionWatcher):
+        def reached(self, step):
+            asked.append(step)
+            return super().reached(step)
+
+    monkeypatch.setattr(faults, "PreemptionWatcher", Recording)
+    cfg = tiny(data_dirs, **{"steps": 8, "checkpoint.every_steps": 2, "debug.nan_at_step": 5,
+                             "debug.nan_steps": 3, "checkpoint.max_bad_steps": 3})
+    loop.train_and_evaluate(cfg, str(tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    iterations = len([r for r in rows if "loss" in r])  # log_every_steps=1: a row per iteration
+    assert iterations > 8  # the restore replayed steps
+    assert asked == list(range(1, iterations + 1))
+
+
+@pytest.mark.parametrize("stop_at", [8, 9])
+def test_a_preemption_agreed_around_a_restore_stops_at_a_committed_checkpoint(tmp_path, data_dirs, monkeypatch, stop_at):
+    """Whether the agreed stop falls on the iteration that restores (9 here) or the one before
+    it (8, inside the non-finite streak), the run stops at a step whose checkpoint is committed."""
+    class StopAt(faults.PreemptionWatcher):
+        def reached(self, step):
+            return step >= stop_at
+
+    monkeypatch.setattr(faults, "PreemptionWatcher", StopAt)
+    cfg = tiny(data_dirs, **{"steps": 12, "checkpoint.every_steps": 2, "debug.nan_at_step": 5,
+                             "debug.nan_steps": 3, "checkpoint.max_bad_steps": 3})
+    with pytest.raises(faults.Preempted) as stopped:
+        loop.train_and_evaluate(cfg, str(tmp_path))
+    assert checkpoint.verify_one(str(tmp_path / "checkpoints" / str(stopped.value.step))) is None

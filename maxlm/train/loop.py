@@ -65,6 +65,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     trace = profiler.StepProfiler(cfg.profile, workdir, enabled=jax.process_index() == 0)
     step = int(state["step"])
     logger = step_logger(cfg, writer, step, anomalies.counters)
+    iteration = 0  # the preemption sync point's id: every iteration, only increasing (restores go back)
     try:
         with mesh_lib.activate(mesh, rules), faults.PreemptionWatcher() as preemption:
             while step < cfg.steps:
@@ -72,6 +73,10 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                 batch = mesh_lib.read_batch(train_data.prefetch(), anomalies.position(step), mesh, rules)
                 state, step_metrics = logger.call(train_fn, state, batch, np.float32(lr_scale))
                 done = step = step + 1
+                iteration += 1
+                # Asked every iteration, restores and rollbacks included: every process must reach
+                # the same sync points, or a multi-process job hangs at the next one.
+                stop = preemption.reached(iteration)
                 if trace.after_step(done, step_metrics):  # waited for the step, wrote the trace
                     logger.flush()
                     logger.restart_clock(done)
@@ -85,11 +90,13 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                     policy.restarted()
                     step = int(state["step"])
                     logger.restart(step)
+                    if stop:
+                        stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption)
                     continue
                 if bad_step is None and eval_due(cfg, done):
                     logger.flush()
                     logger.eval_done(done, evaluate.eval_row(cfg, state["params"], eval_data, mesh, rules))
-                preempted = bad_step is None and preemption.reached(done)
+                preempted = bad_step is None and stop
                 kind = policy.save_kind(done, preempted) if bad_step is None else None
                 if kind:
                     logger.flush()
@@ -108,6 +115,8 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                     anomalies.restored(meta)
                     step = int(state["step"])
                     logger.restart(step)
+                    if stop:
+                        stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption)
                 elif preempted:
                     ckpt.wait()
                     raise faults.Preempted(done, interrupted=preemption.interrupted)
@@ -176,6 +185,17 @@ def train_step_fn(cfg, mesh, rules, shardings, position):
     if cfg.debug.spike_at_batch >= 0:
         train_fn = anomaly.with_spike_injection(train_fn, cfg.debug, position)
     return train_fn
+
+
+def stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption) -> None:
+    """A preemption agreed on an iteration that restored a checkpoint: stop at the restored step,
+    saving it first when it is not a checkpoint already (the initial state)."""
+    step = int(state["step"])
+    ckpt.wait()
+    if ckpt.latest_step() != step:
+        ckpt.save(step, state, checkpoint_meta(cfg, lr_scale, anomalies, step), cfg.to_dict(), kind="preemption")
+        ckpt.wait()
+    raise faults.Preempted(step, interrupted=preemption.interrupted)
 
 
 def eval_due(cfg, done: int) -> bool:
