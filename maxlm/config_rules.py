@@ -32,7 +32,7 @@ POSITIVE = ("steps", "batch_size", "seq_len", "log_every_steps", "optim.lr", "mo
             "model.vocab_size", "model.rope_theta", "model.norm_eps", "checkpoint.every_steps",
             "checkpoint.max_to_keep", "checkpoint.max_bad_steps", "eval.steps", "debug.nan_steps",
             "data.tokenizer_sample_docs", "data.shard_mb", "optim.power", "debug.spike_lr_scale",
-            "anomaly.spike_sigma")
+            "anomaly.spike_sigma", "optim.eps")
 NON_NEGATIVE = ("seed", "checkpoint.keep_period", "checkpoint.every_minutes", "checkpoint.max_restores",
                 "optim.warmup_steps", "optim.decay_steps", "optim.clip_norm", "optim.weight_decay",
                 "optim.min_lr_ratio", "eval.every_steps", "model.head_dim", "model.init_std",
@@ -70,7 +70,8 @@ RANGES = {  # key: (test, what the message says it must be)
 
 
 def _is_number(value, kinds=(int, float)) -> bool:
-    return isinstance(value, kinds) and not isinstance(value, bool)
+    """A finite int or float (not a bool): NaN and inf are in no key's domain."""
+    return isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _get(c, key):
@@ -88,10 +89,10 @@ def check_values(c) -> None:
     """The single-key rules above, in order: the first broken one raises ConfigError."""
     for key in POSITIVE:
         if not _is_number(value := _get(c, key)) or value <= 0:
-            raise ConfigError(f"{key} must be a positive number, got {value!r}")
+            raise ConfigError(f"{key} must be a positive finite number, got {value!r}")
     for key in NON_NEGATIVE:
         if not _is_number(value := _get(c, key)) or value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value!r}")
+            raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}")
     for key, what in POSITIVE_INTS.items():
         _positive_int(c, key, what)
     for key in NON_NEGATIVE_INTS:
@@ -106,6 +107,8 @@ def check_values(c) -> None:
     for key in ("model.fp8", "anomaly.enabled"):
         if not isinstance(value := _get(c, key), bool):
             raise ConfigError(f"{key} must be True or False, got {value!r}")
+    if not _is_number(c.debug.nan_at_step, int) or c.debug.nan_at_step < -1:
+        raise ConfigError(f"debug.nan_at_step must be a step >= 0 or -1 (off), got {c.debug.nan_at_step!r}")
     if not _is_number(c.debug.spike_at_batch, int) or c.debug.spike_at_batch < -1:
         raise ConfigError(f"debug.spike_at_batch must be a data position >= 0 or -1 (off), got "
                           f"{c.debug.spike_at_batch!r}")

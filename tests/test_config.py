@@ -1,6 +1,7 @@
 """Validation: every user error ends with a message naming the key and the numbers."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -31,11 +32,11 @@ def test_mesh_fill():
         ({"batch_size": 6, "mesh.data": 4, "mesh.fsdp": -1}, "batch_size=6 must be divisible by mesh.data x mesh.fsdp = 4 x 2 = 8"),
         ({"model.num_heads": 6, "model.num_kv_heads": 4}, "model.num_heads=6 must be divisible by model.num_kv_heads=4"),
         ({"model.d_model": 66, "model.num_heads": 4}, "model.d_model=66 must be divisible by model.num_heads=4"),
-        ({"optim.lr": 0.0}, "optim.lr must be a positive number, got 0.0"),
-        ({"optim.lr": -1e-3}, "optim.lr must be a positive number"),
-        ({"steps": 0}, "steps must be a positive number, got 0"),
-        ({"seq_len": -5}, "seq_len must be a positive number, got -5"),
-        ({"batch_size": 0}, "batch_size must be a positive number"),
+        ({"optim.lr": 0.0}, "optim.lr must be a positive finite number, got 0.0"),
+        ({"optim.lr": -1e-3}, "optim.lr must be a positive finite number"),
+        ({"steps": 0}, "steps must be a positive finite number, got 0"),
+        ({"seq_len": -5}, "seq_len must be a positive finite number, got -5"),
+        ({"batch_size": 0}, "batch_size must be a positive finite number"),
         ({"optim.warmup_steps": 50, "steps": 20}, "optim.warmup_steps=50 is longer than steps=20"),
         ({"model.dtype": "float8"}, "model.dtype must be one of ('float32', 'bfloat16', 'float16')"),
         ({"optim.b2": 1.0}, "optim.b2 must be in [0, 1)"),
@@ -109,7 +110,7 @@ def test_to_json_round_trips():
     "flag, expected",
     [
         ("--config.mesh.data=3", "mesh stage=1 x data=3 x fsdp=1 x sequence=1 x tensor=1 has 3 devices"),
-        ("--config.optim.lr=-1", "optim.lr must be a positive number, got -1"),
+        ("--config.optim.lr=-1", "optim.lr must be a positive finite number, got -1"),
         ("--config.model.num_kv_heads=3", "model.num_heads=4 must be divisible by model.num_kv_heads=3"),
         ("--config.model.nope=3", "unknown config key 'nope'"),
         ("--config.mesh.dcn_fsdp=2", "mesh.dcn_fsdp=2 must divide mesh.fsdp=1"),
@@ -164,3 +165,34 @@ def test_expected_platform_and_device_count(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120, env=command_env(tmp_path, devices=None))
     assert result.returncode == 2 and "platform='tpu' but JAX runs on 'cpu'" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def numeric_keys():
+    """(key, default) of every int or float key of the defaults."""
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                yield f"{prefix}{k}", v
+    return list(flat(config_lib.defaults().to_dict()))
+
+
+@pytest.mark.parametrize("key, default", numeric_keys())
+def test_every_numeric_key_refuses_values_outside_its_domain(key, default):
+    """NaN, infinities and a huge negative number are in no key's domain (ints: the negative one;
+    a float key given NaN or inf would start a run that ends in non-finite steps, or never)."""
+    values = [-10**9] if isinstance(default, int) else [float("nan"), float("inf"), float("-inf"), -1e9]
+    for value in values:
+        with pytest.raises(config_lib.ConfigError, match=re.escape(key)):
+            config_lib.resolve(with_overrides(load_config("tiny"), {key: value}), 8)
+
+
+@pytest.mark.parametrize("flag", ["--config.optim.lr=nan", "--config.optim.lr=inf", "--config.optim.eps=-1e-8"])
+def test_out_of_domain_values_exit_2_before_training(tmp_path, flag):
+    result = subprocess.run(
+        [sys.executable, "-m", "maxlm.train", f"--workdir={tmp_path / 'run'}", "--config=configs/tiny.py", flag],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=command_env(tmp_path, devices=None))
+    key = flag.split("=")[0].removeprefix("--config.")
+    assert result.returncode == 2 and f"maxlm: config error: {key} must be" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

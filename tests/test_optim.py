@@ -103,7 +103,7 @@ def test_lr_batch_scaling(scaling, factor):
          "optim.lr_batch_scaling='sqrt' needs optim.lr_reference_batch > 0 (the batch size optim.lr was "
          "tuned at), got 0"),
         ({"optim.lr_reference_batch": -8}, "optim.lr_reference_batch must be an int >= 0, got -8"),
-        ({"optim.power": 0.0}, "optim.power must be a positive number, got 0.0"),
+        ({"optim.power": 0.0}, "optim.power must be a positive finite number, got 0.0"),
         ({"optim.decay_factor": 1.5}, "optim.decay_factor must be in (0, 1), got 1.5"),
         ({"optim.decay_fraction": 0.0}, "optim.decay_fraction must be in (0, 1], got 0.0"),
         ({"optim.decay_fraction": 1.2}, "optim.decay_fraction must be in (0, 1], got 1.2"),

@@ -30,10 +30,12 @@ def train(f) -> None:
     cfg = cli.resolved_config(jax.device_count())
     cli.use_compile_cache(cfg)
     try:
-        workdir_lock.hold(f.workdir)  # one run per workdir: a second one stops here, touching nothing
         distributed.check_shared_workdir(f.workdir)  # every process sees the same checkpoints
         data = loop.load_data(cfg)
         loop.check_start(cfg, f.workdir)
+        # one run per workdir: a second one stops here, having read but written nothing there, and
+        # a run with bad input stops before, leaving no lock file behind
+        workdir_lock.hold(f.workdir)
     except ValueError as e:  # bad data or a data/config mismatch: the user's to fix
         cli.config_error(str(e))
     try:
