@@ -354,7 +354,7 @@ def _train_losses_one_device(cfg, state, steps, batch):
     step_fn = jax.jit(functools.partial(step_lib.train_step, cfg, tx, optim.learning_rate_schedule(cfg)))
     losses = []
     for _ in range(steps):
-        state, step_metrics = step_fn(state, batch)
+        state, step_metrics = step_fn(state, batch, 1.0)
         losses.append(float(step_metrics["loss"]))
     return np.array(losses)
 
