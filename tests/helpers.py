@@ -1,13 +1,17 @@
-"""Shared test helpers: loading configs/*.py and building synthetic packed batches."""
+"""Shared test helpers: loading configs/*.py, building synthetic packed batches, and reading back
+what a run left in its workdir (metrics.jsonl rows, checkpointed states)."""
 
+import json
+import os
 import pathlib
 import socket
 
 import jax
 import numpy as np
+from etils import epath
 
 from maxlm import config as config_lib
-from maxlm.train import mesh as mesh_lib, optim, state as state_lib, step as step_lib
+from maxlm.train import checkpoint, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -78,3 +82,52 @@ def packed_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int = 0, 
         "segment_ids": segment_ids,
         "positions": positions,
     }
+
+
+# ----------------------------------------------------------------------------- a run's workdir
+
+
+def metrics_rows(workdir, partial: bool = False) -> list[dict]:
+    """The rows of `workdir`/metrics.jsonl in the order written (a resumed run repeats steps).
+
+    `partial`: the file of a run under way or killed: no file yet reads as no rows, and a line
+    that does not parse (cut short by a kill, or being written) is skipped. Otherwise both fail.
+    """
+    path = epath.Path(workdir) / "metrics.jsonl"  # a local path or a gs:// URL
+    if partial and not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if not partial:
+                raise
+    return rows
+
+
+def train_rows(workdir, partial: bool = False) -> dict[int, dict]:
+    """step -> the last training row (one with a loss) written for it."""
+    return {row["step"]: row for row in metrics_rows(workdir, partial) if "loss" in row}
+
+
+def losses(workdir, partial: bool = False) -> dict[int, float]:
+    """step -> the loss of `train_rows`."""
+    return {step: row["loss"] for step, row in train_rows(workdir, partial).items()}
+
+
+def _checkpoint_path(workdir, step: int) -> str:
+    return os.path.join(os.fspath(workdir), "checkpoints", str(step))  # a local path or a gs:// URL
+
+
+def saved_state(workdir, step: int) -> dict:
+    """The state checkpointed at `step` in `workdir` (restored with the config recorded in the
+    checkpoint, onto one device), as numpy arrays."""
+    path = _checkpoint_path(workdir, step)
+    state, _ = checkpoint.restore_state(path, checkpoint.expected_state(checkpoint.read_json(path, "config")))
+    return jax.tree.map(np.asarray, jax.device_get(state))
+
+
+def saved_meta(workdir, step: int) -> dict:
+    """The meta (step, data position, ...) saved with the checkpoint of `step` in `workdir`."""
+    return checkpoint.read_json(_checkpoint_path(workdir, step), "meta")

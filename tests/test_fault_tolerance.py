@@ -2,7 +2,6 @@
 resumed: the losses and final parameters equal the uninterrupted run's bit for bit. Also SIGTERM
 in a two-process run and a resume on a different device count."""
 
-import json
 import os
 import random
 import signal
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 
 from maxlm.train import checkpoint
-from tests.helpers import ROOT, command_env, free_port
+from tests.helpers import ROOT, command_env, free_port, saved_state, train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -36,29 +35,6 @@ def env(tmp_path, devices=8, **extra):
     return command_env(tmp_path, devices, **extra)
 
 
-def rows(workdir):
-    """step -> the last complete row written for it (a killed process may leave half a line)."""
-    out = {}
-    path = workdir / "metrics.jsonl"
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if "loss" in row:
-            out[row["step"]] = row
-    return out
-
-
-def final_state(workdir, step):
-    path = str(workdir / "checkpoints" / str(step))
-    expected = checkpoint.expected_state(checkpoint.read_json(path, "config"))
-    state, _ = checkpoint.restore_state(path, expected)
-    return jax.tree.map(np.asarray, state)
-
-
 @pytest.mark.ci
 def test_kill9_and_sigterm_then_resume_is_bitwise_exact(tmp_path, data_dirs):
     ref = tmp_path / "ref"
@@ -75,11 +51,12 @@ def test_kill9_and_sigterm_then_resume_is_bitwise_exact(tmp_path, data_dirs):
     for action in [*plan, "finish", "finish"]:
         proc = subprocess.Popen(command(run, data_dirs), cwd=ROOT, env=env(tmp_path),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        start, seen = time.monotonic(), len(rows(run))
+        start, seen = time.monotonic(), len(train_rows(run, partial=True))
         if action == "startup":
             time.sleep(rng.uniform(0.5, 6.0))
         elif action != "finish":  # wait for training to be under way, then pick the moment
-            while proc.poll() is None and len(rows(run)) <= seen and time.monotonic() - start < 240:
+            while proc.poll() is None and len(train_rows(run, partial=True)) <= seen \
+                    and time.monotonic() - start < 240:
                 time.sleep(0.02)
             if action == "save":
                 tmp = None
@@ -93,7 +70,7 @@ def test_kill9_and_sigterm_then_resume_is_bitwise_exact(tmp_path, data_dirs):
         if proc.poll() is None and action != "finish":
             os.kill(proc.pid, signal.SIGTERM if action == "sigterm" else signal.SIGKILL)
         out, err = proc.communicate(timeout=300)
-        history.append((action, proc.returncode, max(rows(run), default=0)))
+        history.append((action, proc.returncode, max(train_rows(run, partial=True), default=0)))
         if action == "sigterm":
             assert proc.returncode == 143, err[-3000:]
             assert "maxlm: preempted (SIGTERM): checkpoint of step" in err, err[-2000:]
@@ -107,10 +84,10 @@ def test_kill9_and_sigterm_then_resume_is_bitwise_exact(tmp_path, data_dirs):
     kills = [h for h in history if h[1] == -signal.SIGKILL]
     assert len(kills) >= 5 and any(h[0] == "save" for h in kills), (seed, history)
 
-    got, want = rows(run), rows(ref)
+    got, want = train_rows(run, partial=True), train_rows(ref)
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), (seed, history)
     assert [got[s]["loss"] for s in got] == [want[s]["loss"] for s in got], (seed, history)
-    a, b = final_state(run, STEPS), final_state(ref, STEPS)
+    a, b = saved_state(run, STEPS), saved_state(ref, STEPS)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
 
@@ -128,7 +105,7 @@ def test_sigterm_two_processes_agree_on_the_step(tmp_path, data_dirs):
         for i in range(2)
     ]
     start = time.monotonic()
-    while len(rows(run)) < 3 and time.monotonic() - start < 240:
+    while len(train_rows(run, partial=True)) < 3 and time.monotonic() - start < 240:
         assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
         time.sleep(0.05)
     sent = time.monotonic()
@@ -161,7 +138,7 @@ def test_resume_on_fewer_devices(tmp_path, data_dirs):
     third = subprocess.run(command(ref, data_dirs, "--config.steps=9"), cwd=ROOT,
                            env=env(tmp_path), capture_output=True, text=True, timeout=300)
     assert third.returncode == 0, third.stderr[-3000:]
-    got, want = rows(run), rows(ref)
+    got, want = train_rows(run), train_rows(ref)
     assert sorted(got) == list(range(1, 10))
     np.testing.assert_allclose([got[s]["loss"] for s in range(7, 10)],
                                [want[s]["loss"] for s in range(7, 10)], rtol=2e-5)

@@ -20,7 +20,7 @@ import pytest
 
 from maxlm import config as config_lib, plot
 from maxlm.train import loop, mesh as mesh_lib, metrics, optim, state as state_lib, step as step_lib, step_logger
-from tests.helpers import ROOT, load_config, packed_batch, with_overrides
+from tests.helpers import ROOT, load_config, metrics_rows, packed_batch, with_overrides
 
 STEPS = 8
 
@@ -54,8 +54,7 @@ def run(tmp_path_factory, data_dirs):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return types.SimpleNamespace(cfg=cfg, workdir=workdir, rows=rows, log=handler.lines)
+    return types.SimpleNamespace(cfg=cfg, workdir=workdir, rows=metrics_rows(workdir), log=handler.lines)
 
 
 def event_accumulator(logdir):

@@ -1,7 +1,6 @@
 """The optimizers and schedules: lr values at known steps, batch scaling, the weight-decay mask,
 clipping, each optimizer's state and how it is sharded, and the config's rules for them."""
 
-import json
 import shutil
 import subprocess
 import sys
@@ -13,8 +12,8 @@ import optax
 import pytest
 
 from maxlm import checkpoint as checkpoint_command, config as config_lib, model
-from maxlm.train import checkpoint, loop, mesh as mesh_lib, optim, state as state_lib
-from tests.helpers import ROOT, command_env, load_config, with_overrides
+from maxlm.train import loop, mesh as mesh_lib, optim, state as state_lib
+from tests.helpers import ROOT, command_env, load_config, saved_state, train_rows, with_overrides
 
 
 def run_cfg(num_devices=1, **optim_overrides):
@@ -247,17 +246,6 @@ def test_adafactor_factored_moments_drop_the_averaged_dim():
 # ----------------------------------------------------------------------------- end to end
 
 
-def rows(workdir):
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
-
-
-def final_state(workdir, step=20):
-    path = str(workdir / "checkpoints" / str(step))
-    state, _ = checkpoint.restore_state(path, checkpoint.expected_state(checkpoint.read_json(path, "config")))
-    return state
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     # Lion's usual settings: lr and weight decay 10x AdamW's other way, b2 0.99; a batch-scaled peak
@@ -289,7 +277,7 @@ def test_train_resume_is_bitwise_on_a_zero1_mesh(overrides, tmp_path, data_dirs)
 
     full = tmp_path / "full"
     run(full)
-    first = rows(full)
+    first = train_rows(full)
     assert first[20]["loss"] < first[5]["loss"] - 0.5, first  # it learns
     assert first[5]["lr"] == pytest.approx(lr_at(cfg, 4), rel=1e-6)  # the rate step 5 used
     assert checkpoint_command.main(["verify", str(full)]) == 0
@@ -299,10 +287,10 @@ def test_train_resume_is_bitwise_on_a_zero1_mesh(overrides, tmp_path, data_dirs)
     shutil.rmtree(resumed / "checkpoints" / "20")
     (resumed / "metrics.jsonl").write_text("")
     run(resumed)
-    again = rows(resumed)
+    again = train_rows(resumed)
     assert sorted(again) == [15, 20] and [again[s]["loss"] for s in again] == [first[s]["loss"] for s in again]
-    for a, b in zip(jax.tree.leaves(final_state(full)), jax.tree.leaves(final_state(resumed))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(saved_state(full, 20)), jax.tree.leaves(saved_state(resumed, 20))):
+        np.testing.assert_array_equal(a, b)
 
     other = config_lib.resolve(with_overrides(load_config("tiny"), data_dirs), jax.device_count())
     with pytest.raises(ValueError, match=f"optim.name='adamw', but the checkpoint .* holds "
