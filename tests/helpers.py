@@ -1,16 +1,19 @@
-"""Shared test helpers: loading configs/*.py, building synthetic packed batches, and reading back
-what a run left in its workdir (metrics.jsonl rows, checkpointed states)."""
+"""Shared test helpers: loading configs/*.py, building synthetic packed batches and random
+parameters, and reading back what a run left in its workdir (metrics.jsonl rows, checkpointed
+states)."""
 
+import functools
 import json
 import os
 import pathlib
 import socket
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from maxlm import config as config_lib
+from maxlm import config as config_lib, model
 from maxlm.train import checkpoint, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -82,6 +85,22 @@ def packed_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int = 0, 
         "segment_ids": segment_ids,
         "positions": positions,
     }
+
+
+
+def random_params(model_cfg, seed: int = 0, std: float = 0.05):
+    """Random float32 parameters in init_params's layout (numpy draws: no init to compile): normal
+    with `std`, the RMSNorm scales 1 + 0.2·normal (at their init, 1, a swapped norm would go
+    unnoticed)."""
+    shapes = jax.eval_shape(functools.partial(model.init_params, model_cfg), jax.random.key(0))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        if "scale" in jax.tree_util.keystr(path):
+            return jnp.asarray(1 + 0.2 * rng.standard_normal(leaf.shape), jnp.float32)
+        return jnp.asarray(std * rng.standard_normal(leaf.shape), jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 # ----------------------------------------------------------------------------- a run's workdir
