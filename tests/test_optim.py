@@ -173,14 +173,33 @@ def test_each_optimizer_keeps_its_own_state():
 
 
 @pytest.mark.parametrize("name", config_lib.OPTIMIZERS)
-def test_clipping_bounds_the_update_input(name):
-    cfg = run_cfg(name=name, clip_norm=1.0, warmup_steps=0)
-    clip = optax.clip_by_global_norm(cfg.optim.clip_norm)
-    grads = {"a": jnp.full((4,), 10.0)}
-    clipped, _ = clip.update(grads, clip.init(grads))
-    np.testing.assert_allclose(float(optax.tree.norm(clipped)), 1.0, rtol=1e-6)
-    tx = optim.make_optimizer(cfg)
-    assert isinstance(tx.init(grads), tuple) and len(tx.init(grads)) == 2  # clip → the optimizer
+def test_the_chain_clips_the_gradient_to_clip_norm_before_the_update_rule(name):
+    """optim.clip_norm=0.25: over two steps, a gradient of global norm 10 (clipped to 0.25) then
+    one of norm 0.1 (left as it is), the updates of maxlm's chain are those of the same optimizer
+    without clipping fed the gradients clipped by hand. The second update tells: the moments
+    remember how large the first gradient was, so dropping the clip, clipping the update instead
+    of the gradient, or clipping to another norm changes it."""
+    settings = dict(name=name, warmup_steps=0, schedule="constant")
+    tx = optim.make_optimizer(run_cfg(clip_norm=0.25, **settings))
+    unclipped = optim.make_optimizer(run_cfg(clip_norm=0.0, **settings))
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(256, 128)), jnp.float32),  # adafactor factors it
+              "scale": jnp.ones((128,))}
+
+    def gradient(norm):
+        g = {k: rng.normal(size=v.shape) for k, v in params.items()}
+        total = np.sqrt(sum(np.sum(x**2) for x in g.values()))
+        return {k: jnp.asarray(x * norm / total, jnp.float32) for k, x in g.items()}
+
+    grads = [gradient(10.0), gradient(0.1)]
+    by_hand = [jax.tree.map(lambda x: x * 0.25 / 10.0, grads[0]), grads[1]]
+    state, reference_state = tx.init(params), unclipped.init(params)
+    for step, (g, g_clipped) in enumerate(zip(grads, by_hand)):
+        updates, state = tx.update(g, state, params)
+        expected, reference_state = unclipped.update(g_clipped, reference_state, params)
+        for key in params:
+            np.testing.assert_allclose(np.asarray(updates[key]), np.asarray(expected[key]), rtol=1e-5, atol=1e-9,
+                                       err_msg=f"step {step}, {key}")
 
 
 # ----------------------------------------------------------------------------- sharded state
