@@ -1,13 +1,20 @@
-"""Shared test helpers: loading configs/*.py and building synthetic packed batches."""
+"""Shared test helpers: loading configs/*.py, building synthetic packed batches and random
+parameters, and reading back what a run left in its workdir (metrics.jsonl rows, checkpointed
+states)."""
 
+import functools
+import json
+import os
 import pathlib
 import socket
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
-from maxlm import config as config_lib
-from maxlm.train import mesh as mesh_lib, optim, state as state_lib, step as step_lib
+from maxlm import config as config_lib, model
+from maxlm.train import checkpoint, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -79,3 +86,68 @@ def packed_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int = 0, 
         "segment_ids": segment_ids,
         "positions": positions,
     }
+
+
+
+def random_params(model_cfg, seed: int = 0, std: float = 0.05):
+    """Random float32 parameters in init_params's layout (numpy draws: no init to compile): normal
+    with `std`, the RMSNorm scales 1 + 0.2·normal (at their init, 1, a swapped norm would go
+    unnoticed)."""
+    shapes = jax.eval_shape(functools.partial(model.init_params, model_cfg), jax.random.key(0))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        if "scale" in jax.tree_util.keystr(path):
+            return jnp.asarray(1 + 0.2 * rng.standard_normal(leaf.shape), jnp.float32)
+        return jnp.asarray(std * rng.standard_normal(leaf.shape), jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+# ----------------------------------------------------------------------------- a run's workdir
+
+
+def metrics_rows(workdir, partial: bool = False) -> list[dict]:
+    """The rows of `workdir`/metrics.jsonl in the order written (a resumed run repeats steps).
+
+    `partial`: the file of a run under way or killed: no file yet reads as no rows, and a line
+    that does not parse (cut short by a kill, or being written) is skipped. Otherwise both fail.
+    """
+    path = epath.Path(workdir) / "metrics.jsonl"  # a local path or a gs:// URL
+    if partial and not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if not partial:
+                raise
+    return rows
+
+
+def train_rows(workdir, partial: bool = False) -> dict[int, dict]:
+    """step -> the last training row (one with a loss) written for it."""
+    return {row["step"]: row for row in metrics_rows(workdir, partial) if "loss" in row}
+
+
+def losses(workdir, partial: bool = False) -> dict[int, float]:
+    """step -> the loss of `train_rows`."""
+    return {step: row["loss"] for step, row in train_rows(workdir, partial).items()}
+
+
+def _checkpoint_path(workdir, step: int) -> str:
+    return os.path.join(os.fspath(workdir), "checkpoints", str(step))  # a local path or a gs:// URL
+
+
+def saved_state(workdir, step: int) -> dict:
+    """The state checkpointed at `step` in `workdir` (restored with the config recorded in the
+    checkpoint, onto one device), as numpy arrays."""
+    path = _checkpoint_path(workdir, step)
+    state, _ = checkpoint.restore_state(path, checkpoint.expected_state(checkpoint.read_json(path, "config")))
+    return jax.tree.map(np.asarray, jax.device_get(state))
+
+
+def saved_meta(workdir, step: int) -> dict:
+    """The meta (step, data position, ...) saved with the checkpoint of `step` in `workdir`."""
+    return checkpoint.read_json(_checkpoint_path(workdir, step), "meta")

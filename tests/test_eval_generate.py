@@ -19,7 +19,7 @@ from maxlm import config as config_lib, generate as gen, model
 from maxlm.data import make_dataset
 from maxlm.data.tokenizer import ByteTokenizer
 from maxlm.train import evaluate as evaluate_lib, loop, mesh as mesh_lib, runs, state as state_lib
-from tests.helpers import ROOT, command_env, load_config, with_overrides
+from tests.helpers import ROOT, command_env, load_config, metrics_rows, with_overrides
 
 # ----------------------------------------------------------------------------- a trained run
 
@@ -32,8 +32,7 @@ def run(tmp_path_factory, data_dirs):
                  "metrics.tensorboard": False}
     cfg = config_lib.resolve(with_overrides(load_config("tiny"), overrides), jax.device_count())
     loop.train_and_evaluate(cfg, str(workdir))
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    eval_losses = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+    eval_losses = {r["step"]: r["eval_loss"] for r in metrics_rows(workdir) if "eval_loss" in r}
     assert sorted(eval_losses) == [5, 10]
     return cfg, workdir, eval_losses
 

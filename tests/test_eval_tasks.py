@@ -20,7 +20,7 @@ from maxlm.data import sources
 from maxlm.data.errors import DataError
 from maxlm.data.tokenizer import ByteTokenizer
 from maxlm.train import evaluate, loop, mesh as mesh_lib, runs, state as state_lib, tasks
-from tests.helpers import ROOT, command_env, load_config, with_overrides
+from tests.helpers import ROOT, command_env, load_config, metrics_rows, with_overrides
 
 STEPS, CHANCE = 100, 0.25
 
@@ -60,8 +60,7 @@ def trained(tmp_path_factory, data_dirs):
         "eval.sets": (("stdlib", "tfds:python_stdlib"), ("held", str(root / "held"))),
         "eval.tasks": (task,)})
     loop.train_and_evaluate(cfg, str(root / "run"))
-    rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
-    return cfg, root, {r["step"]: r for r in rows if "eval_loss" in r}, docs
+    return cfg, root, {r["step"]: r for r in metrics_rows(root / "run") if "eval_loss" in r}, docs
 
 
 @pytest.mark.slow  # the trained run

@@ -23,7 +23,7 @@ from maxlm.data import make_dataset
 from maxlm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer
 from maxlm.hf import files as hf, mapping as hf_mapping
 from maxlm.train import loop, mesh as mesh_lib, runs, state as state_lib
-from tests.helpers import ROOT, command_env, load_config, with_overrides
+from tests.helpers import ROOT, command_env, load_config, random_params, with_overrides
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -34,20 +34,6 @@ def _cfg(overrides=None):
     base = {"metrics.tensorboard": False, "eval.every_steps": 0}
     return config_lib.resolve(with_overrides(load_config("tiny"), {**base, **(overrides or {})}),
                               jax.device_count())
-
-
-def _random_params(model_cfg, seed=0):
-    """Random float32 parameters in init_params's layout (numpy draws: no init to compile), the
-    RMSNorm scales random too (at their init, 1, a swapped norm would go unnoticed)."""
-    shapes = jax.eval_shape(functools.partial(model.init_params, model_cfg), jax.random.key(0))
-    rng = np.random.default_rng(seed)
-
-    def draw(path, leaf):
-        if "scale" in jax.tree_util.keystr(path):
-            return jnp.asarray(1 + 0.2 * rng.standard_normal(leaf.shape), jnp.float32)
-        return jnp.asarray(0.05 * rng.standard_normal(leaf.shape), jnp.float32)
-
-    return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 def _sequence(length, vocab, seed=0):
@@ -89,7 +75,7 @@ def test_export_logits_equal_transformers(tmp_path, tied):
     if not tied:  # also: head_dim != d_model / num_heads, RoPE base and norm eps not the defaults
         overrides.update({"model.head_dim": 24, "model.rope_theta": 5e5, "model.norm_eps": 1e-6})
     cfg = _cfg(overrides)
-    params = _random_params(cfg.model)
+    params = random_params(cfg.model)
     files = hf.export(params, cfg, str(tmp_path))
     assert set(files) >= {"model.safetensors", "config.json", "generation_config.json",
                           "tokenizer_config.json"}
@@ -113,7 +99,7 @@ def test_import_round_trip_is_exact_and_sharded(tmp_path, monkeypatch, mesh):
     only its shard and every read is one layer's shard of a tensor, never the whole tensor."""
     data, fsdp, tensor = mesh
     cfg = _cfg({"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor})
-    params = _random_params(cfg.model, seed=3)
+    params = random_params(cfg.model, seed=3)
     hf.export(params, cfg, str(tmp_path))
     reads = []
     read_block = hf.read_block
@@ -140,7 +126,7 @@ def test_import_round_trip_is_exact_and_sharded(tmp_path, monkeypatch, mesh):
 def test_import_from_sharded_files_bfloat16_and_unrolled(tmp_path):
     cfg = _cfg()
     unrolled_cfg = _cfg({"model.scan_layers": False})
-    unrolled = _random_params(unrolled_cfg.model, seed=5)
+    unrolled = random_params(unrolled_cfg.model, seed=5)
     stacked = model.stack_layers(unrolled)
     # unrolled params, written in several files: read back into the scanned layout
     files = hf.export(unrolled, unrolled_cfg, str(tmp_path / "split"), max_shard_bytes=40_000)
@@ -163,7 +149,7 @@ def test_import_from_sharded_files_bfloat16_and_unrolled(tmp_path):
 
 def test_mismatches_are_one_clear_error(tmp_path):
     cfg = _cfg()
-    hf.export(_random_params(cfg.model), cfg, str(tmp_path))
+    hf.export(random_params(cfg.model), cfg, str(tmp_path))
     other = _cfg({"model.num_kv_heads": 4, "model.mlp_dim": 256, "model.tie_embeddings": True})
     with pytest.raises(config_lib.ConfigError) as e:
         hf.load_params(str(tmp_path), other.model, _abstract(other))
@@ -206,7 +192,7 @@ def test_non_rope_models_are_refused(tmp_path, positions):
     cfg = _cfg({"model.positions": positions, "checkpoint.init_from_hf": str(tmp_path / "hf")})
     why = f"needs model.positions='rope', got '{positions}': transformers' Llama has only RoPE"
     with pytest.raises(config_lib.ConfigError, match=f"^the Hugging Face export {why}"):
-        hf.export(_random_params(cfg.model), cfg, str(tmp_path / "out"))
+        hf.export(random_params(cfg.model), cfg, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
     with pytest.raises(config_lib.ConfigError, match=re.escape(f"checkpoint.init_from_hf={tmp_path / 'hf'} {why}")):
         hf.check_init_from_hf(cfg)  # before reading the folder (there is none)

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import ROOT, command_env
+from tests.helpers import ROOT, command_env, losses
 
 pytestmark = pytest.mark.slow
 LAUNCH = [sys.executable, str(ROOT / "launch" / "local.py")]
@@ -28,16 +28,6 @@ def train_args(workdir, data_dirs, *extra):
 
 def env(tmp_path, **extra):
     return command_env(tmp_path, devices=None, **extra)
-
-
-def losses(workdir, partial=False):
-    """step -> loss; `partial`: of a file being written (none yet, or a last line half written)."""
-    path = workdir / "metrics.jsonl"
-    if partial and not path.exists():
-        return {}
-    lines = path.read_text().splitlines()
-    rows = [json.loads(line) for line in (lines[:-1] if partial else lines)]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 @pytest.mark.ci

@@ -2,7 +2,6 @@
 step's skip / halve / grow rules, the bad-step machinery at the minimum scale, precision against
 float32 and bfloat16, gradient accumulation, checkpoints and an exact resume."""
 
-import json
 import math
 import shutil
 
@@ -16,7 +15,7 @@ from maxlm import checkpoint as checkpoint_command, config as config_lib, model
 from maxlm.data import make_dataset
 from maxlm.model import attention
 from maxlm.train import checkpoint, loop, loss_scale, mesh as mesh_lib, optim, state as state_lib, step as step_lib
-from tests.helpers import load_config, packed_batch, train_losses, with_overrides
+from tests.helpers import load_config, metrics_rows, packed_batch, saved_state, train_losses, train_rows, with_overrides
 
 FP16 = {"model.dtype": "float16"}
 
@@ -276,20 +275,6 @@ LOOP = {"eval.every_steps": 0, "log_every_steps": 1, "metrics.tensorboard": Fals
         "checkpoint.every_steps": 5, **FP16}
 
 
-def all_rows(workdir):
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
-def last_rows(workdir):
-    return {r["step"]: r for r in all_rows(workdir) if "loss" in r}
-
-
-def saved_state(workdir, step):
-    path = str(workdir / "checkpoints" / str(step))
-    state, _ = checkpoint.restore_state(path, checkpoint.expected_state(checkpoint.read_json(path, "config")))
-    return host(state)
-
-
 @pytest.fixture(scope="module")
 def growing_run(tmp_path_factory, data_dirs):
     """20 float16 steps from scale 256, doubling every 4 good steps, an overflow injected at step
@@ -304,7 +289,7 @@ def growing_run(tmp_path_factory, data_dirs):
 @pytest.mark.slow
 def test_loop_grows_and_halves_the_scale_and_reports_it(growing_run):
     _, workdir = growing_run
-    rows = last_rows(workdir)
+    rows = train_rows(workdir)
     used = {1: 256, 5: 512, 9: 1024, 13: 2048, 14: 1024, 18: 2048}  # from this step on
     scale = 0
     for step in range(1, 21):
@@ -332,7 +317,7 @@ def test_resume_restores_the_scale_exactly(growing_run, tmp_path):
     shutil.rmtree(resumed / "checkpoints" / "20")
     (resumed / "metrics.jsonl").write_text("")
     assert loop.train_and_evaluate(cfg, str(resumed))["step"] == 20
-    got, want = last_rows(resumed), last_rows(workdir)
+    got, want = train_rows(resumed), train_rows(workdir)
     assert sorted(got) == list(range(16, 21))
     for step in got:
         for key in ("loss", "loss_scale", "param_norm", "overflow_steps", "grad_norm"):
@@ -353,12 +338,12 @@ def test_non_finite_at_the_minimum_scale_is_a_bad_step(tmp_path, data_dirs, caps
     last = loop.train_and_evaluate(cfg, str(tmp_path))
     assert "3 consecutive non-finite steps up to step 16: restored step 10" in capsys.readouterr().err
     first = {}
-    for row in all_rows(tmp_path):
+    for row in metrics_rows(tmp_path):
         first.setdefault(row["step"], row)
     got = [tuple(first[s][k] for k in ("loss_scale", "overflow_steps", "bad_streak", "skipped_steps"))
            for s in range(11, 17)]
     assert got == [(4, 0, 0, 0), (4, 1, 0, 0), (2, 2, 0, 0), (1, 2, 1, 1), (1, 2, 2, 2), (1, 2, 3, 3)]
-    replay = last_rows(tmp_path)
+    replay = train_rows(tmp_path)
     assert [replay[s]["loss_scale"] for s in range(11, 21)] == [4] * 10  # restored with step 10
     assert last["step"] == 20 and last["overflow_steps"] == last["skipped_steps"] == 0
     assert math.isfinite(last["loss"])

@@ -2,14 +2,13 @@
 workdir the processes do not share is exit 2 at start. Real local processes over
 jax.distributed (gloo collectives on 127.0.0.1)."""
 
-import json
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import ROOT, command_env, free_port
+from tests.helpers import ROOT, command_env, free_port, losses
 
 pytestmark = pytest.mark.slow
 
@@ -67,11 +66,6 @@ def hidden_from_process_1(path):
         return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs {path} && exec "$@"', "sh", *argv]
 
     return wrap
-
-
-def losses(workdir):
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 @pytest.mark.ci

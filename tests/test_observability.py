@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, plot
-from maxlm.train import loop, mesh as mesh_lib, metrics, optim, state as state_lib, step as step_lib, step_logger
-from tests.helpers import ROOT, load_config, packed_batch, with_overrides
+from maxlm.train import loop, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib, step_logger
+from tests.helpers import ROOT, load_config, metrics_rows, packed_batch, with_overrides
 
 STEPS = 8
 
@@ -54,8 +54,7 @@ def run(tmp_path_factory, data_dirs):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return types.SimpleNamespace(cfg=cfg, workdir=workdir, rows=rows, log=handler.lines)
+    return types.SimpleNamespace(cfg=cfg, workdir=workdir, rows=metrics_rows(workdir), log=handler.lines)
 
 
 def event_accumulator(logdir):
@@ -218,9 +217,32 @@ def test_profile_config_is_validated(key, value):
         config_lib.resolve(config_lib.ml_collections.ConfigDict(raw), jax.device_count())
 
 
-def test_profile_is_off_by_default():
-    cfg = config_lib.defaults()
-    assert (cfg.profile.start_step, cfg.profile.num_steps) == (5, 0)
+def profiler_calls(profile_cfg, steps, workdir, monkeypatch):
+    """The jax.profiler calls a StepProfiler makes driven through `steps` as the loop drives it:
+    [("start", the step about to run, directory), ("stop", the steps done)]."""
+    calls, at = [], {}
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda d, **_: calls.append(("start", at["step"], d)))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append(("stop", at["done"])))
+    trace = profiler.StepProfiler(profile_cfg, str(workdir))
+    for step in steps:
+        at["step"] = step
+        trace.before_step(step)
+        at["done"] = step + 1
+        trace.after_step(step + 1, np.zeros(()))
+    trace.close()
+    return calls
+
+
+def test_a_default_run_traces_nothing_and_a_profile_traces_its_steps_once(tmp_path, monkeypatch):
+    """The default config never starts the profiler; profile.start_step=3, num_steps=2 starts it
+    before step 3 and stops it once steps 3 and 4 are done, and steps trained again after a
+    restore (2 to 6 once more) are not traced again."""
+    steps = [*range(0, 7), *range(2, 12)]
+    assert profiler_calls(config_lib.defaults().profile, steps, tmp_path, monkeypatch) == []
+    profile = config_lib.defaults().profile
+    profile.update(start_step=3, num_steps=2)
+    assert profiler_calls(profile, steps, tmp_path, monkeypatch) == [
+        ("start", 3, str(tmp_path / "profile")), ("stop", 5)]
 
 
 # --- plots ------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """The optimizers and schedules: lr values at known steps, batch scaling, the weight-decay mask,
 clipping, each optimizer's state and how it is sharded, and the config's rules for them."""
 
-import json
 import shutil
 import subprocess
 import sys
@@ -13,8 +12,8 @@ import optax
 import pytest
 
 from maxlm import checkpoint as checkpoint_command, config as config_lib, model
-from maxlm.train import checkpoint, loop, mesh as mesh_lib, optim, state as state_lib
-from tests.helpers import ROOT, command_env, load_config, with_overrides
+from maxlm.train import loop, mesh as mesh_lib, optim, state as state_lib
+from tests.helpers import ROOT, command_env, load_config, saved_state, train_rows, with_overrides
 
 
 def run_cfg(num_devices=1, **optim_overrides):
@@ -174,14 +173,33 @@ def test_each_optimizer_keeps_its_own_state():
 
 
 @pytest.mark.parametrize("name", config_lib.OPTIMIZERS)
-def test_clipping_bounds_the_update_input(name):
-    cfg = run_cfg(name=name, clip_norm=1.0, warmup_steps=0)
-    clip = optax.clip_by_global_norm(cfg.optim.clip_norm)
-    grads = {"a": jnp.full((4,), 10.0)}
-    clipped, _ = clip.update(grads, clip.init(grads))
-    np.testing.assert_allclose(float(optax.tree.norm(clipped)), 1.0, rtol=1e-6)
-    tx = optim.make_optimizer(cfg)
-    assert isinstance(tx.init(grads), tuple) and len(tx.init(grads)) == 2  # clip → the optimizer
+def test_the_chain_clips_the_gradient_to_clip_norm_before_the_update_rule(name):
+    """optim.clip_norm=0.25: over two steps, a gradient of global norm 10 (clipped to 0.25) then
+    one of norm 0.1 (left as it is), the updates of maxlm's chain are those of the same optimizer
+    without clipping fed the gradients clipped by hand. The second update tells: the moments
+    remember how large the first gradient was, so dropping the clip, clipping the update instead
+    of the gradient, or clipping to another norm changes it."""
+    settings = dict(name=name, warmup_steps=0, schedule="constant")
+    tx = optim.make_optimizer(run_cfg(clip_norm=0.25, **settings))
+    unclipped = optim.make_optimizer(run_cfg(clip_norm=0.0, **settings))
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(256, 128)), jnp.float32),  # adafactor factors it
+              "scale": jnp.ones((128,))}
+
+    def gradient(norm):
+        g = {k: rng.normal(size=v.shape) for k, v in params.items()}
+        total = np.sqrt(sum(np.sum(x**2) for x in g.values()))
+        return {k: jnp.asarray(x * norm / total, jnp.float32) for k, x in g.items()}
+
+    grads = [gradient(10.0), gradient(0.1)]
+    by_hand = [jax.tree.map(lambda x: x * 0.25 / 10.0, grads[0]), grads[1]]
+    state, reference_state = tx.init(params), unclipped.init(params)
+    for step, (g, g_clipped) in enumerate(zip(grads, by_hand)):
+        updates, state = tx.update(g, state, params)
+        expected, reference_state = unclipped.update(g_clipped, reference_state, params)
+        for key in params:
+            np.testing.assert_allclose(np.asarray(updates[key]), np.asarray(expected[key]), rtol=1e-5, atol=1e-9,
+                                       err_msg=f"step {step}, {key}")
 
 
 # ----------------------------------------------------------------------------- sharded state
@@ -247,17 +265,6 @@ def test_adafactor_factored_moments_drop_the_averaged_dim():
 # ----------------------------------------------------------------------------- end to end
 
 
-def rows(workdir):
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
-
-
-def final_state(workdir, step=20):
-    path = str(workdir / "checkpoints" / str(step))
-    state, _ = checkpoint.restore_state(path, checkpoint.expected_state(checkpoint.read_json(path, "config")))
-    return state
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     # Lion's usual settings: lr and weight decay 10x AdamW's other way, b2 0.99; a batch-scaled peak
@@ -289,7 +296,7 @@ def test_train_resume_is_bitwise_on_a_zero1_mesh(overrides, tmp_path, data_dirs)
 
     full = tmp_path / "full"
     run(full)
-    first = rows(full)
+    first = train_rows(full)
     assert first[20]["loss"] < first[5]["loss"] - 0.5, first  # it learns
     assert first[5]["lr"] == pytest.approx(lr_at(cfg, 4), rel=1e-6)  # the rate step 5 used
     assert checkpoint_command.main(["verify", str(full)]) == 0
@@ -299,10 +306,10 @@ def test_train_resume_is_bitwise_on_a_zero1_mesh(overrides, tmp_path, data_dirs)
     shutil.rmtree(resumed / "checkpoints" / "20")
     (resumed / "metrics.jsonl").write_text("")
     run(resumed)
-    again = rows(resumed)
+    again = train_rows(resumed)
     assert sorted(again) == [15, 20] and [again[s]["loss"] for s in again] == [first[s]["loss"] for s in again]
-    for a, b in zip(jax.tree.leaves(final_state(full)), jax.tree.leaves(final_state(resumed))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(saved_state(full, 20)), jax.tree.leaves(saved_state(resumed, 20))):
+        np.testing.assert_array_equal(a, b)
 
     other = config_lib.resolve(with_overrides(load_config("tiny"), data_dirs), jax.device_count())
     with pytest.raises(ValueError, match=f"optim.name='adamw', but the checkpoint .* holds "

@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from maxlm import config as config_lib, model
-from maxlm.train import mesh as mesh_lib, metrics
-from tests.helpers import ROOT, command_env, load_config, packed_batch, synthetic_losses
+from maxlm.train import mesh as mesh_lib
+from tests.helpers import ROOT, command_env, load_config, metrics_rows, packed_batch, synthetic_losses
 
 STEPS = 3
 
@@ -229,7 +229,7 @@ def test_every_parallelism_trains_through_the_cli_with_the_defaults(shape, tmp_p
          *(f"--config.{k}={v}" for k, v in data_dirs.items())],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=command_env(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = metrics.read_metrics(workdir)
+    rows = metrics_rows(workdir)
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [2] and math.isfinite(train_rows[0]["loss"])
     assert [r["step"] for r in rows if "eval_loss" in r] == [2]

@@ -1,20 +1,23 @@
 """Workdirs at gs:// URLs: every write and scan goes through etils.epath, none through the OS.
 
-A fake bucket stands in for GCS: `epath.testing.mock_epath` routes every epath call through
-functions that map `gs://BUCKET/...` to a local directory, so a code path that wrote a gs:// URL
-with plain `open`/`os.makedirs` instead would create a `gs:` directory in the working directory
-(checked) or miss the bucket (checked)."""
+The parts (metrics, events, checkpoint scans, the profile) write to a fake bucket:
+`epath.testing.mock_epath` routes every epath call through functions that map `gs://BUCKET/...`
+to a local directory, so a code path that wrote a gs:// URL with plain `open`/`os.makedirs`
+instead would create a `gs:` directory in the working directory (checked) or miss the bucket
+(checked). A whole run, checkpoints included, trains and resumes against the Cloud Storage
+emulator of tests/gcs.py."""
 
 import json
 import os
 
 import jax
+import numpy as np
 import pytest
 from etils import epath
 
 from maxlm import checkpoint as checkpoint_command, config as config_lib, paths
 from maxlm.train import checkpoint, loop, metrics, profiler
-from tests.helpers import ROOT, load_config, with_overrides
+from tests.helpers import ROOT, load_config, losses, saved_state, with_overrides
 
 
 @pytest.fixture
@@ -97,26 +100,33 @@ def test_checkpoint_scans_in_a_bucket(bucket, capsys):
 
 @pytest.mark.ci
 @pytest.mark.slow
-def test_training_with_a_gs_workdir_writes_only_through_epath(bucket, data_dirs, monkeypatch):
-    """config.json, metrics.jsonl, TensorBoard events and the checkpoint scans of a real run at
-    gs://bkt/run all land in the bucket, and a rerun resumes from it. (Orbax's array data goes to
-    GCS through tensorstore's own driver, which no fake reaches: the checkpoint directory alone is
-    mapped to the bucket's local stand-in.)"""
-    real_checkpoint_dir = checkpoint.checkpoint_dir
-    monkeypatch.setattr(checkpoint, "checkpoint_dir", lambda workdir: str(
-        bucket / real_checkpoint_dir(workdir)[len("gs://"):]))
+def test_training_in_a_gs_workdir_on_a_cloud_storage_stand_in(data_dirs, tmp_path, monkeypatch):
+    """A real run at gs://BUCKET/run against the Cloud Storage emulator on 127.0.0.1 (tests/gcs.py):
+    config.json, metrics.jsonl, the TensorBoard events and the orbax checkpoints, their array data
+    through tensorstore's own GCS driver, all land in the bucket and nothing in a local `gs:`
+    directory; `checkpoint verify` restores them from there; a rerun resumes from the bucket's step
+    2, and its losses and final state equal a local uninterrupted run's bit for bit."""
+    from tests.gcs import BUCKET, fake_gcs
+
+    monkeypatch.chdir(tmp_path)  # a gs:// URL written with the OS's open/makedirs would make ./gs:
     overrides = {**data_dirs, "steps": 2, "log_every_steps": 1, "eval.every_steps": 0, "optim.warmup_steps": 1}
     cfg = config_lib.resolve(with_overrides(load_config("tiny"), overrides), jax.device_count())
-    loop.train_and_evaluate(cfg, "gs://bkt/run")
-    run = bucket / "bkt" / "run"
-    assert json.loads((run / "config.json").read_text())["steps"] == 2
-    assert list(run.glob("events.out.tfevents.*"))
-    assert (run / "checkpoints" / "2").is_dir()
-    cfg.steps = 3
-    last = loop.train_and_evaluate(cfg, "gs://bkt/run")  # resumes at step 2
-    assert last["step"] == 3 and last["first_loss"] == last["loss"]  # one step run this time
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    run = f"gs://{BUCKET}/run"
+    with fake_gcs():
+        loop.train_and_evaluate(cfg, run)
+        remote = epath.Path(run)
+        assert json.loads((remote / "config.json").read_text())["steps"] == 2
+        assert list(remote.glob("events.out.tfevents.*"))
+        assert (remote / "checkpoints" / "2" / "state" / "manifest.ocdbt").exists()  # tensorstore's OCDBT
+        assert checkpoint_command.main(["verify", run]) == 0
+        cfg.steps = 3
+        last = loop.train_and_evaluate(cfg, run)  # resumes at step 2
+        assert last["step"] == 3 and last["first_loss"] == last["loss"]  # one step run this time
+        got, got_state = losses(run), saved_state(run, 3)
+    loop.train_and_evaluate(cfg, str(tmp_path / "local"))
+    assert sorted(got) == [1, 2, 3] and got == losses(tmp_path / "local")
+    jax.tree.map(np.testing.assert_array_equal, got_state, saved_state(tmp_path / "local", 3))
+    assert not (tmp_path / "gs:").exists() and not (ROOT / "gs:").exists()
 
 
 def test_a_profile_of_a_gs_workdir_lands_in_the_bucket(bucket, data_dirs):

@@ -3,7 +3,6 @@ with JAX's own SLURM detection (nothing mocked): a 2-node job preempted by SIGTE
 resumed to the single-process losses, and a sweep with --launcher=slurm."""
 
 import csv
-import json
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ import time
 import pytest
 
 from tests import slurm_cluster
-from tests.helpers import ROOT, command_env
+from tests.helpers import ROOT, command_env, losses
 
 # Both tests share one cluster in one xdist worker (--dist loadgroup, as the Makefile runs them);
 # split over two (plain -n 2) each starts its own, which tests/slurm_cluster.py keeps apart.
@@ -40,19 +39,6 @@ def train_flags(workdir, data_dirs, steps=16):
             *(f"--config.{k}={v}" for k, v in data_dirs.items())]
 
 
-def losses(workdir):
-    """step -> loss, the last row written for each step (the resumed job replays some)."""
-    if not (workdir / "metrics.jsonl").exists():
-        return {}
-    rows = []
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # being written
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 @pytest.mark.ci
 def test_a_2_node_job_preempted_requeues_and_resumes_to_the_single_process_losses(
         slurm, tmp_path, data_dirs):
@@ -72,7 +58,7 @@ def test_a_2_node_job_preempted_requeues_and_resumes_to_the_single_process_losse
     log = tmp_path / f"job-{job}.log"
     # generous: the first start compiles on a machine the other tests keep busy
     deadline = time.monotonic() + 480
-    while len(losses(run)) < 6:  # under way, past its first checkpoint
+    while len(losses(run, partial=True)) < 6:  # under way, past its first checkpoint
         assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else "no log"
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=TERM", job], env=env, check=True, timeout=60)

@@ -10,7 +10,7 @@ import pytest
 
 from maxlm import cli, config as config_lib
 from maxlm.train import faults, loop
-from tests.helpers import ROOT, command_env, load_config, with_overrides
+from tests.helpers import ROOT, command_env, load_config, metrics_rows, train_rows, with_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -18,15 +18,6 @@ pytestmark = pytest.mark.slow
 def tiny(data_dirs, **overrides):
     cfg = with_overrides(load_config("tiny"), {**data_dirs, **overrides})
     return config_lib.resolve(cfg, jax.device_count())
-
-
-def rows(workdir):
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def train_rows(workdir):
-    return {r["step"]: r for r in rows(workdir) if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +36,7 @@ def test_outputs_of_a_run(full_run):
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu"} <= set(row)
         assert row["tokens_per_sec"] > 0 and 0 < row["mfu"] < 1
     assert train_by_step[20]["loss"] < train_by_step[5]["loss"] - 0.5  # real text: it learns
-    assert [r["step"] for r in rows(workdir) if "eval_loss" in r] == [10, 20]
+    assert [r["step"] for r in metrics_rows(workdir) if "eval_loss" in r] == [10, 20]
     assert json.loads((workdir / "config.json").read_text())["mesh"]["fsdp"] == 8
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20"]
     assert list(workdir.glob("events.out.tfevents*"))
@@ -89,7 +80,7 @@ def test_cli_run_and_resume(tmp_path, data_dirs):
     )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stderr and "at step 10" in second.stderr
-    assert [r["step"] for r in rows(workdir) if "loss" in r] == [5, 10, 15]
+    assert [r["step"] for r in metrics_rows(workdir) if "loss" in r] == [5, 10, 15]
 
 
 def test_non_finite_loss_stops_without_saving(tmp_path, data_dirs):
@@ -130,8 +121,7 @@ def test_a_second_start_loads_the_compiled_step_from_the_compile_cache(tmp_path)
              "--config.steps=5", "--config.eval.every_steps=0", f"--config.compile_cache_dir={cache}"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
-        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return next(row["compile_sec"] for row in rows if "compile_sec" in row)
+        return next(row["compile_sec"] for row in metrics_rows(tmp_path / run) if "compile_sec" in row)
 
     first = compile_sec("first")
     assert any(cache.iterdir())
