@@ -1,4 +1,4 @@
-"""maxlm.data's prepare step: streamed in bounded chunks, bitwise the in-memory packing, with
+"""maxlm.data's prepare step: streamed in bounded chunks, bitwise the split packed in one go, with
 memory bounded by the chunk rather than the corpus; units packed in parallel into the same shards
 whatever the number of workers."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maxlm.data import PackedStream, build, make_dataset, pipeline, sources
-from maxlm.data.shards import encode_rows
+from maxlm.data import build, make_dataset, pipeline, sources
+from maxlm.data.packing import Packer, token_dtype
 from tests.test_data_sources import REPO, SEQ_LEN, _doc, make_config
 
 # ---------------------------------------------------------------------------------------------
@@ -57,22 +57,22 @@ def test_chunked_prepare_is_bitwise_the_in_memory_one(tmp_path, monkeypatch, tok
         built[name] = {s: (pipeline.prepare(cfg, s), pipeline.cache_path(cfg, s)[0]) for s in sources.SPLITS}
         built[name]["ds"] = make_dataset(cfg, "train")
     for split in sources.SPLITS:
-        # The reference: the whole split in memory, as before streaming.
+        # The reference: the whole split in memory, packed in one go.
         cfg = make_config(src, tmp_path / "ref", **overrides)
         tok = pipeline.checked_tokenizer(cfg)
         texts = pipeline.read_clean_documents(cfg.data, split, collections.Counter())
-        ref = PackedStream.from_documents(tok.encode_batch(texts), SEQ_LEN, tok.bos_id, tok.eos_id,
-                                          tok.pad_id, dtype=build.token_dtype(tok.vocab_size))  # fmt: skip
+        packer = Packer(SEQ_LEN, token_dtype(tok.vocab_size), tok.eos_id)
+        ref = packer.add(tok.encode_batch(texts)) + packer.finish()
         metas = []
         for name in runs:
             (rows, info), entry = built[name][split]
             assert entry.name == built["whole"][split][1].name
             # one unit (a small source): one shard, the records of the whole split as one stream
             assert sorted(p.name for p in entry.iterdir()) == ["meta.json", "rows-00000-of-00001.array_record"]
-            assert [rows.source[i] for i in range(rows.num_rows)] == encode_rows(ref), (name, split)
+            assert [rows.source[i] for i in range(rows.num_rows)] == ref, (name, split)
             metas.append({k: v for k, v in json.loads((entry / "meta.json").read_text()).items()
                           if not k.endswith("_sec")})  # fmt: skip
-            assert info["documents"] == len(texts) and info["tokens"] == ref.num_tokens
+            assert info["documents"] == len(texts) and info["tokens"] == packer.tokens
         assert metas[0] == metas[1] == metas[2]
     assert built["whole"]["train"][0][1]["filtered"]["dedup"] > 0
     for step in (0, 1, 5, 17):

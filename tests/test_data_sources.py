@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.data import DataError, PackedStream, filters, make_dataset, pack_documents, pipeline, sources
+from maxlm.data import DataError, filters, make_dataset, pipeline, sources
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN, BATCH = 32, 4
@@ -272,21 +272,6 @@ def test_filters_count_what_they_drop(tmp_path):
         pipeline.prepare(cfg, "train")
     # Different filters, different cache entry.
     assert len([p for p in (tmp_path / "packed").iterdir() if not p.name.startswith(".")]) == 1
-
-
-def test_packed_stream_equals_pack_documents():
-    rng = np.random.default_rng(1)
-    for _ in range(30):
-        docs = [rng.integers(3, 60000, size=rng.integers(0, 70)) for _ in range(rng.integers(1, 40))]
-        seq_len = int(rng.integers(1, 50))
-        ref = pack_documents(docs, seq_len, bos_id=1, eos_id=2, pad_id=0)
-        stream = PackedStream.from_documents(docs, seq_len, 1, 2, 0, dtype=np.uint16)
-        ids = rng.permutation(stream.num_rows)
-        got = stream.rows(ids)
-        for k, v in ref.items():
-            assert got[k].dtype == np.int32
-            np.testing.assert_array_equal(got[k], v[ids])
-        assert stream.packing_efficiency == pytest.approx((ref["segment_ids"] > 0).mean())
 
 
 @pytest.mark.parametrize("process_count", [1, 2, 4])

@@ -38,7 +38,7 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
     import sentencepiece as spm
 
     from maxlm.data import make_dataset, pipeline
-    from maxlm.data.packing import PackedStream, token_dtype
+    from maxlm.data.packing import pack_documents, token_dtype
     from maxlm.data.tokenizer import SentencePieceTokenizer, load_tokenizer
 
     # (a) packed reading
@@ -93,10 +93,7 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
 
         def tokenize_pack():
             ids = tok.encode_batch(sample, num_threads=1)
-            stream = PackedStream.from_documents(
-                ids, cfg.seq_len, tok.bos_id, tok.eos_id, tok.pad_id, token_dtype(tok.vocab_size)
-            )
-            stream.rows(np.arange(stream.num_rows))
+            pack_documents(ids, cfg.seq_len, tok.bos_id, tok.eos_id, tok.pad_id, token_dtype(tok.vocab_size))
 
         raw_rate, raw_times = _median_rate(raw_encode, num_tokens, repeats)
         tp_rate, tp_times = _median_rate(tokenize_pack, num_tokens, repeats)

@@ -2,7 +2,7 @@
 
 from maxlm.data.corpus import ensure_corpus, load_split
 from maxlm.data.errors import DataError
-from maxlm.data.packing import PackedStream, pack_documents, packing_efficiency
+from maxlm.data.packing import pack_documents, packing_efficiency
 from maxlm.data.pipeline import SOURCES, TokenDataset, make_dataset, prepare
 from maxlm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 
@@ -10,7 +10,6 @@ __all__ = [
     "SOURCES",
     "ByteTokenizer",
     "DataError",
-    "PackedStream",
     "SentencePieceTokenizer",
     "TokenDataset",
     "Tokenizer",

@@ -410,8 +410,9 @@ def _pack_texts(job: dict, counts: collections.Counter, drop: set[int], writer: 
             t0 = time.perf_counter()
             tokenize_sec += t0 - t1
     writer.close()
-    return {"counts": dict(counts), "documents": writer.documents, "tokens": writer.tokens,
-            "rows": writer.rows, "long_documents": long_docs, "read_sec": read_sec, "tokenize_sec": tokenize_sec}
+    packed = writer.packer
+    return {"counts": dict(counts), "documents": packed.documents, "tokens": packed.tokens,
+            "rows": packed.rows, "long_documents": long_docs, "read_sec": read_sec, "tokenize_sec": tokenize_sec}
 
 
 def _with_end(texts):

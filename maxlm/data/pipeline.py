@@ -19,7 +19,6 @@ import numpy as np
 
 from maxlm.data import build, filters, sources
 from maxlm.data.errors import DataError
-from maxlm.data.packing import PackedStream
 from maxlm.data.prefetch import Prefetcher, batch_parts_key
 from maxlm.data.shards import ShardedRows
 from maxlm.data.tokenizer import Tokenizer, load_tokenizer
@@ -45,21 +44,14 @@ class TokenDataset:
     they are different rows each epoch.
     """
 
-    def __init__(
-        self,
-        rows: ShardedRows | PackedStream,
-        *,
-        tokenizer: Tokenizer,
-        batch_size: int,
-        seed: int | None,
-        split: str,
-        efficiency: float | None = None,
-    ):
+    def __init__(self, rows: ShardedRows, *, tokenizer: Tokenizer, batch_size: int, seed: int | None,
+                 split: str, packing_efficiency: float):
         self.split = split
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self._rows = rows  # read on demand, a row at a time
         self.num_rows, self.seq_len = rows.num_rows, rows.seq_len
+        self.packing_efficiency = packing_efficiency  # fraction of non-padding tokens over the split
         self.steps_per_epoch = self.num_rows // batch_size
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -70,14 +62,6 @@ class TokenDataset:
         if seed is not None:
             order = order.shuffle(seed=_shuffle_seed(seed))
         self.order = order.repeat(None)  # index e*N + i: row i of epoch e's order
-        self._efficiency = efficiency
-
-    @property
-    def packing_efficiency(self) -> float:
-        """Fraction of non-padding tokens over the whole split."""
-        if self._efficiency is None:
-            self._efficiency = self._rows.packing_efficiency
-        return self._efficiency
 
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
@@ -160,7 +144,7 @@ def make_dataset(config, split: str) -> TokenDataset:
         batch_size=config.batch_size,
         seed=config.seed if split == "train" else None,
         split=split,
-        efficiency=info["packing_efficiency"],
+        packing_efficiency=info["packing_efficiency"],
     )
 
 
