@@ -1,4 +1,4 @@
-"""maxlm.data's prepare step: streamed in bounded chunks, bitwise the in-memory packing, with
+"""maxlm.data's prepare step: streamed in bounded chunks, bitwise the split packed in one go, with
 memory bounded by the chunk rather than the corpus; units packed in parallel into the same shards
 whatever the number of workers."""
 
@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maxlm.data import PackedStream, build, make_dataset, pipeline, sources
-from maxlm.data.shards import encode_rows
+from maxlm.data import build, filters, make_dataset, sources
+from maxlm.data.packing import Packer, token_dtype
+from maxlm.data.tokenizer import checked_tokenizer
 from tests.test_data_sources import REPO, SEQ_LEN, _doc, make_config
 
 # ---------------------------------------------------------------------------------------------
@@ -54,25 +55,25 @@ def test_chunked_prepare_is_bitwise_the_in_memory_one(tmp_path, monkeypatch, tok
         monkeypatch.setattr(build, "CHUNK_DOCUMENTS", docs)
         monkeypatch.setattr(build, "CHUNK_CHARS", chars)
         cfg = make_config(src, tmp_path / name, **overrides)
-        built[name] = {s: (pipeline.prepare(cfg, s), pipeline.cache_path(cfg, s)[0]) for s in sources.SPLITS}
+        built[name] = {s: (build.prepare(cfg, s), build.cache_path(cfg, s)[0]) for s in sources.SPLITS}
         built[name]["ds"] = make_dataset(cfg, "train")
     for split in sources.SPLITS:
-        # The reference: the whole split in memory, as before streaming.
+        # The reference: the whole split in memory, packed in one go.
         cfg = make_config(src, tmp_path / "ref", **overrides)
-        tok = pipeline.checked_tokenizer(cfg)
-        texts = pipeline.read_clean_documents(cfg.data, split, collections.Counter())
-        ref = PackedStream.from_documents(tok.encode_batch(texts), SEQ_LEN, tok.bos_id, tok.eos_id,
-                                          tok.pad_id, dtype=build.token_dtype(tok.vocab_size))  # fmt: skip
+        tok = checked_tokenizer(cfg)
+        texts = filters.read_clean_documents(cfg.data, split, collections.Counter())
+        packer = Packer(SEQ_LEN, token_dtype(tok.vocab_size), tok.eos_id)
+        ref = packer.add(tok.encode_batch(texts)) + packer.finish()
         metas = []
         for name in runs:
             (rows, info), entry = built[name][split]
             assert entry.name == built["whole"][split][1].name
             # one unit (a small source): one shard, the records of the whole split as one stream
             assert sorted(p.name for p in entry.iterdir()) == ["meta.json", "rows-00000-of-00001.array_record"]
-            assert [rows.source[i] for i in range(rows.num_rows)] == encode_rows(ref), (name, split)
+            assert [rows.source[i] for i in range(rows.num_rows)] == ref, (name, split)
             metas.append({k: v for k, v in json.loads((entry / "meta.json").read_text()).items()
                           if not k.endswith("_sec")})  # fmt: skip
-            assert info["documents"] == len(texts) and info["tokens"] == ref.num_tokens
+            assert info["documents"] == len(texts) and info["tokens"] == packer.tokens
         assert metas[0] == metas[1] == metas[2]
     assert built["whole"]["train"][0][1]["filtered"]["dedup"] > 0
     for step in (0, 1, 5, 17):
@@ -86,17 +87,17 @@ def test_chunked_prepare_is_bitwise_the_in_memory_one(tmp_path, monkeypatch, tok
 _RSS_SCRIPT = """
 import json, resource, sys
 from maxlm import config as config_lib
-from maxlm.data import pipeline
+from maxlm.data import build
+from maxlm.data.tokenizer import checked_tokenizer
 c = config_lib.defaults()
 c.seq_len, c.batch_size = 2048, 8
 c.data.source, c.data.cache_dir = sys.argv[1], sys.argv[2]
 c.data.tokenizer, c.data.validation_percent = "byte", 0.0
-from maxlm.data import build
 build.CHUNK_CHARS = int(sys.argv[3])
-tok = pipeline.checked_tokenizer(c)
-pipeline.cache_path(c, "train", tok)  # fingerprints the source
+tok = checked_tokenizer(c)
+build.cache_path(c, "train", tok)  # fingerprints the source
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-_, info = pipeline.prepare(c, "train", tok, workers=1)
+_, info = build.prepare(c, "train", tok, workers=1)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"growth_mb": (after - before) / 1024, "tokens": info["tokens"]}))
 """
@@ -162,9 +163,9 @@ def test_one_or_two_workers_write_the_same_shards_and_dedup_across_them(tmp_path
             k: v for k, v in meta_b.items() if not k.endswith("_sec")}
     cfg = make_config(src, tmp_path / "serial", **{f"data.filters.{kind}": True, "data.validation_percent": 10.0})
     serial_counts = collections.Counter()
-    serial = pipeline.read_clean_documents(cfg.data, "train", serial_counts)
+    serial = filters.read_clean_documents(cfg.data, "train", serial_counts)
     meta = json.loads((Path(two["train"]["cache"]) / "meta.json").read_text())
-    tok = pipeline.checked_tokenizer(cfg)
+    tok = checked_tokenizer(cfg)
     assert meta["documents"] == len(serial) and meta["filtered"][kind] == serial_counts[f"filtered_{kind}"] > 0
     assert meta["tokens"] == sum(len(ids) + 1 for ids in tok.encode_batch(serial))
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.data import DataError, PackedStream, filters, make_dataset, pack_documents, pipeline, sources
+from maxlm.data import DataError, build, filters, make_dataset, sources
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN, BATCH = 32, 4
@@ -120,8 +120,8 @@ def test_skipped_files_are_counted_and_reported(folder, tmp_path):
     (folder / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
     (folder / "mixed.jsonl").write_bytes(b'{"text": "ok line one two"}\n{"text": "bad \xff"}\n')
     cfg = make_config(folder, tmp_path, **{"eval.every_steps": 0})
-    _, info = pipeline.prepare(cfg, "train")
-    _, val = pipeline.prepare(cfg, "validation")
+    _, info = build.prepare(cfg, "train")
+    _, val = build.prepare(cfg, "validation")
     for key in ("empty_files", "not_utf8"):  # every split reads every file
         assert info["skipped"][key] == val["skipped"][key]
     assert info["skipped"] == {"empty_files": 1, "not_utf8": 2}
@@ -158,7 +158,7 @@ def test_long_documents_lose_nothing(tmp_path):
     for i, t in enumerate(texts):
         (tmp_path / "d" / f"{i}.txt").write_text(t)
     cfg = make_config(tmp_path / "d", tmp_path, **{"data.validation_percent": 0.0})
-    stream, info = pipeline.prepare(cfg, "train")
+    stream, info = build.prepare(cfg, "train")
     assert info["long_documents"] == 1
     assert info["tokens"] == sum(len(t) + 1 for t in texts)
     rows = stream.rows(np.arange(stream.num_rows))
@@ -238,10 +238,10 @@ def test_html_main_text_and_language_filters(tmp_path):
     cfg = make_config(tmp_path / "d", tmp_path, **{"data.validation_percent": 0.0, "data.filters.html": True,
                                                    "data.filters.languages": ("en",)})
     counts = collections.Counter()
-    texts = pipeline.read_clean_documents(cfg.data, "train", counts)
+    texts = filters.read_clean_documents(cfg.data, "train", counts)
     assert texts == [f"Budget\n\n{ENGLISH}"]
     assert counts["filtered_html"] == 1 and counts["filtered_language"] == 1
-    _, info = pipeline.prepare(cfg, "train", workers=1)
+    _, info = build.prepare(cfg, "train", workers=1)
     assert info["documents"] == 1 and info["filtered"]["html"] == 1 and info["filtered"]["language"] == 1
     assert filters.language(GERMAN)[0] == "de" and filters.language(ENGLISH) > ("en", 0.65)
 
@@ -263,30 +263,15 @@ def test_filters_count_what_they_drop(tmp_path):
         "data.filters.max_symbol_ratio": 0.3, "data.filters.max_repeated_word_share": 0.5,
         "data.filters.dedup": True,
     })  # fmt: skip
-    _, info = pipeline.prepare(cfg, "train")
+    _, info = build.prepare(cfg, "train")
     assert info["filtered"] == {"html": 0, "min_words": 1, "max_symbol_ratio": 1, "max_repeated_word_share": 1,
                                 "language": 0, "dedup": 1, "near_dedup": 0}
     assert info["documents"] == 2
     cfg.data.filters.min_words = 10_000
     with pytest.raises(DataError, match="filters dropped all"):
-        pipeline.prepare(cfg, "train")
+        build.prepare(cfg, "train")
     # Different filters, different cache entry.
     assert len([p for p in (tmp_path / "packed").iterdir() if not p.name.startswith(".")]) == 1
-
-
-def test_packed_stream_equals_pack_documents():
-    rng = np.random.default_rng(1)
-    for _ in range(30):
-        docs = [rng.integers(3, 60000, size=rng.integers(0, 70)) for _ in range(rng.integers(1, 40))]
-        seq_len = int(rng.integers(1, 50))
-        ref = pack_documents(docs, seq_len, bos_id=1, eos_id=2, pad_id=0)
-        stream = PackedStream.from_documents(docs, seq_len, 1, 2, 0, dtype=np.uint16)
-        ids = rng.permutation(stream.num_rows)
-        got = stream.rows(ids)
-        for k, v in ref.items():
-            assert got[k].dtype == np.int32
-            np.testing.assert_array_equal(got[k], v[ids])
-        assert stream.packing_efficiency == pytest.approx((ref["segment_ids"] > 0).mean())
 
 
 @pytest.mark.parametrize("process_count", [1, 2, 4])

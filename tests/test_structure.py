@@ -127,6 +127,15 @@ def test_the_layer_check_finds_violations():
     assert layer_violations({"maxlm.train.__main__": {"maxlm.train.loop", "maxlm.cli"}}) == []
 
 
+def test_the_data_package_is_entered_from_the_top():
+    """maxlm/data/pipeline.py (`make_dataset`) calls down through the steps' modules; none of them
+    imports it, or the package that re-exports it, back (the command `__main__` may)."""
+    graph = import_graph()
+    top = {"maxlm.data", "maxlm.data.pipeline"}
+    importers = {name for name, deps in graph.items() if deps & top and name.startswith("maxlm.data.")}
+    assert importers <= {"maxlm.data.__main__"}, importers
+
+
 def test_only_commands_and_tools_import_the_loop_and_cli():
     graph = import_graph()
     for target in ("maxlm.train.loop", "maxlm.cli"):

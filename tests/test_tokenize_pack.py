@@ -85,11 +85,12 @@ def test_pack_empty_document_and_exact_fit():
     assert pack_documents([], seq_len=4, bos_id=1, eos_id=2)["inputs"].shape == (0, 4)
 
 
-def test_pack_random_documents_invariants():
-    rng = np.random.default_rng(0)
-    docs = [rng.integers(3, 259, size=rng.integers(0, 50)).astype(np.int32) for _ in range(200)]
-    seq_len, bos, eos = 16, 1, 2
-    rows = pack_documents(docs, seq_len, bos, eos)
+@pytest.mark.parametrize("seq_len, vocab, dtype", [(16, 259, np.int32), (1, 259, np.uint16), (7, 100_000, np.uint32)])
+def test_pack_random_documents_invariants(seq_len, vocab, dtype):
+    rng = np.random.default_rng(seq_len)
+    docs = [rng.integers(3, vocab, size=rng.integers(0, 50)).astype(np.int32) for _ in range(200)]
+    bos, eos = 1, 2
+    rows = pack_documents(docs, seq_len, bos, eos, token_dtype=dtype)
     inputs, targets, seg, pos = (rows[k] for k in ("inputs", "targets", "segment_ids", "positions"))
     num_pairs = sum(len(d) + 1 for d in docs)
     assert inputs.shape == (-(-num_pairs // seq_len), seq_len)

@@ -242,7 +242,7 @@ def bench_attention(cfg, timed_steps: int) -> dict:
 
 def bench_data(cfg) -> dict:
     """Data-pipeline tokens/s per core: packed reading, tokenize+pack vs raw sentencepiece."""
-    from maxlm.data import throughput
+    from maxlm.bench import throughput
 
     return throughput.measure(cfg)
 
@@ -294,7 +294,7 @@ def run_benchmark(what: str, cfg) -> dict:
     if what in ("data", "prepare"):
         try:
             if what == "prepare":  # a generated corpus prepared by 1 and 2 workers, read back
-                from maxlm.data import throughput
+                from maxlm.bench import throughput
 
                 f = flags.FLAGS
                 return throughput.measure_prepare(cfg, f.corpus_mb, f.corpus_files,

@@ -2,7 +2,8 @@
 
 (a) `packed_read`: `TokenDataset.batch(step)` on the prepared cache, random far-apart steps —
     what the training loop pays per step.
-(b) `tokenize_pack`: sentencepiece encode (one thread) + pack + derive the rows from raw text,
+(b) `tokenize_pack`: sentencepiece encode (one thread) + pack into records + decode the rows
+    (`packing.pack_documents`, prepare's and the reader's code) from raw text,
     against (c) `sp_encode`: the raw sentencepiece encode of the same texts in the same run.
     With `data.tokenizer=byte` a sentencepiece model is trained on the sample first, so (b)/(c)
     always measure sentencepiece; its vocabulary is model.vocab_size but at least
@@ -37,8 +38,8 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
 
     import sentencepiece as spm
 
-    from maxlm.data import make_dataset, pipeline
-    from maxlm.data.packing import PackedStream, token_dtype
+    from maxlm.data import filters, make_dataset
+    from maxlm.data.packing import pack_documents, token_dtype
     from maxlm.data.tokenizer import SentencePieceTokenizer, load_tokenizer
 
     # (a) packed reading
@@ -62,7 +63,7 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
     pf.close()
 
     # (b), (c) from raw text: a fixed sample of train documents
-    texts = pipeline.read_clean_documents(cfg.data, "train", collections.Counter())
+    texts = filters.read_clean_documents(cfg.data, "train", collections.Counter())
     order = np.random.default_rng(cfg.seed).permutation(len(texts))
     sample, size = [], 0
     for i in order:
@@ -93,10 +94,7 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
 
         def tokenize_pack():
             ids = tok.encode_batch(sample, num_threads=1)
-            stream = PackedStream.from_documents(
-                ids, cfg.seq_len, tok.bos_id, tok.eos_id, tok.pad_id, token_dtype(tok.vocab_size)
-            )
-            stream.rows(np.arange(stream.num_rows))
+            pack_documents(ids, cfg.seq_len, tok.bos_id, tok.eos_id, tok.pad_id, token_dtype(tok.vocab_size))
 
         raw_rate, raw_times = _median_rate(raw_encode, num_tokens, repeats)
         tp_rate, tp_times = _median_rate(tokenize_pack, num_tokens, repeats)
@@ -180,7 +178,8 @@ def measure_prepare(cfg, corpus_mb: float, files: int, workers: list[int]) -> di
     import subprocess
     import sys
 
-    from maxlm.data import pipeline
+    from maxlm.data import build
+    from maxlm.data.tokenizer import checked_tokenizer
 
     with tempfile.TemporaryDirectory(dir=os.path.expanduser("~")) as tmp:
         corpus_info = write_corpus(os.path.join(tmp, "corpus"), corpus_mb, files)
@@ -189,9 +188,9 @@ def measure_prepare(cfg, corpus_mb: float, files: int, workers: list[int]) -> di
         for n in workers:
             cfg.data.cache_dir = os.path.join(tmp, f"cache-{n}")
             start = time.perf_counter()
-            rows, info = pipeline.prepare(cfg, "train", workers=n)
+            rows, info = build.prepare(cfg, "train", workers=n)
             seconds = time.perf_counter() - start
-            entry = pipeline.cache_path(cfg, "train")[0]
+            entry = build.cache_path(cfg, "train")[0]
             digest = hashlib.sha256(b"".join((entry / s["file"]).read_bytes() for s in info["shards"])).hexdigest()
             runs.append({"workers": n, "seconds": seconds, "tokens_per_sec": info["tokens"] / seconds,
                          "tokens_per_sec_per_worker": info["tokens"] / seconds / n, "shards_sha256": digest[:16]})
@@ -207,16 +206,16 @@ def measure_prepare(cfg, corpus_mb: float, files: int, workers: list[int]) -> di
                 sample.append(json.loads(line)["text"])
                 if sum(map(len, sample)) > 32 << 20:
                     break
-        tokenizer = pipeline.checked_tokenizer(cfg)
+        tokenizer = checked_tokenizer(cfg)
         start = time.perf_counter()
         encoded = tokenizer.encode_batch(sample, num_threads=1)
         encode_rate = sum(map(len, encoded)) / (time.perf_counter() - start)
         # the same prepared a tenth the size, for the reader's memory at 1x and 10x
         small = write_corpus(os.path.join(tmp, "small"), corpus_mb / 10, files)
         cfg.data.source, cfg.data.cache_dir = os.path.join(tmp, "small"), os.path.join(tmp, "cache-small")
-        pipeline.prepare(cfg, "train", workers=max(workers))
+        build.prepare(cfg, "train", workers=max(workers))
         readers = {}
-        for name, where in (("1x", pipeline.cache_path(cfg, "train")[0]), ("10x", entry)):
+        for name, where in (("1x", build.cache_path(cfg, "train")[0]), ("10x", entry)):
             out = subprocess.run([sys.executable, "-c", _READER_RSS, str(where), str(cfg.batch_size)],
                                  capture_output=True, text=True, check=True)
             readers[name] = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,16 +1,19 @@
-"""Data: sources (TFDS, local files), cleaning, tokenizers, packing and the step-indexed pipeline."""
+"""Data: config → source(s) → cleaned, tokenized, packed shards → step-indexed batches.
 
+`make_dataset(config, split)` (`pipeline.py`) is the entry point; it reads down through the
+steps' modules in that order.
+"""
+
+from maxlm.data.batches import TokenDataset
 from maxlm.data.corpus import ensure_corpus, load_split
 from maxlm.data.errors import DataError
-from maxlm.data.packing import PackedStream, pack_documents, packing_efficiency
-from maxlm.data.pipeline import SOURCES, TokenDataset, make_dataset, prepare
+from maxlm.data.packing import pack_documents, packing_efficiency
+from maxlm.data.pipeline import make_dataset
 from maxlm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
-    "SOURCES",
     "ByteTokenizer",
     "DataError",
-    "PackedStream",
     "SentencePieceTokenizer",
     "TokenDataset",
     "Tokenizer",
@@ -20,5 +23,4 @@ __all__ = [
     "make_dataset",
     "pack_documents",
     "packing_efficiency",
-    "prepare",
 ]

@@ -43,10 +43,10 @@ def train_tokenizer(cfg, out: str) -> dict:
     import numpy as np
     import sentencepiece as spm
 
-    from maxlm.data import pipeline
+    from maxlm.data import filters
 
     counts = __import__("collections").Counter()
-    texts = pipeline.read_clean_documents(cfg.data, "train", counts)
+    texts = filters.read_clean_documents(cfg.data, "train", counts)
     n = min(len(texts), cfg.data.tokenizer_sample_docs)
     pick = np.sort(np.random.default_rng(cfg.seed).choice(len(texts), n, replace=False))
     vocab = cfg.data.tokenizer_vocab_size or cfg.model.vocab_size
@@ -89,18 +89,18 @@ def prepare(cfg, workers: int | None, beam_args: tuple[str, ...] | None = None) 
     its directory, shards, rows and the seconds it took."""
     import time
 
-    from maxlm.data import pipeline
+    from maxlm.data import build, sources
 
     if workers is not None and workers < 0:
         cli.config_error(f"--workers must be >= 0 (0 = one per core), got {workers}")
     if cfg.data.mixture:
-        return {name: prepare(sub, workers, beam_args) for name, _, sub in pipeline.source_configs(cfg)}
+        return {name: prepare(sub, workers, beam_args) for name, _, sub in sources.resolve(cfg)}
     result = ({"runner": "beam", "beam_options": list(beam_args)} if beam_args is not None else
               {"runner": "local", "workers": workers if workers is not None else cfg.data.workers})
     for split in ["train"] + (["validation"] if cfg.eval.every_steps else []):
         start = time.perf_counter()
-        rows, info = pipeline.prepare(cfg, split, workers=workers, beam_args=beam_args)
-        result[split] = {"cache": str(pipeline.cache_path(cfg, split)[0]), "shards": len(info["shards"]),
+        rows, info = build.prepare(cfg, split, workers=workers, beam_args=beam_args)
+        result[split] = {"cache": str(build.cache_path(cfg, split)[0]), "shards": len(info["shards"]),
                          "rows": rows.num_rows, "tokens": info["tokens"],
                          "seconds": round(time.perf_counter() - start, 3)}
     return result
@@ -108,11 +108,11 @@ def prepare(cfg, workers: int | None, beam_args: tuple[str, ...] | None = None) 
 
 def stats(cfg, split: str) -> dict:
     """The split's statistics; with `data.mixture`, those of each source under its name."""
-    from maxlm.data import pipeline
+    from maxlm.data import build, sources
 
     if cfg.data.mixture:
-        return {name: stats(sub, split) for name, _, sub in pipeline.source_configs(cfg)}
-    _, info = pipeline.prepare(cfg, split)
+        return {name: stats(sub, split) for name, _, sub in sources.resolve(cfg)}
+    _, info = build.prepare(cfg, split)
     keys = ("source", "split", "tokenizer", "vocab_size", "seq_len", "files", "documents", "tokens",
             "sequences", "packing_efficiency", "long_documents", "skipped", "filtered")
     return {k: info.get(k) for k in keys}

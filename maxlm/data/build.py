@@ -1,12 +1,13 @@
-"""`prepare`: a split of the source read, cleaned, tokenized and packed once into a cache entry
-of ArrayRecord shards, unit by unit, in parallel.
+"""`prepare`: a split of `data.source` read (`sources`), cleaned (`filters`), tokenized and
+packed (`packing`) once into a cache entry of ArrayRecord shards (`shards`), unit by unit, in
+parallel; or the entry found, built before.
 
 An entry (`cache_path`) is a directory:
 
     meta.json                           what the entry depends on (the hash of which names it),
                                         its statistics, and the index: every shard's row count
     rows-00000-of-00004.array_record    one shard per unit of the source (`sources.plan_units`):
-    ...                                 the unit's documents packed on their own (`shards`)
+    ...                                 the unit's documents packed on their own
 
 Units are fixed by the source, never by the number of workers, so any number of workers writes
 the same shards bitwise. Memory per worker is bounded by one chunk of `CHUNK_DOCUMENTS` documents
@@ -46,7 +47,7 @@ from maxlm.data.corpus import file_lock
 from maxlm.data.errors import DataError
 from maxlm.data.packing import token_dtype
 from maxlm.data.shards import ShardedRows, ShardWriter
-from maxlm.data.tokenizer import Tokenizer, load_tokenizer
+from maxlm.data.tokenizer import Tokenizer, checked_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +83,12 @@ def cache_meta(config, split: str, tokenizer: Tokenizer, source: sources.Source)
     }
 
 
-def cache_path(config, split: str, tokenizer: Tokenizer, source: sources.Source) -> tuple[Path, dict]:
-    """(the cache entry's directory, its meta) for `split`: a local path, or an epath for a URL
-    such as `gs://bucket/packed`."""
-    meta = cache_meta(config, split, tokenizer, source)
+def cache_path(config, split: str, tokenizer: Tokenizer | None = None) -> tuple[Path, dict]:
+    """(the cache entry's directory, its meta) for `split` of `data.source`: a local path, or an
+    epath for a URL such as `gs://bucket/packed`. `tokenizer` (`checked_tokenizer(config)` when
+    not given) is the one the entry is packed with."""
+    source = sources.parse_source(config.data.source)
+    meta = cache_meta(config, split, tokenizer or checked_tokenizer(config), source)
     key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
     return _cache_root(config.data.cache_dir) / f"{source.slug}-{split}-L{config.seq_len}-{key}", meta
 
@@ -94,34 +97,37 @@ def _cache_root(cache_dir: str):
     return paths.workdir_path(cache_dir) if paths.is_remote(cache_dir) else Path(os.path.expanduser(cache_dir))
 
 
-def prepare(config, split: str, tokenizer: Tokenizer, source: sources.Source, workers: int = 0,
+def prepare(config, split: str, tokenizer: Tokenizer | None = None, workers: int | None = None,
             beam_args: tuple[str, ...] | None = None) -> tuple[ShardedRows, dict]:
-    """(the packed rows of the entry's shards, its meta.json), building the entry if missing
-    with `workers` processes (0: one per core), or as Apache Beam pipelines with `beam_args`
-    (their options: the runner and its settings) when that is given.
+    """(the packed rows of `split` of `data.source`, its entry's meta.json), building the entry if
+    missing with `workers` processes (default `data.workers`; 0: one per core), or as Apache Beam
+    pipelines with `beam_args` (their options: the runner and its settings) when that is given.
+    `tokenizer`: as `cache_path`'s.
 
     A local entry is written atomically (a temporary directory, then a rename) under a file lock,
     so concurrent processes build it once; a remote one is built locally and copied up, meta.json
     last. On a job of several processes only process 0 builds. meta.json carries the statistics
     `stats` prints and the shards' row counts.
     """
+    tokenizer = tokenizer or checked_tokenizer(config)
+    workers = config.data.workers if workers is None else workers
     runner = Runner(workers or os.cpu_count() or 1, beam_args)
 
     def build_once() -> Path:
-        final, meta = cache_path(config, split, tokenizer, source)
-        _build_once(final, meta, source, config.data, tokenizer, runner)
+        final, meta = cache_path(config, split, tokenizer)
+        _build_once(final, meta, config.data, tokenizer, runner)
         return final
 
     final = _built_by_process_0(build_once) if _process_count() > 1 else build_once()
     return open_entry(final, split, tokenizer)
 
 
-def _build_once(final: Path, meta: dict, source, data_cfg, tokenizer: Tokenizer, runner: Runner) -> None:
+def _build_once(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer, runner: Runner) -> None:
     if paths.is_remote(str(final)):
         # An object store has no rename and no lock: the entry is written in place, meta.json
         # last (its presence marks the entry complete); builders racing on it write the same bytes.
         if not (final / "meta.json").exists():
-            _build(final, meta, source, data_cfg, tokenizer, runner)
+            _build(final, meta, data_cfg, tokenizer, runner)
         return
     if not (final / "meta.json").is_file():
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -130,7 +136,7 @@ def _build_once(final: Path, meta: dict, source, data_cfg, tokenizer: Tokenizer,
                 # Building runs only under this lock: a temporary dir left is a dead run's.
                 for stale in final.parent.glob(f".{final.name}.tmp-*"):
                     shutil.rmtree(stale, ignore_errors=True)
-                _build(final, meta, source, data_cfg, tokenizer, runner)
+                _build(final, meta, data_cfg, tokenizer, runner)
 
 
 def _scratch(path: str):
@@ -195,9 +201,9 @@ def _built_by_process_0(build_it) -> Path:
     return entry
 
 
-def _build(final: Path, meta: dict, source: sources.Source, data_cfg, tokenizer: Tokenizer,
-           runner: Runner) -> None:
+def _build(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer, runner: Runner) -> None:
     start = time.perf_counter()
+    source = sources.parse_source(data_cfg.source)
     split, seq_len = meta["split"], meta["seq_len"]
     units = sources.plan_units(source, data_cfg, split)
     runner = runner.at_most(len(units))
@@ -410,8 +416,9 @@ def _pack_texts(job: dict, counts: collections.Counter, drop: set[int], writer: 
             t0 = time.perf_counter()
             tokenize_sec += t0 - t1
     writer.close()
-    return {"counts": dict(counts), "documents": writer.documents, "tokens": writer.tokens,
-            "rows": writer.rows, "long_documents": long_docs, "read_sec": read_sec, "tokenize_sec": tokenize_sec}
+    packed = writer.packer
+    return {"counts": dict(counts), "documents": packed.documents, "tokens": packed.tokens,
+            "rows": packed.rows, "long_documents": long_docs, "read_sec": read_sec, "tokenize_sec": tokenize_sec}
 
 
 def _with_end(texts):

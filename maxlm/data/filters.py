@@ -15,7 +15,7 @@ Applied in this order, each document counted under the first filter that drops i
   * `near_dedup`: drop near duplicates after the first: documents that share a MinHash-LSH key
     with an earlier one (`minhash.py`; `near_dedup_ngram`, `near_dedup_bands`, `near_dedup_rows`).
 The two dedups are global over the split; `build.py` runs them across its units in parallel, with
-the result of this serial pass.
+the result of this serial pass (`read_clean_documents`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from __future__ import annotations
 import collections
 import hashlib
 import re
+
+from maxlm.data import sources
+from maxlm.data.errors import DataError
 
 # What each drop is counted as (`filtered_<name>`), in the order the filters apply.
 FILTER_KEYS = ("html", "min_words", "max_symbol_ratio", "max_repeated_word_share", "language", "dedup",
@@ -125,3 +128,22 @@ def iter_filtered(texts, cfg: dict, counts: collections.Counter):
                 counts["filtered_near_dedup"] += 1
                 continue
         yield text
+
+
+def read_clean_documents(data_cfg, split: str, counts: collections.Counter) -> list[str]:
+    """The documents of `split` of `data_cfg.source` after `data.filters`, in order, as a list
+    (the serial pass); skip and filter counts go to `counts`."""
+    read = 0
+
+    def counted(texts):
+        nonlocal read
+        for text in texts:
+            read += 1
+            yield text
+
+    texts = counted(sources.iter_documents(sources.parse_source(data_cfg.source), data_cfg, split, counts))
+    kept = list(iter_filtered(texts, settings(data_cfg), counts))
+    if not kept:
+        raise DataError(f"data.source={data_cfg.source!r}: data.filters dropped all "
+                        f"{read} {split!r} documents ({dict(counts)})")
+    return kept

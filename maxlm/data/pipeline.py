@@ -1,251 +1,40 @@
-"""Training and eval batches as a pure function of (config, step).
+"""The data package's entry point: `make_dataset(config, split)`, training and eval batches as a
+pure function of (config, step).
 
-The source is read, cleaned, tokenized and packed once per (source, filters, tokenizer, seq_len,
-split) — `prepare`, in parallel (`build.py`) — into a cache entry of ArrayRecord shards, one
-self-contained record per row (uint16 tokens when the vocabulary fits), from which the row's four
-int32 arrays are derived on read (`shards.py`).
-A grain `MapDataset` of row ids then fixes which rows form each batch, by index alone, with no
-iterator state: `batch(step)` is the same on every run, after any resume and for any number of
-processes, and each process reads only its own rows. Nothing here imports TensorFlow.
+It goes down through the package once, a module per step:
+  1. `sources.resolve`: the config's source(s), `data.source` or the `data.mixture` entries;
+  2. `tokenizer.checked_tokenizer`: `data.tokenizer`, checked against the model's vocabulary;
+  3. `build.prepare`: each source's split read, cleaned, tokenized and packed (`packing`) once
+     into a cache entry of ArrayRecord shards (`shards`), or the entry found;
+  4. `batches.TokenDataset` (one source) or `mixture.MixtureDataset` (several, by weight): which
+     rows form the batch of each step, read from the shards on demand.
 """
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-
-import grain
-import numpy as np
-
-from maxlm.data import build, filters, sources
-from maxlm.data.errors import DataError
-from maxlm.data.packing import PackedStream
-from maxlm.data.prefetch import Prefetcher, batch_parts_key
-from maxlm.data.shards import ShardedRows
-from maxlm.data.tokenizer import Tokenizer, load_tokenizer
-
-log = logging.getLogger(__name__)
-
-SOURCES = ("tfds:python_stdlib", "tfds:NAME[/CONFIG][:VERSION]", "PATH|DIR|GLOB")
-SPLITS = sources.SPLITS
+from maxlm.data import build, sources
+from maxlm.data.batches import TokenDataset
+from maxlm.data.mixture import MixtureDataset
+from maxlm.data.tokenizer import checked_tokenizer
 
 
-class TokenDataset:
-    """Packed rows of one split, served as fixed global batches.
-
-    Row order. Let N = num_rows, B = the global batch size and E = N // B steps per epoch.
-    Step s belongs to epoch e = s // E and takes rows `order[e*N + (s % E)*B + k]` for k < B,
-    where `order` is `grain.MapDataset.range(N)[.shuffle(seed)].repeat(None)`:
-      * train: grain's shuffle draws epoch e's order as the permutation
-        `index_shuffle(i, max_index=N-1, seed=(shuffle_seed + e) mod 2**32, rounds=4)` of
-        [0, N), with `shuffle_seed` derived from `config.seed` (see `_shuffle_seed`). So each
-        epoch is a fresh, seed-determined permutation, computed per index in O(1) memory.
-      * validation: no shuffle; epoch e repeats rows 0..N-1 in order.
-    The last N - E*B rows of each epoch's order are dropped (drop_remainder); when training
-    they are different rows each epoch.
-    """
-
-    def __init__(
-        self,
-        rows: ShardedRows | PackedStream,
-        *,
-        tokenizer: Tokenizer,
-        batch_size: int,
-        seed: int | None,
-        split: str,
-        efficiency: float | None = None,
-    ):
-        self.split = split
-        self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self._rows = rows  # read on demand, a row at a time
-        self.num_rows, self.seq_len = rows.num_rows, rows.seq_len
-        self.steps_per_epoch = self.num_rows // batch_size
-        if self.steps_per_epoch == 0:
-            raise ValueError(
-                f"the {split!r} split has {self.num_rows} packed rows of seq_len={self.seq_len}, "
-                f"fewer than one batch of batch_size={batch_size}; lower batch_size or seq_len"
-            )
-        order = grain.MapDataset.range(self.num_rows)
-        if seed is not None:
-            order = order.shuffle(seed=_shuffle_seed(seed))
-        self.order = order.repeat(None)  # index e*N + i: row i of epoch e's order
-        self._efficiency = efficiency
-
-    @property
-    def packing_efficiency(self) -> float:
-        """Fraction of non-padding tokens over the whole split."""
-        if self._efficiency is None:
-            self._efficiency = self._rows.packing_efficiency
-        return self._efficiency
-
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
-
-    def row_ids(self, step: int, process_index=0, process_count: int = 1) -> np.ndarray:
-        """Ids of the rows `batch(step, ...)` returns, in order."""
-        step, parts, process_count = int(step), batch_parts_key(process_index), int(process_count)
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        if process_count < 1 or self.batch_size % process_count:
-            raise ValueError(
-                f"batch_size={self.batch_size} must be divisible by the process count "
-                f"{process_count}"
-            )
-        for part in parts:
-            if not 0 <= part < process_count:
-                raise ValueError(f"process_index={part} not in [0, {process_count})")
-        per_process = self.batch_size // process_count
-        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
-        start = epoch * self.num_rows + step_in_epoch * self.batch_size
-        firsts = [start + part * per_process for part in parts]
-        return np.fromiter(
-            (self.order[i] for first in firsts for i in range(first, first + per_process)),
-            np.int64, per_process * len(parts),
-        )
-
-    def batch(
-        self, step: int, process_index=0, process_count: int = 1
-    ) -> dict[str, np.ndarray]:
-        """This process's contiguous slice of global batch `step`.
-
-        Rows [p*B/P, (p+1)*B/P) of the global batch, as int32 arrays `[B/P, seq_len]` under
-        `inputs, targets, segment_ids, positions`. `process_index` may also be a tuple of such
-        parts p (ascending): a process whose devices hold several separate slices of the batch
-        (see `mesh.batch_parts`) gets them concatenated, `[len(parts)*B/P, seq_len]`.
-        """
-        return self._rows.rows(self.row_ids(step, process_index, process_count))
-
-    def prefetch(self, depth: int = 2) -> Prefetcher:
-        """This dataset, its `batch` served from a background thread reading `depth` steps ahead.
-
-        Same calls, same arrays (each is `batch(step, ...)` itself, keyed by step): asking for a
-        step other than the next one (a resume, a rollback) restarts reading there. Cached, so
-        `ds.prefetch()` in a loop returns the same object; its thread ends with the dataset.
-        """
-        cache = self.__dict__.setdefault("_prefetchers", {})
-        if depth not in cache:
-            cache[depth] = Prefetcher(self, depth)
-        return cache[depth]
-
-    def __repr__(self) -> str:
-        return (
-            f"TokenDataset(split={self.split!r}, num_rows={self.num_rows}, "
-            f"seq_len={self.seq_len}, batch_size={self.batch_size}, tokenizer={self.tokenizer!r})"
-        )
-
-
-def _shuffle_seed(seed: int) -> int:
-    # grain reshuffles epoch e with seed + e, so raw seeds s and s+1 would share all but one
-    # epoch order. Hashing the seed first keeps runs with nearby seeds unrelated.
-    return int(np.random.SeedSequence(seed).generate_state(1, np.uint32)[0])
-
-
-
-
-def make_dataset(config, split: str) -> TokenDataset:
-    """The packed `split` ("train" or "validation") of `config.data.source`.
+def make_dataset(config, split: str) -> TokenDataset | MixtureDataset:
+    """The packed `split` ("train" or "validation") of `config.data.source`, or of the sources
+    of `config.data.mixture` drawn by weight.
 
     Reads `seed, batch_size, seq_len, model.vocab_size` and `data.*`. Prepares the packed cache
-    on first use (`prepare`). Raises `DataError` (a ValueError) on bad data, naming file and line.
+    on first use. Raises `DataError` (a ValueError) on bad data, naming file and line.
     """
-    if config.data.mixture:
-        return _mixture(config, split)
-    source = sources.parse_source(config.data.source)  # a malformed source fails before anything loads
+    resolved = sources.resolve(config)
     tokenizer = checked_tokenizer(config)
-    stream, info = prepare(config, split, tokenizer, source)
-    return TokenDataset(
-        stream,
-        tokenizer=tokenizer,
-        batch_size=config.batch_size,
-        seed=config.seed if split == "train" else None,
-        split=split,
-        efficiency=info["packing_efficiency"],
-    )
-
-
-def source_configs(config) -> list[tuple[str, float, object]]:
-    """(name, weight, the config with `data.source` = that source) per `data.mixture` entry."""
-    out = []
-    for name, spec, weight in config.data.mixture:
-        sub = config.copy_and_resolve_references()
-        sub.data.source, sub.data.mixture = spec, ()
-        out.append((name, float(weight), sub))
-    return out
-
-
-def _mixture(config, split: str):
-    """`data.mixture`'s sources, each prepared as `data.source` would be, drawn by weight."""
-    from maxlm.data.mixture import MixtureDataset
-
-    tokenizer = checked_tokenizer(config)
-    parts, weights, stats = [], [], {}
-    for name, weight, sub in source_configs(config):
-        source = sources.parse_source(sub.data.source)
-        rows, info = prepare(sub, split, tokenizer, source)
-        parts.append((name, rows))
-        weights.append(weight)
-        stats[name] = info
-    return MixtureDataset(parts, weights, tokenizer=tokenizer, batch_size=config.batch_size,
-                          seq_len=config.seq_len, seed=config.seed if split == "train" else None,
-                          split=split, stats=stats)
-
-
-def checked_tokenizer(config) -> Tokenizer:
-    """`data.tokenizer`, loaded and checked against `model.vocab_size`."""
-    tokenizer = load_tokenizer(config.data.tokenizer)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(
-            f"tokenizer {tokenizer.spec!r} has vocab_size={tokenizer.vocab_size}, more than "
-            f"model.vocab_size={config.model.vocab_size}; set model.vocab_size >= "
-            f"{tokenizer.vocab_size}"
-        )
-    return tokenizer
-
-
-def cache_path(config, split: str, tokenizer: Tokenizer | None = None,
-               source: sources.Source | None = None) -> tuple[Path, dict]:
-    """(the cache entry's directory, its meta) for `split` (`build.cache_path`); `tokenizer` and
-    `source` (the parsed `data.source`) are loaded and parsed here when not given."""
-    source = source or sources.parse_source(config.data.source)
-    return build.cache_path(config, split, tokenizer or checked_tokenizer(config), source)
-
-
-def prepare(config, split: str, tokenizer: Tokenizer | None = None, source: sources.Source | None = None,
-            workers: int | None = None, beam_args: tuple[str, ...] | None = None) -> tuple[ShardedRows, dict]:
-    """(the packed rows, the cache entry's meta.json) of `split`, building the entry if missing
-    (`build.prepare`) with `workers` processes (default `data.workers`; 0: one per core), or as
-    Apache Beam pipelines with `beam_args`."""
-    source = source or sources.parse_source(config.data.source)
-    return build.prepare(config, split, tokenizer or checked_tokenizer(config), source,
-                         config.data.workers if workers is None else workers, beam_args)
-
-
-def iter_clean_documents(source: sources.Source, data_cfg, split: str, counts):
-    """Yields the documents of `split` of `source` after `data.filters`, streaming
-    (`sources.iter_documents`); skip and filter counts go to `counts`, complete once the iterator
-    is exhausted."""
-    read = 0
-
-    def counted(texts):
-        nonlocal read
-        for text in texts:
-            read += 1
-            yield text
-
-    kept = 0
-    texts = counted(sources.iter_documents(source, data_cfg, split, counts))
-    for text in filters.iter_filtered(texts, filters.settings(data_cfg), counts):
-        kept += 1
-        yield text
-    if not kept:
-        raise DataError(f"data.source={data_cfg.source!r}: data.filters dropped all "
-                        f"{read} {split!r} documents ({dict(counts)})")
-
-
-def read_clean_documents(data_cfg, split: str, counts) -> list[str]:
-    """The documents of `split` of `data_cfg.source` after `data.filters`, as a list
-    (see `iter_clean_documents`)."""
-    return list(iter_clean_documents(sources.parse_source(data_cfg.source), data_cfg, split, counts))
-
-
+    packed = [build.prepare(sub, split, tokenizer) for _, _, sub in resolved]  # (rows, meta) each
+    seed = config.seed if split == "train" else None
+    if not config.data.mixture:
+        [(rows, meta)] = packed
+        return TokenDataset(rows, tokenizer=tokenizer, batch_size=config.batch_size, seed=seed, split=split,
+                            packing_efficiency=meta["packing_efficiency"])
+    names = [name for name, _, _ in resolved]
+    return MixtureDataset([(name, rows) for name, (rows, _) in zip(names, packed)],
+                          [weight for _, weight, _ in resolved], tokenizer=tokenizer,
+                          batch_size=config.batch_size, seq_len=config.seq_len, seed=seed, split=split,
+                          stats={name: meta for name, (_, meta) in zip(names, packed)})

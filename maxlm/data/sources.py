@@ -1,6 +1,7 @@
 """Where documents come from: `data.source` → a deterministic stream of texts per split.
 
-Two kinds of source:
+`resolve` gives the config's sources: `data.source`, or each entry of `data.mixture`. Two kinds
+of source:
 
 * `tfds:NAME[/CONFIG][:VERSION]` — a TFDS dataset already prepared (ArrayRecord) under
   `data.tfds_dir`, read with `tfds.data_source` (random access, no TensorFlow). The text is the
@@ -72,6 +73,23 @@ def parse_source(spec: str) -> Source:
             )
         return Source(spec, "tfds", name, version)
     return Source(spec, "files")
+
+
+def resolve(config) -> list[tuple[str, float, object]]:
+    """(name, weight, config) per source the run reads: each `data.mixture` entry with the run's
+    config copied and its `data.source` set to the entry's, or `data.source` alone (the config
+    itself, named by its spec). Every spec is parsed here, so a malformed one fails before
+    anything loads."""
+    if not config.data.mixture:
+        parse_source(config.data.source)
+        return [(config.data.source, 1.0, config)]
+    out = []
+    for name, spec, weight in config.data.mixture:
+        parse_source(spec)
+        sub = config.copy_and_resolve_references()
+        sub.data.source, sub.data.mixture = spec, ()
+        out.append((name, float(weight), sub))
+    return out
 
 
 # ----------------------------------------------------------------------------------------- TFDS

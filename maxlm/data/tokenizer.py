@@ -1,6 +1,7 @@
 """Tokenizers: a byte-level one (no files needed) and a SentencePiece wrapper.
 
-Both share one small interface so the pipeline never cares which is in use.
+Both share one small interface so the pipeline never cares which is in use; `checked_tokenizer`
+loads the config's and checks it against the model's vocabulary.
 `encode` never adds special tokens: packing adds BOS/EOS itself, so documents
 are framed the same way whatever the tokenizer.
 """
@@ -139,3 +140,15 @@ def load_tokenizer(spec: str) -> Tokenizer:
             "path to a SentencePiece .model file)"
         )
     return SentencePieceTokenizer(path)
+
+
+def checked_tokenizer(config) -> Tokenizer:
+    """`data.tokenizer`, loaded and checked against `model.vocab_size`."""
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer.spec!r} has vocab_size={tokenizer.vocab_size}, more than "
+            f"model.vocab_size={config.model.vocab_size}; set model.vocab_size >= "
+            f"{tokenizer.vocab_size}"
+        )
+    return tokenizer

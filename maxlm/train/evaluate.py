@@ -166,7 +166,7 @@ def load_eval_data(cfg) -> EvalData:
 
 def load_tasks(cfg, paths, shots: int, seed: int) -> list:
     """Task files read, checked and packed with the run's tokenizer and batch shape."""
-    from maxlm.data.pipeline import checked_tokenizer
+    from maxlm.data.tokenizer import checked_tokenizer
 
     tokenizer = checked_tokenizer(cfg)
     return [tasks_lib.prepare(tasks_lib.load_task(path), tokenizer, cfg.seq_len, cfg.batch_size, shots, seed)

@@ -1,0 +1,111 @@
+"""Packed rows served as fixed global batches: the batch of step s a pure function of (config, s).
+
+A grain `MapDataset` of row ids fixes which rows form each batch, by index alone, with no
+iterator state: `batch(step)` is the same on every run, after any resume and for any number of
+processes, and each process reads only its own rows. Nothing here imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+
+from maxlm.data.prefetch import Prefetcher, batch_parts_key
+from maxlm.data.shards import ShardedRows
+from maxlm.data.tokenizer import Tokenizer
+
+
+class TokenDataset:
+    """Packed rows of one split, served as fixed global batches.
+
+    Row order. Let N = num_rows, B = the global batch size and E = N // B steps per epoch.
+    Step s belongs to epoch e = s // E and takes rows `order[e*N + (s % E)*B + k]` for k < B,
+    where `order` is `grain.MapDataset.range(N)[.shuffle(seed)].repeat(None)`:
+      * train: grain's shuffle draws epoch e's order as the permutation
+        `index_shuffle(i, max_index=N-1, seed=(shuffle_seed + e) mod 2**32, rounds=4)` of
+        [0, N), with `shuffle_seed` derived from `config.seed` (see `_shuffle_seed`). So each
+        epoch is a fresh, seed-determined permutation, computed per index in O(1) memory.
+      * validation: no shuffle; epoch e repeats rows 0..N-1 in order.
+    The last N - E*B rows of each epoch's order are dropped (drop_remainder); when training
+    they are different rows each epoch.
+    """
+
+    def __init__(self, rows: ShardedRows, *, tokenizer: Tokenizer, batch_size: int, seed: int | None,
+                 split: str, packing_efficiency: float):
+        self.split = split
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self._rows = rows  # read on demand, a row at a time
+        self.num_rows, self.seq_len = rows.num_rows, rows.seq_len
+        self.packing_efficiency = packing_efficiency  # fraction of non-padding tokens over the split
+        self.steps_per_epoch = self.num_rows // batch_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"the {split!r} split has {self.num_rows} packed rows of seq_len={self.seq_len}, "
+                f"fewer than one batch of batch_size={batch_size}; lower batch_size or seq_len"
+            )
+        order = grain.MapDataset.range(self.num_rows)
+        if seed is not None:
+            order = order.shuffle(seed=_shuffle_seed(seed))
+        self.order = order.repeat(None)  # index e*N + i: row i of epoch e's order
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def row_ids(self, step: int, process_index=0, process_count: int = 1) -> np.ndarray:
+        """Ids of the rows `batch(step, ...)` returns, in order."""
+        step, parts, process_count = int(step), batch_parts_key(process_index), int(process_count)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if process_count < 1 or self.batch_size % process_count:
+            raise ValueError(
+                f"batch_size={self.batch_size} must be divisible by the process count "
+                f"{process_count}"
+            )
+        for part in parts:
+            if not 0 <= part < process_count:
+                raise ValueError(f"process_index={part} not in [0, {process_count})")
+        per_process = self.batch_size // process_count
+        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+        start = epoch * self.num_rows + step_in_epoch * self.batch_size
+        firsts = [start + part * per_process for part in parts]
+        return np.fromiter(
+            (self.order[i] for first in firsts for i in range(first, first + per_process)),
+            np.int64, per_process * len(parts),
+        )
+
+    def batch(
+        self, step: int, process_index=0, process_count: int = 1
+    ) -> dict[str, np.ndarray]:
+        """This process's contiguous slice of global batch `step`.
+
+        Rows [p*B/P, (p+1)*B/P) of the global batch, as int32 arrays `[B/P, seq_len]` under
+        `inputs, targets, segment_ids, positions`. `process_index` may also be a tuple of such
+        parts p (ascending): a process whose devices hold several separate slices of the batch
+        (see `mesh.batch_parts`) gets them concatenated, `[len(parts)*B/P, seq_len]`.
+        """
+        return self._rows.rows(self.row_ids(step, process_index, process_count))
+
+    def prefetch(self, depth: int = 2) -> Prefetcher:
+        """This dataset, its `batch` served from a background thread reading `depth` steps ahead.
+
+        Same calls, same arrays (each is `batch(step, ...)` itself, keyed by step): asking for a
+        step other than the next one (a resume, a rollback) restarts reading there. Cached, so
+        `ds.prefetch()` in a loop returns the same object; its thread ends with the dataset.
+        """
+        cache = self.__dict__.setdefault("_prefetchers", {})
+        if depth not in cache:
+            cache[depth] = Prefetcher(self, depth)
+        return cache[depth]
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenDataset(split={self.split!r}, num_rows={self.num_rows}, "
+            f"seq_len={self.seq_len}, batch_size={self.batch_size}, tokenizer={self.tokenizer!r})"
+        )
+
+
+def _shuffle_seed(seed: int) -> int:
+    # grain reshuffles epoch e with seed + e, so raw seeds s and s+1 would share all but one
+    # epoch order. Hashing the seed first keeps runs with nearby seeds unrelated.
+    return int(np.random.SeedSequence(seed).generate_state(1, np.uint32)[0])
