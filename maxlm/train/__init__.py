@@ -5,6 +5,6 @@ global batch) → `state.py` (the train state and its shardings) → `step.py` (
 `optim.py` and `loss_scale.py`) → `step_logger.py` and `metrics.py` (what is logged) →
 `evaluate.py` (eval rows, named sets, `tasks.py`) → `checkpoint.py` (orbax saves, retention,
 resume) under `faults.py` (preemption, non-finite steps) and `anomaly.py` (loss spikes).
-`distributed.py` starts multi-process runs, `runs.py` reads a finished run back, `flops.py` and
-`profiler.py` measure.
+`distributed.py` starts multi-process runs, `workdir_lock.py` keeps one run per workdir,
+`runs.py` reads a finished run back, `flops.py` and `profiler.py` measure.
 """
