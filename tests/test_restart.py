@@ -100,20 +100,30 @@ def test_restore_params_only_keeps_its_documented_use(two_layer_run, data_dirs, 
         loop.check_start(bigger, str(tmp_path / "new"))
 
 
+def long_run(tmp_path, data_dirs, every_steps: int):
+    """(command, env) of a `maxlm.train` that runs until stopped, saving every `every_steps`."""
+    command = [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}",
+               *(f"--config.{k}={v}" for k, v in {**data_dirs, **BASE}.items()),
+               "--config.steps=100000", f"--config.checkpoint.every_steps={every_steps}"]
+    return command, command_env(tmp_path, devices=None)
+
+
+def wait_until(proc, ready) -> None:
+    """Polls `ready()` while `proc` runs (at most 240 s)."""
+    deadline = time.monotonic() + 240
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+
+
 def test_ctrl_c_saves_at_the_step_boundary_and_exits_130(tmp_path, data_dirs):
     """The first Ctrl-C behaves as a preemption: the step finishes, its checkpoint commits, one
     line says so, exit 130; the rerun resumes from it."""
     workdir = tmp_path / "run"
-    command = [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={workdir}",
-               *(f"--config.{k}={v}" for k, v in {**data_dirs, **BASE}.items()),
-               "--config.steps=100000", "--config.checkpoint.every_steps=100000"]
-    env = command_env(tmp_path, devices=None)
+    command, env = long_run(tmp_path, data_dirs, every_steps=100000)
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not rows_at_least(workdir, 3):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.1)
+        wait_until(proc, lambda: rows_at_least(workdir, 3))
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=240)
     finally:
@@ -252,16 +262,10 @@ def test_a_resume_never_initialises_a_second_state(two_layer_run, data_dirs, mon
 def test_a_second_run_on_a_live_workdir_exits_2_naming_the_holder_and_a_dead_ones_lock_is_taken_over(
         tmp_path, data_dirs):
     workdir = tmp_path / "run"
-    command = [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={workdir}",
-               *(f"--config.{k}={v}" for k, v in {**data_dirs, **BASE}.items()),
-               "--config.steps=100000", "--config.checkpoint.every_steps=2"]
-    env = command_env(tmp_path, devices=None)
+    command, env = long_run(tmp_path, data_dirs, every_steps=2)
     first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not (workdir / "checkpoints" / "2").is_dir():
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
-            time.sleep(0.1)
+        wait_until(first, lambda: (workdir / "checkpoints" / "2").is_dir())
         before = sorted(p.name for p in workdir.iterdir())
         second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert second.returncode == 2, second.stderr[-3000:]
