@@ -148,18 +148,20 @@ class Checkpointer:
     def __init__(self, workdir: str, checkpoint_cfg):
         self.directory = checkpoint_dir(workdir)
         self.cfg = checkpoint_cfg
-        self.temporary: set[int] = set()  # time-based saves, replaced by the next committed one
         epath.Path(self.directory).mkdir(parents=True, exist_ok=True)
         found = step_dirs(self.directory)
         for step, path in found["incomplete"]:
             console.warn(f"ignoring incomplete checkpoint {path} (interrupted write; removed)")
+        good = []
         for step, path in found["complete"]:  # checked before orbax reads (and logs about) them
             if (problem := agreed(file_problem(path), path)) is not None:
                 self._quarantine(path, problem)
+            else:
+                good.append((step, path))
         _sync("maxlm_checkpoint_scan")
-        # a time-based save stays temporary across restarts: its kind is in its meta
-        self.temporary = {step for step, path in step_dirs(self.directory)["complete"]
-                          if _recorded_kind(path) == "temporary"}
+        # time-based saves, each replaced by the next committed one; one stays temporary across
+        # restarts: its kind is in its meta
+        self.temporary: set[int] = {step for step, path in good if _recorded_kind(path) == "temporary"}
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,  # retention is ours: see prune()
             enable_async_checkpointing=True,  # training continues while the write happens
@@ -410,9 +412,7 @@ def start_problem(path: str, cfg, full_state: bool) -> str | None:
         return (f"optim.name={cfg.optim.name!r}, but the checkpoint {path} holds {saved.optim.name!r} optimizer "
                 f"state: resume with optim.name={saved.optim.name!r}, or start a new workdir from its "
                 f"parameters (checkpoint.restore_from={path} checkpoint.restore_params_only=True)")
-    tx = optim.make_optimizer(cfg)
-    wanted = state_lib.abstract_state(cfg, tx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    if (misfit := shape_problem(path, wanted, params_only=not full_state)) is not None:
+    if (misfit := shape_problem(path, expected_state(cfg.to_dict()), params_only=not full_state)) is not None:
         changes = config_changes(saved.to_dict(), cfg.to_dict())
         return (f"the checkpoint {path} does not fit this config ({misfit}); the config differs from the "
                 f"checkpoint's in {', '.join(changes) or 'no key'}. Resume with the checkpoint's settings, or "

@@ -138,7 +138,7 @@ def load_eval_sets(cfg) -> dict:
 def evaluate_sets(cfg, params, datasets: dict, mesh, rules) -> dict:
     """`evaluate`'s result per named set, over `eval.steps` batches or the set's whole rows if it
     has fewer (a row is never counted twice)."""
-    return {name: evaluate(cfg, params, dataset, mesh, rules, min(cfg.eval.steps, dataset.steps_per_epoch))
+    return {name: evaluate(cfg, params, dataset, mesh, rules, cfg.eval.steps)
             for name, dataset in datasets.items()}
 
 
