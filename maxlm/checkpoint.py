@@ -16,19 +16,6 @@ from maxlm import paths
 from maxlm.train import checkpoint
 
 
-def _size(path) -> int:
-    """Bytes under `path` (iterdir rather than walk: epath's fsspec walk drops the gs:// prefix)."""
-    return sum(_size(p) if p.is_dir() else p.stat().length for p in epath.Path(path).iterdir())
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
-
-
 def _entries(directory: str):
     found = checkpoint.step_dirs(directory)
     rows = [(s, p, "complete") for s, p in found["complete"]]
@@ -62,7 +49,7 @@ def main(argv: list[str]) -> int:
             meta = checkpoint.read_json(path, "meta")
         saved = meta.get("saved_at") or time.strftime(
             "%Y-%m-%dT%H:%M:%S", time.localtime(epath.Path(path).stat().mtime))
-        row = [str(step), status, _human(_size(path)), saved, meta.get("kind", "?")]
+        row = [str(step), status, paths.human_bytes(paths.tree_bytes(path)), saved, meta.get("kind", "?")]
         if command == "verify":
             problem = checkpoint.verify_one(path) if status == "complete" else status
             bad += problem is not None

@@ -13,6 +13,7 @@ write per second to one object) and when closed.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 from etils import epath
@@ -28,6 +29,27 @@ def is_remote(path) -> bool:
 def workdir_path(path) -> epath.Path:
     """`path` as an epath.Path: URLs as they are, local paths made absolute."""
     return epath.Path(path if is_remote(path) else os.path.abspath(os.fspath(path)))
+
+
+def free_bytes(path) -> int | None:
+    """Bytes free on the filesystem of the local directory `path`; None for a URL (an object
+    store has no such figure)."""
+    return None if is_remote(path) else shutil.disk_usage(os.fspath(path)).free
+
+
+def tree_bytes(path) -> int:
+    """Bytes of the files under `path`, local or remote (iterdir rather than walk: epath's
+    fsspec walk drops the gs:// prefix)."""
+    return sum(tree_bytes(p) if p.is_dir() else p.stat().length for p in epath.Path(path).iterdir())
+
+
+def human_bytes(n: float) -> str:
+    """`n` bytes as `512 B`, `1.2 MB`, ... (powers of 1024)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
 
 
 class AppendFile:

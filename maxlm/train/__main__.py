@@ -3,7 +3,8 @@
 The command around the training loop (maxlm/train/loop.py): flags, the config validated for this
 machine's devices, and the exit status: 0 done, 2 bad config or data (before anything is
 compiled or written), 3 non-finite steps persist, 143 preempted (SIGTERM) and 130 interrupted
-(Ctrl-C), each with a checkpoint committed.
+(Ctrl-C), each with a checkpoint committed; 1 for anything else, e.g. a checkpoint storage refused
+(one line: the step, why, where, the last good checkpoint).
 """
 
 import sys
@@ -43,6 +44,9 @@ def train(f) -> None:
     except faults.NonFiniteLossError as e:
         print(f"maxlm: {e}", file=sys.stderr)
         sys.exit(3)
+    except checkpoint.StorageError as e:  # a full disk, no permission, a bucket that refused
+        print(f"maxlm: {e}", file=sys.stderr)
+        sys.exit(1)
     except faults.Preempted as e:
         why = "interrupted (Ctrl-C)" if e.interrupted else "preempted (SIGTERM)"
         print(f"maxlm: {why}: checkpoint of step {e.step} committed in "

@@ -13,8 +13,11 @@ Saves are async: `save()` blocks only while the device arrays are copied to host
 happens in a background thread, and the next save first waits for the previous one to commit.
 Orbax writes into `STEP.orbax-checkpoint-tmp` and renames it when complete, so an interrupted save
 is never mistaken for a checkpoint. On resume every candidate is checked (metadata readable, all
-items present, arrays readable, values finite); a damaged one is renamed `STEP.damaged` (never
-deleted) with a one-line warning and the previous one is used.
+items present, arrays readable, values finite); a damaged one is marked by a file `STEP.damaged`
+beside it (one small write, where a rename would copy the whole tree on Cloud Storage) with a
+one-line warning, and the previous one is used. It stays until the run saves that step again.
+A save that storage refuses (a full disk, no permission, a bucket that says no) ends the run with
+`StorageError`: one line naming the step, why, where and the last good checkpoint.
 
 Retention (done here, not by orbax, so that its rules are ours): the newest `max_to_keep` regular
 checkpoints, every step that is a multiple of `keep_period` forever, a time-based (temporary)
@@ -23,6 +26,7 @@ checkpoint only until a newer one has committed, and never the newest committed 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -46,7 +50,7 @@ ITEMS = ("state", "meta", "config")
 # exists only in float16 runs (and not in checkpoints written before it did). See restore_state.
 OPTIONAL_STATE = frozenset(loss_scale.STATE_KEYS)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
-DAMAGED_SUFFIX = ".damaged"
+DAMAGED_SUFFIX = ".damaged"  # STEP.damaged: a file marking the directory STEP as damaged (older runs: a renamed directory)
 _all_finite = jax.jit(state_lib.all_finite)
 
 
@@ -60,6 +64,26 @@ def _sync(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+class StorageError(Exception):
+    """A checkpoint could not be written (no space, no permission, the bucket refused): the
+    message is the one line the run ends with."""
+
+
+def agreed_steps(steps) -> list[int]:
+    """Process 0's list of `steps` on every process. Each process lists the directory itself; a
+    stale listing on one would have it run another number of collectives (one per step checked)
+    than the others, and the job would hang."""
+    steps = sorted(int(s) for s in steps)
+    if jax.process_count() == 1:
+        return steps
+    from jax.experimental import multihost_utils
+
+    count = int(multihost_utils.broadcast_one_to_all(np.int64(len(steps))))
+    padded = np.zeros(count, np.int64)
+    padded[:min(count, len(steps))] = steps[:count]
+    return [int(s) for s in multihost_utils.broadcast_one_to_all(padded)] if count else []
 
 
 def agreed(problem: str | None, what: str) -> str | None:
@@ -87,11 +111,15 @@ def step_dirs(directory: str) -> dict[str, list]:
     found: dict[str, list] = {"complete": [], "incomplete": [], "damaged": []}
     if not epath.Path(directory).is_dir():
         return found
-    for entry in epath.Path(directory).iterdir():
+    entries = list(epath.Path(directory).iterdir())
+    marked = {e.name[:-len(DAMAGED_SUFFIX)] for e in entries if e.name.endswith(DAMAGED_SUFFIX) and not e.is_dir()}
+    for entry in entries:
         name, path = entry.name, os.fspath(entry)
         if not entry.is_dir():
             continue
-        if name.isdigit():
+        if name.isdigit() and name in marked:
+            found["damaged"].append((int(name), path))
+        elif name.isdigit():
             found["complete"].append((int(name), path))
         elif (m := re.fullmatch(r"(\d+)" + re.escape(TMP_SUFFIX) + r".*", name)):
             found["incomplete"].append((int(m.group(1)), path))
@@ -129,6 +157,28 @@ def _recorded_kind(path: str) -> str | None:
         return None
 
 
+_STORAGE_REFUSALS = (  # (text in an error from the OS, tensorstore or Cloud Storage, the reason it means)
+    ("no space left", "no space left on device"), ("resource_exhausted", "no space left on device"),
+    ("disk quota", "disk quota exceeded"), ("read-only file system", "read-only file system"),
+    ("permission denied", "permission denied"), ("permission_denied", "permission denied"),
+    ("forbidden", "the bucket refused the write (403 Forbidden)"),
+    ("403", "the bucket refused the write (403 Forbidden)"))
+
+
+def storage_problem(e: BaseException) -> str | None:
+    """What storage said in `e` (or the errors it was raised from) when it refused a write, in a
+    few words, or None if `e` is not such a refusal."""
+    while e is not None:
+        text = str(e).lower()
+        for needle, reason in _STORAGE_REFUSALS:
+            if needle in text:
+                return reason
+        if isinstance(e, OSError) and e.strerror:
+            return e.strerror.lower()
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def short(e: Exception) -> str:
     """An exception as one short line, for messages."""
     text = " ".join(str(e).split())
@@ -152,8 +202,11 @@ class Checkpointer:
         found = step_dirs(self.directory)
         for step, path in found["incomplete"]:
             console.warn(f"ignoring incomplete checkpoint {path} (interrupted write; removed)")
+        self.damaged = {step for step, path in found["damaged"] if os.path.basename(path).isdigit()}
+        listed = dict(found["complete"])
         good = []
-        for step, path in found["complete"]:  # checked before orbax reads (and logs about) them
+        for step in agreed_steps(listed):  # checked before orbax reads (and logs about) them
+            path = os.path.join(self.directory, str(step))
             if (problem := agreed(file_problem(path), path)) is not None:
                 self._quarantine(path, problem)
             else:
@@ -162,6 +215,8 @@ class Checkpointer:
         # time-based saves, each replaced by the next committed one; one stays temporary across
         # restarts: its kind is in its meta
         self.temporary: set[int] = {step for step, path in good if _recorded_kind(path) == "temporary"}
+        self.writing: int | None = None  # the step of the save in flight
+        self.failed = False
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,  # retention is ours: see prune()
             enable_async_checkpointing=True,  # training continues while the write happens
@@ -171,14 +226,15 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
 
     def _quarantine(self, path: str, problem: str) -> None:
-        target = path + DAMAGED_SUFFIX
-        n = 1
-        while epath.Path(target).exists():
-            n += 1
-            target = f"{path}{DAMAGED_SUFFIX}{n}"
-        console.warn(f"skipping damaged checkpoint {path}: {problem}; kept as {target}")
+        """Marks the checkpoint at `path` damaged: a file beside it, written by process 0."""
+        console.warn(f"skipping damaged checkpoint {path}: {problem}; marked {path}{DAMAGED_SUFFIX}")
         if jax.process_index() == 0:
-            epath.Path(path).rename(target)
+            epath.Path(path + DAMAGED_SUFFIX).write_text(problem + "\n")
+        self.damaged.add(int(os.path.basename(path)))
+
+    def steps(self) -> list[int]:
+        """The committed checkpoints' steps, the damaged ones left out."""
+        return sorted(s for s in self.manager.all_steps() if s not in self.damaged)
 
     # -- saving
 
@@ -186,11 +242,12 @@ class Checkpointer:
         """Starts an async save; returns once the arrays are on the host (the write continues).
 
         The previous save is waited for first (it must commit before retention may drop older
-        checkpoints), then retention runs.
+        checkpoints), then retention runs. Raises StorageError when storage refuses the write (or
+        cannot hold it), having removed the partial directory; no good checkpoint is touched.
         """
-        self.manager.wait_until_finished()
+        self.wait()
         self.prune()
-        if step in self.manager.all_steps():  # e.g. the final step, already saved
+        if step in self.steps():  # e.g. the final step, already saved
             return
         # The step skips non-finite updates and the fault policy postpones saves inside a streak of
         # them, so this never fires in a healthy run; it makes "no non-finite state is ever saved"
@@ -199,26 +256,117 @@ class Checkpointer:
         if not bool(_all_finite(state)):
             raise faults.NonFiniteLossError(f"the state of step {step} holds non-finite values: not saved "
                                             f"(the checkpoints in {self.directory} are untouched)")
+        if step in self.damaged:
+            self._replace_damaged(step)
+        # Refusals found before orbax starts are one clean line; inside its background write they
+        # come with orbax's own tracebacks (and are still turned into StorageError below).
+        needed, free = self._needed_bytes(state), paths.free_bytes(self.directory)
+        refused = self._write_problem() if jax.process_index() == 0 else None
+        if refused is None and free is not None and free < needed:
+            refused = "not enough free space"
+        if (refused := agreed(refused, self.directory)) is not None:
+            raise StorageError(self._failure(step, refused, needed, free))
         meta = dict({"data_position": step}, **meta, step=step, kind=kind,
                     saved_at=datetime.datetime.now().isoformat(timespec="seconds"))
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave(meta),
-                config=ocp.args.JsonSave(config_dict),
-            ),
-            force=True,
-        )
+        self.writing = step
+        with self._storage_errors():
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    meta=ocp.args.JsonSave(meta),
+                    config=ocp.args.JsonSave(config_dict),
+                ),
+                force=True,
+            )
         if kind == "temporary":
             self.temporary.add(step)
 
+    def _replace_damaged(self, step: int) -> None:
+        """The run saves a step whose checkpoint was marked damaged: that one goes (it has been
+        skipped since it was marked; the good state of the step replaces it)."""
+        path = os.path.join(self.directory, str(step))
+        console.warn(f"replacing damaged checkpoint {path} with the new save of step {step}")
+        if jax.process_index() == 0:
+            self.manager.delete(step)
+            epath.Path(path + DAMAGED_SUFFIX).unlink(missing_ok=True)
+        _sync(f"maxlm_checkpoint_replace_{step}")
+        self.manager.reload()
+        self.damaged.discard(step)
+
+    def _write_problem(self) -> str | None:
+        """Why storage refuses a write in the checkpoint directory (a small probe file), or None."""
+        probe = epath.Path(self.directory) / ".maxlm-write-probe"
+        try:
+            probe.write_text("maxlm\n")
+            probe.unlink()
+        except Exception as e:  # noqa: BLE001 - whatever storage answers, said in one line
+            return storage_problem(e) or short(e)
+        return None
+
+    def _needed_bytes(self, state) -> int:
+        """About what a checkpoint takes: the newest one's size, else the state's bytes."""
+        steps = self.steps()
+        if steps and not paths.is_remote(self.directory):
+            return paths.tree_bytes(os.path.join(self.directory, str(steps[-1])))
+        return sum(x.nbytes for x in jax.tree.leaves(state))
+
+    def warn_if_short_of_space(self, state_bytes: int) -> None:
+        """At start: a warning when the checkpoint directory cannot hold `max_to_keep` + 1
+        checkpoints (retention deletes an old one only after the new one has committed)."""
+        free = paths.free_bytes(self.directory)
+        if free is None:
+            return
+        steps = self.steps()
+        size = paths.tree_bytes(os.path.join(self.directory, str(steps[-1]))) if steps else state_bytes
+        held = min(len(steps), self.cfg.max_to_keep)  # already on disk, and kept
+        wanted = (self.cfg.max_to_keep + 1 - held) * size
+        if free < wanted:
+            console.warn(f"{self.directory} has {paths.human_bytes(free)} free, less than the "
+                         f"{paths.human_bytes(wanted)} that checkpoint.max_to_keep={self.cfg.max_to_keep} "
+                         f"checkpoints of about {paths.human_bytes(size)} (+1 being written) need: a save will fail")
+
+    @contextlib.contextmanager
+    def _storage_errors(self):
+        """Turns storage's refusal of the save in flight into a StorageError."""
+        try:
+            yield
+        except Exception as e:
+            why = storage_problem(e)
+            if why is None or self.writing is None:
+                raise
+            step, self.writing, self.failed = self.writing, None, True
+            self._remove_partial(step)
+            raise StorageError(self._failure(step, why, None, paths.free_bytes(self.directory))) from e
+
+    def _remove_partial(self, step: int) -> None:
+        if jax.process_index() != 0:
+            return
+        for entry in epath.Path(self.directory).iterdir():
+            if re.fullmatch(rf"{step}{re.escape(TMP_SUFFIX)}.*", entry.name):
+                entry.rmtree(missing_ok=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+    def _failure(self, step: int, why: str, needed: int | None, free: int | None) -> str:
+        space = ""
+        if why == "not enough free space" and free is not None:
+            space = f" (it needs about {paths.human_bytes(needed)}, {paths.human_bytes(free)} free)"
+        elif free is not None:
+            space = f" ({paths.human_bytes(free)} free)"
+        good = [s for s in self.steps() if s != step]
+        last = f"step {good[-1]}" if good else "none"
+        fix = ("make room (or lower checkpoint.max_to_keep)" if "space" in why or "quota" in why
+               else "let the run write there")
+        return (f"could not write the checkpoint of step {step} to {self.directory}: {why}{space}; "
+                f"the last good checkpoint is {last}: {fix} and rerun the same command to resume")
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._storage_errors():
+            self.manager.wait_until_finished()
+        self.writing = None
 
     def prune(self) -> None:
         """Applies retention to the committed checkpoints (call only when no save is pending)."""
-        committed = sorted(self.manager.all_steps())
+        committed = self.steps()
         if not committed:
             return
         regular = [s for s in committed if s not in self.temporary]
@@ -231,14 +379,17 @@ class Checkpointer:
                 self.temporary.discard(step)
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        if self.failed:  # the write failed: its error is on its way out already; orbax's would repeat it
+            return
+        self.wait()
         self.prune()
         self.manager.close()
 
     # -- restoring
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        steps = self.steps()
+        return steps[-1] if steps else None
 
     def restore_latest(self, abstract_state, before: int | None = None) -> tuple[Any, dict] | None:
         """(state, meta) of the newest checkpoint that restores and is finite, or None; with
@@ -246,11 +397,12 @@ class Checkpointer:
 
         `abstract_state` holds jax.ShapeDtypeStructs with shardings, so a checkpoint written on
         one mesh (or device or process count) lands directly, resharded, on the current one.
-        Damaged checkpoints are renamed aside with a warning, never deleted. Every verdict is
-        agreed by all processes (`agreed`), so they restore the same checkpoint.
+        Damaged checkpoints are marked with a warning, not deleted. The steps are process 0's
+        listing and every verdict is agreed by all processes (`agreed`), so they restore the same
+        checkpoint.
         """
         self.manager.reload()
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        for step in reversed(agreed_steps(self.steps())):
             if before is not None and step >= before:
                 continue
             path = os.path.join(self.directory, str(step))
@@ -278,9 +430,9 @@ class Checkpointer:
     def discard_after(self, step: int) -> None:
         """Deletes the checkpoints newer than `step`: after a loss-spike rollback to `step` they
         hold states from within the spike, and the steps they hold are trained again."""
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.reload()
-        for newer in sorted(s for s in self.manager.all_steps() if s > step):
+        for newer in [s for s in self.steps() if s > step]:
             console.warn(f"removing checkpoint {os.path.join(self.directory, str(newer))}: written after "
                      "the loss spike began")
             self.manager.delete(newer)

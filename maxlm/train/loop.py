@@ -56,6 +56,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
         return state_lib.create_sharded_state(cfg, tx, mesh, rules, rng)[0]
 
     ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint)
+    ckpt.warn_if_short_of_space(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
     state, lr_scale, meta = starting_state(cfg, ckpt, fresh_state, abstract)
     anomalies = anomaly.Anomalies(cfg.anomaly, meta)  # loss spikes: detector, skipped batches
     train_fn = train_step_fn(cfg, mesh, rules, shardings, anomalies.position)
