@@ -27,16 +27,10 @@ MESH_AXES = ("stage", "data", "fsdp", "sequence", "tensor")  # outermost (slowes
 DCN_AXES = ("data", "fsdp")  # axes that may span granules: mesh.dcn_data, mesh.dcn_fsdp
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
-    """Fills the one optional -1 so that stage × data × fsdp × sequence × tensor == num_devices."""
+    """Fills the one optional -1 so that stage × data × fsdp × sequence × tensor == num_devices
+    (each size already in its domain, a positive int or -1: `config.resolve` checks that first)."""
     sizes = {axis: mesh_cfg[axis] for axis in MESH_AXES}
-    for axis, size in sizes.items():
-        if not _is_int(size) or (size < 1 and size != -1):
-            raise ConfigError(f"mesh.{axis} must be a positive int or -1, got {size!r}")
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
         raise ConfigError(
@@ -62,11 +56,10 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
 
 def check_dcn(mesh_cfg, num_granules: int | None = None) -> None:
     """`mesh.dcn_data` / `mesh.dcn_fsdp` against the resolved mesh and, when known, the number of
-    granules (TPU slices; processes on GPU/CPU) the devices come in."""
+    granules (TPU slices; processes on GPU/CPU) the devices come in. The sizes are positive ints
+    (their domain, checked by `config.resolve`)."""
     dcn = {axis: mesh_cfg[f"dcn_{axis}"] for axis in DCN_AXES}
     for axis, size in dcn.items():
-        if not _is_int(size) or size < 1:
-            raise ConfigError(f"mesh.dcn_{axis} must be a positive int, got {size!r}")
         if mesh_cfg[axis] % size:
             raise ConfigError(
                 f"mesh.dcn_{axis}={size} must divide mesh.{axis}={mesh_cfg[axis]} (mesh.{axis} = "

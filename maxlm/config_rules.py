@@ -1,15 +1,17 @@
-"""What a valid run config is: the allowed values of each key and the rules between keys.
+"""What a valid run config is: the kinds of domain a key may have and the rules between keys.
 
-`config.resolve` runs these in order: first the single-key rules of the tables below
-(`check_values`: the first broken one raises), then the cross-field rules, each raising a
-one-line `ConfigError` that names the keys and values involved. Some also fill derived values
-(`model.head_dim`, `model.max_positions`, `optim.decay_steps`).
+`config.resolve` runs these in order: first every key's domain, declared beside its default in
+maxlm/config.py (`check_values`: the first value outside its domain raises), then the cross-field
+rules, each raising a one-line `ConfigError` that names the keys and values involved. Some also
+fill derived values (`model.head_dim`, `model.max_positions`, `optim.decay_steps`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from collections.abc import Callable
 
 from maxlm.errors import ConfigError
 
@@ -25,53 +27,45 @@ POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/mode
 SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/model/attention.py)
 
 
+# Domains: the values one key may take. Each key's domain is declared beside its default in
+# maxlm/config.py (`s.lr = 3e-4, POSITIVE`); `check_values` checks them all, first.
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """What a key's values must be (`what`: the error says "KEY must be WHAT, got VALUE") and the
+    `test` a value passes when it is one of them. No number domain holds NaN or an infinity."""
 
-# Single-key rules, checked first by `resolve` (cross-field rules follow there).
-POSITIVE = ("steps", "batch_size", "seq_len", "log_every_steps", "optim.lr", "model.num_layers",
-            "model.d_model", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
-            "model.vocab_size", "model.rope_theta", "model.norm_eps", "checkpoint.every_steps",
-            "checkpoint.max_to_keep", "checkpoint.max_bad_steps", "eval.steps", "debug.nan_steps",
-            "data.tokenizer_sample_docs", "data.shard_mb", "optim.power", "debug.spike_lr_scale",
-            "anomaly.spike_sigma", "optim.eps")
-NON_NEGATIVE = ("seed", "checkpoint.keep_period", "checkpoint.every_minutes", "checkpoint.max_restores",
-                "optim.warmup_steps", "optim.decay_steps", "optim.clip_norm", "optim.weight_decay",
-                "optim.min_lr_ratio", "eval.every_steps", "model.head_dim", "model.init_std",
-                "model.logits_chunk_size", "model.z_loss", "model.label_smoothing",
-                "data.tokenizer_vocab_size", "data.filters.min_words")
-POSITIVE_INTS = {"optim.grad_accum_steps": "", "model.pipeline_microbatches": "", "data.shard_examples": "",
-                 "data.filters.near_dedup_ngram": "", "data.filters.near_dedup_bands": "",
-                 "data.filters.near_dedup_rows": "", "anomaly.max_spikes": "", "anomaly.skip_batches": "",
-                 "debug.spike_batches": "",
-                 "optim.loss_scale_growth_interval": " (good steps before the loss scale doubles)"}
-NON_NEGATIVE_INTS = ("profile.start_step", "profile.num_steps", "num_devices", "data.workers",
-                     "optim.lr_reference_batch", "anomaly.warmup", "anomaly.max_rollbacks", "eval.task_shots",
-                     "model.max_positions")
-CHOICES = {"platform": PLATFORMS, "model.dtype": DTYPES, "model.remat": REMAT, "model.attention": ATTENTION,
-           "model.positions": POSITIONS,
-           "optim.mu_dtype": MU_DTYPES, "optim.name": OPTIMIZERS, "optim.schedule": SCHEDULES,
-           "optim.lr_batch_scaling": LR_BATCH_SCALING, "data.txt_documents": ("file", "paragraph"),
-           "data.bad_records": ("error", "skip")}
-RANGES = {  # key: (test, what the message says it must be)
-    "checkpoint.restore_lr_scale": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "optim.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "optim.b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "optim.min_lr_ratio": (lambda v: v <= 1, "<= 1"),
-    "optim.decay_factor": (lambda v: 0 < v < 1, "in (0, 1)"),
-    "optim.decay_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "optim.loss_scale_init": (lambda v: 0 < v < math.inf, "a positive finite number"),
-    "optim.loss_scale_min": (lambda v: 0 < v < math.inf, "a positive finite number"),
-    "model.label_smoothing": (lambda v: v < 1, "< 1"),
-    "data.validation_percent": (lambda v: 0 <= v <= 100, "in [0, 100]"),
-    "data.filters.max_symbol_ratio": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
-    "data.filters.max_repeated_word_share": (lambda v: 0 <= v <= 1, "in [0, 1] (0 = off)"),
-    "data.filters.min_language_score": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "anomaly.ema": (lambda v: 0 < v < 1, "in (0, 1)"),
-}
+    what: str
+    test: Callable[[object], bool]
+
+    def described(self, what: str) -> Domain:
+        """The same values, with `what` saying more of what they mean."""
+        return Domain(what, self.test)
 
 
 def _is_number(value, kinds=(int, float)) -> bool:
     """A finite int or float (not a bool): NaN and inf are in no key's domain."""
     return isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
+
+
+POSITIVE = Domain("a positive finite number", lambda v: _is_number(v) and v > 0)
+NON_NEGATIVE = Domain("a finite number >= 0", lambda v: _is_number(v) and v >= 0)
+POSITIVE_INT = Domain("a positive int", lambda v: _is_number(v, int) and v > 0)
+NON_NEGATIVE_INT = Domain("an int >= 0", lambda v: _is_number(v, int) and v >= 0)
+INT_OR_OFF = Domain("an int >= 0 or -1 (off)", lambda v: _is_number(v, int) and v >= -1)
+MESH_SIZE = Domain("a positive int or -1", lambda v: _is_number(v, int) and (v > 0 or v == -1))  # -1: filled by resolve
+BOOL = Domain("True or False", lambda v: isinstance(v, bool))
+
+
+def between(interval: str) -> Domain:
+    """The finite numbers in `interval`, written as the error shows it: "[0, 1)", "(0, 1]", ..."""
+    low, high = (float(x) for x in interval[1:-1].split(","))
+    above = (lambda v: v >= low) if interval[0] == "[" else (lambda v: v > low)
+    below = (lambda v: v <= high) if interval[-1] == "]" else (lambda v: v < high)
+    return Domain(f"in {interval}", lambda v: _is_number(v) and above(v) and below(v))
+
+
+def one_of(choices: tuple) -> Domain:
+    return Domain(f"one of {choices}", lambda v: v in choices)
 
 
 def _get(c, key):
@@ -80,38 +74,12 @@ def _get(c, key):
     return c
 
 
-def _positive_int(c, key: str, what: str = "") -> None:
-    if not _is_number(value := _get(c, key), int) or value < 1:
-        raise ConfigError(f"{key} must be a positive int{what}, got {value!r}")
-
-
-def check_values(c) -> None:
-    """The single-key rules above, in order: the first broken one raises ConfigError."""
-    for key in POSITIVE:
-        if not _is_number(value := _get(c, key)) or value <= 0:
-            raise ConfigError(f"{key} must be a positive finite number, got {value!r}")
-    for key in NON_NEGATIVE:
-        if not _is_number(value := _get(c, key)) or value < 0:
-            raise ConfigError(f"{key} must be a finite number >= 0, got {value!r}")
-    for key, what in POSITIVE_INTS.items():
-        _positive_int(c, key, what)
-    for key in NON_NEGATIVE_INTS:
-        if not _is_number(value := _get(c, key), int) or value < 0:
-            raise ConfigError(f"{key} must be an int >= 0, got {value!r}")
-    for key, choices in CHOICES.items():
-        if (value := _get(c, key)) not in choices:
-            raise ConfigError(f"{key} must be one of {choices}, got {value!r}")
-    for key, (test, what) in RANGES.items():
-        if not _is_number(value := _get(c, key)) or not test(value):
-            raise ConfigError(f"{key} must be {what}, got {value!r}")
-    for key in ("model.fp8", "anomaly.enabled"):
-        if not isinstance(value := _get(c, key), bool):
-            raise ConfigError(f"{key} must be True or False, got {value!r}")
-    if not _is_number(c.debug.nan_at_step, int) or c.debug.nan_at_step < -1:
-        raise ConfigError(f"debug.nan_at_step must be a step >= 0 or -1 (off), got {c.debug.nan_at_step!r}")
-    if not _is_number(c.debug.spike_at_batch, int) or c.debug.spike_at_batch < -1:
-        raise ConfigError(f"debug.spike_at_batch must be a data position >= 0 or -1 (off), got "
-                          f"{c.debug.spike_at_batch!r}")
+def check_values(c, domains: dict[str, Domain]) -> None:
+    """Each key of `domains` ({dotted key: Domain}, in declaration order) against its domain: the
+    first value outside it raises ConfigError."""
+    for key, domain in domains.items():
+        if not domain.test(value := _get(c, key)):
+            raise ConfigError(f"{key} must be {domain.what}, got {value!r}")
 
 
 def check_platform(c, num_devices: int, platform: str | None) -> None:
@@ -139,7 +107,7 @@ def check_model_and_optim(c) -> None:
             f"{-(-c.seq_len // SPLASH_BLOCK) * SPLASH_BLOCK}"
         )
     for key in ("splash_block_q", "splash_block_kv"):
-        if m[key] < 0 or m[key] % SPLASH_BLOCK or (m[key] and c.seq_len % m[key]):
+        if m[key] % SPLASH_BLOCK or (m[key] and c.seq_len % m[key]):
             raise ConfigError(f"model.{key}={m[key]} must be 0 (automatic) or a multiple of "
                               f"{SPLASH_BLOCK} that divides seq_len={c.seq_len}")
     if m.logits_chunk_size and c.seq_len % m.logits_chunk_size:

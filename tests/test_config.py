@@ -167,15 +167,46 @@ def test_expected_platform_and_device_count(tmp_path):
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
-def numeric_keys():
-    """(key, default) of every int or float key of the defaults."""
+def leaves() -> dict:
+    """{dotted key: default} of every leaf of the defaults."""
     def flat(d, prefix=""):
         for k, v in d.items():
             if isinstance(v, dict):
                 yield from flat(v, f"{prefix}{k}.")
-            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            else:
                 yield f"{prefix}{k}", v
-    return list(flat(config_lib.defaults().to_dict()))
+    return dict(flat(config_lib.defaults().to_dict()))
+
+
+def numeric_keys():
+    """(key, default) of every int or float key of the defaults."""
+    return [(k, v) for k, v in leaves().items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def test_every_number_and_bool_declares_its_domain_beside_its_default():
+    """`s.key = default, DOMAIN` in config.py: a number or bool declared without one is refused
+    there, each domain names a key of the defaults, and each default is in its own domain."""
+    domains, defaults = config_lib.domains(), leaves()
+    assert [k for k, v in defaults.items() if isinstance(v, (bool, int, float)) and k not in domains] == []
+    assert set(domains) <= set(defaults)
+    assert [k for k, domain in domains.items() if not domain.test(defaults[k])] == []
+    with pytest.raises(TypeError, match="config key x = 3 needs a domain"):
+        config_lib._Section().x = 3
+    assert isinstance(config_lib.defaults().optim.lr, float)  # plain values: the domains stay out of config.json
+
+
+@pytest.mark.parametrize("key", [k for k, v in leaves().items() if k in config_lib.domains() and isinstance(v, (bool, str))])
+def test_every_bool_and_choice_key_refuses_other_values(key):
+    """A string where a bool belongs can come only from a config.json written by hand (ConfigDict
+    refuses it in a config file or flag), so the value is set in the recorded dict."""
+    recorded = load_config("tiny").to_dict()
+    *path, last = key.split(".")
+    node = recorded
+    for part in path:
+        node = node[part]
+    node[last] = "nope"
+    with pytest.raises(config_lib.ConfigError, match=re.escape(f"{key} must be ")):
+        config_lib.resolve(config_lib.ml_collections.ConfigDict(recorded), 8)
 
 
 @pytest.mark.parametrize("key, default", numeric_keys())
