@@ -5,9 +5,10 @@ Orbax writes checkpoints through epath; everything else a run writes or scans in
 here, so `--workdir=gs://bucket/run` needs no local filesystem. epath's GCS backend needs `gcsfs`
 (or TensorFlow) installed, as orbax does for the same URLs.
 
-Object stores cannot append to an object: `AppendFile` keeps an appended-to file's contents in
-memory and rewrites the whole object, at most every `REMOTE_FLUSH_SECONDS` (GCS allows about one
-write per second to one object) and when closed.
+Object stores cannot append to an object in place: `AppendFile` holds what is written to a
+remote file and adds it at most every `REMOTE_FLUSH_SECONDS` (GCS allows about one write per
+second to one object) and when closed; on `gs://` by compose (maxlm/gcs.py), which sends only the
+new bytes, elsewhere by rewriting the object whole.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import shutil
 import time
 
 from etils import epath
+
+from maxlm import gcs
 
 REMOTE_FLUSH_SECONDS = 10.0
 
@@ -56,8 +59,9 @@ class AppendFile:
     """A file opened for appending (text or bytes, as written) on a local or remote path.
 
     Local: the file itself, opened through epath in append mode; `flush` reaches the OS.
-    Remote: the existing contents are read once, writes are appended in memory, and `flush`
-    rewrites the object (no more often than every `min_interval` seconds; `close` always does).
+    Remote: writes are held in memory until `flush` adds them to the object (no more often than
+    every `min_interval` seconds; `close` always does): the first flush of a new file writes it,
+    later ones append (see `append_to_object`).
     """
 
     def __init__(self, path, min_interval: float = REMOTE_FLUSH_SECONDS):
@@ -65,39 +69,59 @@ class AppendFile:
         self.remote = is_remote(path)
         self.min_interval = min_interval
         if self.remote:
-            self._data = bytearray(self.path.read_bytes() if self.path.exists() else b"")
-            self._written_at, self._dirty = float("-inf"), False
+            self._held = bytearray()  # written, not yet in the object
+            self._stored = self.path.exists()
+            self._written_at = float("-inf")
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("ab")
 
     def tail(self, n: int = 1) -> bytes:
         """The last `n` bytes of the file as it stands (including unflushed writes)."""
-        if self.remote:
-            return bytes(self._data[-n:])
-        self._file.flush()
-        size = self._file.tell()
+        if not self.remote:
+            self._file.flush()
+        held = bytes(self._held[-n:]) if self.remote else b""
+        if len(held) == n or not self.path.exists():
+            return held
         with self.path.open("rb") as f:
-            f.seek(max(size - n, 0))
-            return f.read()
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(size - (n - len(held)), 0))
+            return f.read() + held
 
     def write(self, data: str | bytes) -> None:
         data = data.encode("utf-8") if isinstance(data, str) else data
         if self.remote:
-            self._data += data
-            self._dirty = True
+            self._held += data
         else:
             self._file.write(data)
 
     def flush(self, force: bool = False) -> None:
         if not self.remote:
             self._file.flush()
-        elif self._dirty and (force or time.monotonic() - self._written_at >= self.min_interval):
-            self.path.write_bytes(bytes(self._data))
-            self._written_at, self._dirty = time.monotonic(), False
+        elif self._held and (force or time.monotonic() - self._written_at >= self.min_interval):
+            if self._stored:
+                append_to_object(self.path, bytes(self._held))
+            else:
+                self.path.write_bytes(bytes(self._held))
+                self._stored = True
+            self._held.clear()
+            self._written_at = time.monotonic()
 
     def close(self) -> None:
         if self.remote:
             self.flush(force=True)
         else:
             self._file.close()
+
+
+def append_to_object(path: epath.Path, data: bytes) -> None:
+    """Adds `data` to the end of the existing remote object `path`: on gs:// by compose (only the
+    new bytes travel); where that is missing (other stores, GCS zonal buckets) by reading the
+    object and writing it back whole."""
+    if os.fspath(path).startswith("gs://"):
+        try:
+            gcs.append(os.fspath(path), data)
+            return
+        except NotImplementedError:
+            pass
+    path.write_bytes(path.read_bytes() + data)

@@ -6,6 +6,9 @@ driver (orbax's array data) through TENSORSTORE_GCS_HTTP_URL with the fixed toke
 GOOGLE_AUTH_TOKEN_FOR_TESTING, so a gs:// path in a test goes through the same code as on Cloud
 Storage, over loopback. NO_GCE_CHECK keeps google-auth (which gcsfs asks for credentials to look up
 a bucket's layout, then falls back) from probing the GCE metadata server at 169.254.169.254.
+Where the emulator differs from Cloud Storage in what maxlm relies on, it is patched: suffix
+ranges, generation headers, generation preconditions (the workdir lease). `uploads` counts
+the bytes each upload sends.
 """
 
 from __future__ import annotations
@@ -49,11 +52,7 @@ def _serve_suffix_ranges() -> None:
         return original(request, response, storage, *args, **kwargs)
 
     download.serves_suffix_ranges = True
-    objects.download = download
-    for _, methods in server.HANDLERS:
-        for method, handler in methods.items():
-            if handler is original:
-                methods[method] = download
+    _replace_handler(original, download)
     handle = server.Router.handle
 
     def handle_unless_gone(self, method):
@@ -63,6 +62,93 @@ def _serve_suffix_ranges() -> None:
     server.Router.handle = handle_unless_gone
 
 
+def _replace_handler(original, replacement) -> None:
+    """Routes the emulator's requests for handler `original` to `replacement`."""
+    from gcp_storage_emulator import server
+    from gcp_storage_emulator.handlers import objects
+
+    setattr(objects, original.__name__, replacement)  # the emulator also calls some by module name
+    for _, methods in server.HANDLERS:
+        for method, handler in methods.items():
+            if handler is original:
+                methods[method] = replacement
+
+
+def _object_name(request) -> str | None:
+    """The object a request is about: in its path, its query (a simple upload) or its metadata."""
+    if "object_id" in request.params:
+        return request.params["object_id"]
+    if "name" in request.query:
+        return request.query["name"][0]
+    data = request.data if isinstance(request.data, dict) else {}
+    return data.get("meta", data).get("name")
+
+
+def _honour_generation_preconditions() -> None:
+    """The emulator ignores `ifGenerationMatch`, which Cloud Storage checks on uploads, deletes
+    and composes: the object's generation (0: no object) must be the one given, else 412
+    Precondition Failed and nothing changes. The emulator serves one request at a time, so the
+    check and the write are atomic, as on Cloud Storage."""
+    from http import HTTPStatus
+
+    from gcp_storage_emulator.exceptions import NotFound
+    from gcp_storage_emulator.handlers import objects
+
+    if getattr(objects.compose, "honours_preconditions", False):
+        return
+
+    def conditional(original):
+        def handler(request, response, storage, *args, **kwargs):
+            wanted = request.query.get("ifGenerationMatch")
+            if wanted is not None:
+                try:
+                    generation = storage.get_file_obj(request.params["bucket_name"], _object_name(request))["generation"]
+                except NotFound:
+                    generation = "0"
+                if str(generation) != wanted[0]:
+                    response.status = HTTPStatus.PRECONDITION_FAILED
+                    response.json({"error": {"code": 412, "message": "conditionNotMet"}})
+                    return None
+            return original(request, response, storage, *args, **kwargs)
+
+        handler.__name__ = original.__name__
+        handler.honours_preconditions = True
+        return handler
+
+    for original in (objects.insert, objects.delete, objects.compose):
+        _replace_handler(original, conditional(original))
+
+
+uploads: list[tuple[str, int]] = []  # (object name, bytes) of every upload request fake_gcs served
+
+
+def _record_uploads() -> None:
+    """Records in `uploads` the bytes each upload request sends (a simple upload's object, a
+    resumable upload's chunk), for tests that count what a writer sends."""
+    from gcp_storage_emulator.handlers import objects
+
+    if getattr(objects.upload_partial, "records_uploads", False):
+        return
+    insert, upload_partial = objects.insert, objects.upload_partial
+
+    def recorded_insert(request, response, storage, *args, **kwargs):
+        if request.query.get("uploadType", [""])[0] in ("media", "multipart"):
+            content = request.data["content"] if isinstance(request.data, dict) else request.data
+            uploads.append((_object_name(request), len(content or b"")))
+        return insert(request, response, storage, *args, **kwargs)
+
+    def recorded_upload_partial(request, response, storage, *args, **kwargs):
+        with contextlib.suppress(Exception):  # an unknown upload: the handler says so
+            name = storage.get_resumable_file_obj(request.query["upload_id"][0])["name"]
+            uploads.append((name, len(request.data or b"")))
+        return upload_partial(request, response, storage, *args, **kwargs)
+
+    recorded_insert.__name__, recorded_upload_partial.__name__ = "insert", "upload_partial"
+    recorded_upload_partial.records_uploads = True
+    _replace_handler(insert, recorded_insert)
+    _replace_handler(upload_partial, recorded_upload_partial)
+
+
 @contextlib.contextmanager
 def fake_gcs():
     """Serves an empty bucket `BUCKET`; yields the environment that points clients at it (also
@@ -70,6 +156,9 @@ def fake_gcs():
     from gcp_storage_emulator.server import create_server
 
     _serve_suffix_ranges()
+    _honour_generation_preconditions()
+    _record_uploads()
+    uploads.clear()
     port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from etils import epath
 
-from maxlm import checkpoint as checkpoint_command, config as config_lib, paths
+from maxlm import checkpoint as checkpoint_command, config as config_lib, gcs, paths
 from maxlm.train import checkpoint, loop, metrics, profiler
-from tests.helpers import ROOT, load_config, losses, saved_state, with_overrides
+from tests.helpers import ROOT, load_config, losses, metrics_rows, saved_state, with_overrides
 
 
 @pytest.fixture
@@ -59,23 +59,83 @@ def test_workdir_paths():
     assert paths.is_remote("s3://b/x") and not paths.is_remote("/mnt/shared/x")
 
 
-def test_metrics_and_tensorboard_in_a_bucket(bucket):
-    writer = metrics.make_writers("gs://bkt/run", is_primary=True, tensorboard=True)
+@pytest.fixture
+def gcs_run(monkeypatch):
+    """gs://BUCKET/run on the Cloud Storage stand-in of tests/gcs.py."""
+    from tensorboardX import record_writer  # maxlm registers its gs:// event writer there
+
+    from tests.gcs import BUCKET, fake_gcs
+
+    monkeypatch.setattr(record_writer, "REGISTERED_FACTORIES", dict(record_writer.REGISTERED_FACTORIES))
+    with fake_gcs():
+        yield f"gs://{BUCKET}/run"
+
+
+def test_metrics_and_tensorboard_in_a_bucket(gcs_run, tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    writer = metrics.make_writers(gcs_run, is_primary=True, tensorboard=True)
     writer.write(1, {"loss": 2.5})
     writer.write(2, {"loss": 2.0})  # within REMOTE_FLUSH_SECONDS of the first: held in memory
-    jsonl = bucket / "bkt" / "run" / "metrics.jsonl"
-    assert [json.loads(line)["step"] for line in jsonl.read_text().splitlines()] == [1]
-    writer.close()  # rewrites the object whole
-    assert [json.loads(line)["step"] for line in jsonl.read_text().splitlines()] == [1, 2]
-    events = list((bucket / "bkt" / "run").glob("events.out.tfevents.*"))
-    assert len(events) == 1 and events[0].stat().st_size > 0
+    assert [row["step"] for row in metrics_rows(gcs_run)] == [1]
+    writer.flush()  # appended to the object (the event file's first flush makes it)
+    assert [row["step"] for row in metrics_rows(gcs_run)] == [1, 2]
+    writer.write(3, {"loss": 1.5})
+    writer.close()  # appends the rest to both
+    assert [row["step"] for row in metrics_rows(gcs_run)] == [1, 2, 3]
+    names = [p.name for p in epath.Path(gcs_run).iterdir()]
+    events = [n for n in names if n.startswith("events.out.tfevents.")]
+    assert len(events) == 1 and not [n for n in names if n.startswith(gcs.SEGMENT_PREFIX)]
+    (tmp_path / "tb").mkdir()  # the event file as TensorBoard reads it, composed of several flushes
+    (tmp_path / "tb" / events[0]).write_bytes((epath.Path(gcs_run) / events[0]).read_bytes())
+    read = ea.EventAccumulator(str(tmp_path / "tb"), size_guidance={ea.SCALARS: 0})
+    read.Reload()
+    assert [(e.step, e.value) for e in read.Scalars("train/loss")] == [(1, 2.5), (2, 2.0), (3, 1.5)]
 
-    jsonl.write_text(jsonl.read_text() + '{"step": 3, "lo')  # a run killed mid-line
-    resumed = metrics.JsonlWriter("gs://bkt/run/metrics.jsonl")
-    resumed.write(3, {"loss": 1.5})
+    jsonl = epath.Path(gcs_run) / "metrics.jsonl"
+    jsonl.write_text(jsonl.read_text() + '{"step": 4, "lo')  # a run killed mid-line
+    resumed = metrics.JsonlWriter(jsonl)
+    resumed.write(4, {"loss": 1.25})
     resumed.close()
     lines = jsonl.read_text().splitlines()
-    assert json.loads(lines[-1]) == {"step": 3, "loss": 1.5} and len(lines) == 4
+    assert json.loads(lines[-1]) == {"step": 4, "loss": 1.25} and len(lines) == 5
+
+
+def test_a_flush_to_a_bucket_sends_only_the_new_bytes(gcs_run):
+    """Each flush adds its bytes by compose (GCS's append): the upload is the new bytes alone,
+    however long the file has grown."""
+    from tests.gcs import uploads
+
+    url = f"{gcs_run}/metrics.jsonl"
+    old = b"".join(b'{"step": %d}\n' % step for step in range(10_000))
+    epath.Path(url).write_bytes(old)  # a long run's file, resumed
+    appended = paths.AppendFile(url, min_interval=0)
+    assert appended.tail(2) == b"}\n"
+    uploads.clear()
+    for new in (b'{"step": 10000}\n', b'{"step": 10001}\n'):
+        appended.write(new)
+        assert appended.tail(len(new) + 2) == b"}\n" + new  # the object's end, then what it holds
+        appended.flush()
+    appended.close()
+    assert [size for _, size in uploads] == [16, 16]
+    assert not [name for name, _ in uploads if name.endswith("metrics.jsonl")]  # never the file whole
+    assert epath.Path(url).read_bytes() == old + b'{"step": 10000}\n{"step": 10001}\n'
+
+
+def test_a_remote_file_without_compose_is_rewritten_whole(gcs_run, monkeypatch):
+    """Where the store has no compose (a GCS zonal bucket), a flush rewrites the object."""
+    def no_compose(url, data):
+        raise NotImplementedError("no compose here")
+
+    monkeypatch.setattr(gcs, "append", no_compose)
+    url = f"{gcs_run}/metrics.jsonl"
+    appended = paths.AppendFile(url, min_interval=0)
+    for line in (b"one\n", b"two\n", b"three\n"):
+        appended.write(line)
+        appended.flush()
+    assert appended.tail(8) == b"o\nthree\n"
+    appended.close()
+    assert epath.Path(url).read_bytes() == b"one\ntwo\nthree\n"
 
 
 def test_checkpoint_scans_in_a_bucket(bucket, capsys):

@@ -2,11 +2,13 @@
 
 The command around the training loop (maxlm/train/loop.py): flags, the config validated for this
 machine's devices, and the exit status: 0 done, 2 bad config or data (before anything is
-compiled or written), 3 non-finite steps persist, 143 preempted (SIGTERM) and 130 interrupted
+compiled or written; or at once, writing nothing more, when another run takes a gs:// workdir's
+lease: workdir_lock.py), 3 non-finite steps persist, 143 preempted (SIGTERM) and 130 interrupted
 (Ctrl-C), each with a checkpoint committed; 1 for anything else, e.g. a checkpoint storage refused
 (one line: the step, why, where, the last good checkpoint).
 """
 
+import os
 import sys
 
 import jax
@@ -36,7 +38,7 @@ def train(f) -> None:
         loop.check_start(cfg, f.workdir)
         # one run per workdir: a second one stops here, having read but written nothing there, and
         # a run with bad input stops before, leaving no lock file behind
-        workdir_lock.hold(f.workdir)
+        workdir_lock.hold(f.workdir, on_lost=stop_on_lost_lease)
     except ValueError as e:  # bad data or a data/config mismatch: the user's to fix
         cli.config_error(str(e))
     try:
@@ -61,6 +63,14 @@ def train(f) -> None:
             print(f"nothing to do: the checkpoint in {f.workdir} is already at step {cfg.steps}")
         print(f"checkpoints: {checkpoint.checkpoint_dir(f.workdir)}")
         print(f"metrics:     {paths.workdir_path(f.workdir) / 'metrics.jsonl'}")
+
+
+def stop_on_lost_lease(message: str) -> None:
+    """Another run has taken this gs:// workdir's lease (workdir_lock.py): end at once, writing
+    nothing more there (no checkpoint, no metrics: they would mix with that run's). On a
+    multi-process job the other processes then fail on the lost process 0."""
+    print(f"maxlm: error: {message}", file=sys.stderr, flush=True)
+    os._exit(workdir_lock.LEASE_LOST_EXIT)  # called on the heartbeat thread, where sys.exit ends only it
 
 
 def define_flags() -> None:

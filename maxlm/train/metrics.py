@@ -113,8 +113,8 @@ class JsonlWriter:
     keep the last record for each step. Non-finite floats are written as the
     strings "nan", "inf", "-inf" (see _json_value). Each write is flushed to
     the OS so a crash loses at most the line being written. A remote path
-    (gs://...) is written through epath, the object rewritten at most every
-    paths.REMOTE_FLUSH_SECONDS and on close (see paths.AppendFile).
+    (gs://...) is appended to at most every paths.REMOTE_FLUSH_SECONDS and on
+    close (see paths.AppendFile).
     """
 
     def __init__(self, path: str | os.PathLike):
