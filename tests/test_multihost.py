@@ -13,7 +13,8 @@ from tests.helpers import ROOT, command_env, free_port, losses
 pytestmark = pytest.mark.slow
 
 # `python -m maxlm.train`, except that process 1 reads checkpoint MAXLM_TEST_BLIND_STEP as damaged
-# (as a process on a node with a stale or broken view of the shared filesystem would).
+# and its listing of the checkpoints lacks MAXLM_TEST_STALE_STEP (as a process on a node with a
+# stale or broken view of the shared filesystem would).
 TRAIN_WITH_A_BLIND_PROCESS = """
 import os, sys
 from maxlm.train import __main__ as train_command, checkpoint
@@ -23,6 +24,13 @@ if blind and os.environ["JAX_PROCESS_ID"] == "1":
     readable = checkpoint.file_problem
     checkpoint.file_problem = lambda path: (
         "unreadable from this process" if os.path.basename(path) == blind else readable(path))
+stale = os.environ.get("MAXLM_TEST_STALE_STEP")
+if stale and os.environ["JAX_PROCESS_ID"] == "1":
+    listed = checkpoint.step_dirs
+    def stale_listing(directory):
+        found = listed(directory)
+        return dict(found, complete=[(s, p) for s, p in found["complete"] if str(s) != stale])
+    checkpoint.step_dirs = stale_listing
 sys.argv = ["maxlm.train", *sys.argv[1:]]
 cli.run(train_command.main, train_command.define_flags)
 """
@@ -72,7 +80,9 @@ def hidden_from_process_1(path):
 def test_a_checkpoint_one_process_reads_as_damaged_is_skipped_by_all(tmp_path, data_dirs):
     """Process 1 alone reads checkpoint 6 as damaged: both processes set it aside and resume from
     3 (deciding alone, one would restore 6 and the other 3, and the job would hang), then train
-    on to the uninterrupted run's losses, saving on process 0's clock as well."""
+    on to the uninterrupted run's losses, saving on process 0's clock as well. Process 1's listing
+    also lacks checkpoint 3: the processes check process 0's list, or they would run different
+    numbers of collectives."""
     reference = tmp_path / "reference"
     done = subprocess.run([sys.executable, "-m", "maxlm.train", *train_flags(reference, data_dirs)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -85,13 +95,14 @@ def test_a_checkpoint_one_process_reads_as_damaged_is_skipped_by_all(tmp_path, d
     # time-based saves too: process 0's clock, broadcast at each log step, read one step later
     command = [sys.executable, "-c", TRAIN_WITH_A_BLIND_PROCESS,
                *train_flags(run, data_dirs, "--config.checkpoint.every_minutes=1e-5")]
-    results = two_processes(tmp_path, command, MAXLM_TEST_BLIND_STEP="6")
+    results = two_processes(tmp_path, command, MAXLM_TEST_BLIND_STEP="6", MAXLM_TEST_STALE_STEP="3")
     for (out, err), code in results:
         assert code == 0, err[-3000:]
     err0 = results[0][0][1]
     assert "damaged as process 1 reads it" in err0 and "6.damaged" in err0, err0[-3000:]
     assert f"resumed from {run / 'checkpoints'} at step 3" in err0
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["3", "6", "6.damaged", "9"]
+    assert "replacing damaged checkpoint" in err0  # marked, then replaced by the new save of step 6
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["3", "6", "9"]
     got, want = losses(run), losses(reference)
     assert sorted(got) == list(range(4, 10))
     for step in got:

@@ -287,8 +287,8 @@ class Checkpointer:
         skipped since it was marked; the good state of the step replaces it)."""
         path = os.path.join(self.directory, str(step))
         console.warn(f"replacing damaged checkpoint {path} with the new save of step {step}")
+        self.manager.delete(step)  # on every process: orbax syncs them
         if jax.process_index() == 0:
-            self.manager.delete(step)
             epath.Path(path + DAMAGED_SUFFIX).unlink(missing_ok=True)
         _sync(f"maxlm_checkpoint_replace_{step}")
         self.manager.reload()
@@ -347,16 +347,15 @@ class Checkpointer:
                 entry.rmtree(missing_ok=True) if entry.is_dir() else entry.unlink(missing_ok=True)
 
     def _failure(self, step: int, why: str, needed: int | None, free: int | None) -> str:
-        space = ""
-        if why == "not enough free space" and free is not None:
-            space = f" (it needs about {paths.human_bytes(needed)}, {paths.human_bytes(free)} free)"
-        elif free is not None:
-            space = f" ({paths.human_bytes(free)} free)"
+        space = "space" in why or "quota" in why
+        sizes = ""
+        if space and free is not None:
+            sizes = f" ({paths.human_bytes(free)} free)" if needed is None else \
+                f" (it needs about {paths.human_bytes(needed)}, {paths.human_bytes(free)} free)"
         good = [s for s in self.steps() if s != step]
         last = f"step {good[-1]}" if good else "none"
-        fix = ("make room (or lower checkpoint.max_to_keep)" if "space" in why or "quota" in why
-               else "let the run write there")
-        return (f"could not write the checkpoint of step {step} to {self.directory}: {why}{space}; "
+        fix = "make room (or lower checkpoint.max_to_keep)" if space else "let the run write there"
+        return (f"could not write the checkpoint of step {step} to {self.directory}: {why}{sizes}; "
                 f"the last good checkpoint is {last}: {fix} and rerun the same command to resume")
 
     def wait(self) -> None:
