@@ -3,7 +3,9 @@ default, and the exit status of a user error.
 
 Every user error — a bad flag, an unknown `--config.KEY`, a config file that does not load, a
 value that fails validation, a `maxlm.errors.UserError` raised anywhere below — ends the same way:
-one line on stderr and exit status 2, no traceback. Only commands import this module; the library
+one line on stderr and exit status 2, no traceback. A process of a job that stops because process 0
+failed (`maxlm.processes.ProcessFailed`) ends with one line and exit status 1: process 0 prints the
+traceback. Only commands import this module; the library
 raises, and warns through maxlm/console.py.
 
 Before a command runs, `run` sets one XLA flag for the *CPU* backend (accelerators ignore `xla_cpu_*`
@@ -27,6 +29,7 @@ import sys
 from typing import Callable, NoReturn
 
 from maxlm.errors import UserError
+from maxlm.processes import ProcessFailed
 
 # XLA_FLAGS as the environment gave them, before `set_xla_cpu_defaults` adds maxlm's (bench
 # compare passes these, not maxlm's, to the code it compares with).
@@ -86,7 +89,8 @@ def setup_logging() -> None:
 def run(main: Callable[[list[str]], None], define_flags: Callable[[], None],
         config_file: bool = True) -> None:
     """Defines `--config` (unless not `config_file`) plus `define_flags()`'s flags, parses them,
-    and runs `main(argv)` with the XLA:CPU default set; a UserError from it ends as exit 2."""
+    and runs `main(argv)` with the XLA:CPU default set; a UserError from it ends as exit 2, and
+    ProcessFailed (process 0's failure, on another process) as one line and exit 1."""
     from absl import app
 
     set_xla_cpu_defaults()
@@ -96,6 +100,9 @@ def run(main: Callable[[list[str]], None], define_flags: Callable[[], None],
             return main(argv)
         except UserError as e:
             config_error(str(e))
+        except ProcessFailed as e:
+            print(f"maxlm: {e}", file=sys.stderr)
+            sys.exit(1)
 
     if config_file:
         from ml_collections import config_flags

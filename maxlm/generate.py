@@ -308,7 +308,7 @@ def main(argv) -> None:
     try:
         run = runs.load_run(f.workdir, f.step)
         cfg = run["config"]
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        tokenizer = load_tokenizer(cfg.data.tokenizer, job=True)
     except ValueError as e:  # RunError, a missing tokenizer file
         cli.config_error(str(e))
     prompt_ids = [tokenizer.bos_id, *tokenizer.encode(f.prompt).tolist()]

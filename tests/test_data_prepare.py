@@ -233,6 +233,50 @@ def test_a_gs_cache_is_prepared_once_and_read_in_place(tmp_path, data_dirs):
         assert remote == local and len(remote) == 6
 
 
+def test_two_builders_of_one_gs_entry_keep_to_their_own_scratch(tmp_path, monkeypatch):
+    """Two jobs prepare the same gs:// entry at once (against the Cloud Storage stand-in): the
+    second builds it whole while the first is between its dedup passes. Each keeps its passes'
+    files in a scratch directory of its own (`.scratch-HOST-PID-RANDOM`) and removes it at its end
+    without touching the other's: both finish, and the entry holds its shards and meta.json alone.
+    (With one `ENTRY/.scratch` for all, the second removed the first's keys under it.)"""
+    import dataclasses
+    import os
+    import socket
+
+    from tests.gcs import BUCKET, fake_gcs
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):  # files 3-5 repeat files 0-2
+        (src / f"f{i}.jsonl").write_text("".join(json.dumps({"text": _long_doc(10 * (i % 3) + j)}) + "\n"
+                                                 for j in range(3)))
+    cfg = make_config(src, tmp_path, **{"data.filters.dedup": True, "data.shard_mb": 0.004,
+                                        "data.cache_dir": f"gs://{BUCKET}/packed"})
+    scratches = []
+    scratch_name = build._scratch_name
+    monkeypatch.setattr(build, "_scratch_name", lambda: scratches.append(scratch_name()) or scratches[-1])
+
+    @dataclasses.dataclass(frozen=True)
+    class OvertakenRunner(build.Runner):
+        """A local runner in this process, during whose dedup passes another job builds the entry."""
+
+        def map(self, fn, jobs):
+            if fn is build._find_repeats:
+                build._build(entry, meta, cfg.data, tokenizer, build.Runner(1))
+            return super().map(fn, jobs)
+
+    with fake_gcs():
+        tokenizer = checked_tokenizer(cfg)
+        entry, meta = build.cache_path(cfg, "train", tokenizer)
+        build._build(entry, meta, cfg.data, tokenizer, OvertakenRunner(1))
+        info = json.loads((entry / "meta.json").read_text())
+        assert info["filtered"]["dedup"] > 0 and len(info["shards"]) >= 3
+        left = sorted(p.name for p in entry.iterdir())
+        assert left == sorted(["meta.json", *(s["file"] for s in info["shards"])])  # no scratch
+    assert len(set(scratches)) == 2
+    assert all(name.startswith(f".scratch-{socket.gethostname()}-{os.getpid()}-") for name in scratches)
+
+
 @pytest.mark.slow
 @pytest.mark.ci
 def test_the_beam_runner_writes_the_local_runners_shards(tmp_path):

@@ -1,14 +1,18 @@
-"""Multi-process runs that cannot hang: every process agrees on which checkpoint is damaged, and a
-workdir the processes do not share is exit 2 at start. Real local processes over
+"""Multi-process runs that cannot hang: every process agrees on which checkpoint is damaged, a
+workdir the processes do not share is exit 2 at start, and what process 0 alone decides (the data
+build, a file only it reads) reaches every process, a failure included. Real local processes over
 jax.distributed (gloo collectives on 127.0.0.1)."""
 
 import shutil
 import subprocess
 import sys
 
+import jax
 import pytest
 
-from tests.helpers import ROOT, command_env, free_port, losses
+from maxlm import config as config_lib
+from maxlm.hf import files as hf
+from tests.helpers import ROOT, command_env, free_port, load_config, losses, random_params
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +39,21 @@ sys.argv = ["maxlm.train", *sys.argv[1:]]
 cli.run(train_command.main, train_command.define_flags)
 """
 
+# `python -m maxlm.train`, except that process 0's data build fails with an OSError (a storage
+# error, as gcsfs or a Beam runner raises them).
+TRAIN_WITH_A_FAILING_BUILD = """
+import os, sys
+from maxlm.data import build
+from maxlm.train import __main__ as train_command
+from maxlm import cli
+if os.environ["JAX_PROCESS_ID"] == "0":
+    def failing(*args, **kwargs):
+        raise OSError(5, "Input/output error (the test's storage failure)")
+    build._build = failing
+sys.argv = ["maxlm.train", *sys.argv[1:]]
+cli.run(train_command.main, train_command.define_flags)
+"""
+
 
 def train_flags(workdir, data_dirs, *extra):
     return ["--config=configs/tiny.py", f"--workdir={workdir}", "--config.steps=9",
@@ -43,8 +62,9 @@ def train_flags(workdir, data_dirs, *extra):
             *(f"--config.{k}={v}" for k, v in data_dirs.items()), *extra]
 
 
-def two_processes(tmp_path, command, wrap=lambda i, argv: argv, **env):
-    """Runs `command` as processes 0 and 1 of one job (4 fake devices each); their results."""
+def two_processes(tmp_path, command, wrap=lambda i, argv: argv, timeout=300, **env):
+    """Runs `command` as processes 0 and 1 of one job (4 fake devices each); their results. A
+    process still running after `timeout` seconds (a hang) fails the test."""
     port = free_port()
     procs = [subprocess.Popen(
         wrap(i, command), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -52,7 +72,7 @@ def two_processes(tmp_path, command, wrap=lambda i, argv: argv, **env):
                         JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i), **env))
         for i in range(2)]
     try:
-        return [(p.communicate(timeout=300), p.returncode) for p in procs]
+        return [(p.communicate(timeout=timeout), p.returncode) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -145,3 +165,48 @@ def test_process_0_prepares_the_data_and_a_cache_the_processes_do_not_share_is_e
         assert code == 2, err[-3000:]
         assert "data.cache_dir is not shared by the job's processes: process(es) 1 cannot read" in err
         assert str(cache) in err and "Traceback" not in err
+
+
+def test_what_process_0_alone_reads_or_builds_stops_every_process_when_it_fails(tmp_path, data_dirs, sp_model):
+    """Process 0 alone builds the data and reads the tokenizer model; when either fails there, every
+    process stops with process 0's message at once, rather than wait in a collective for a
+    process that has exited (a hang on a pod).
+    - Its build raises an OSError (not bad data: a storage error): process 0 exits 1 with its own
+      traceback, process 1 exits 1 with one line naming process 0's error.
+    - The tokenizer model is at `~/tok.model` and process 0's home lacks it (a file on one host's
+      disk): both exit 2 with process 0's one line, though process 1 has the file.
+    - `checkpoint.init_from_hf=~/hf` is in process 0's home only: process 0 checks it and both go
+      on, but every process reads its own blocks, so both exit 2 naming process 1."""
+    fresh_cache = {**data_dirs, "data.cache_dir": tmp_path / "cache"}  # a build, not a cached entry
+    command = [sys.executable, "-c", TRAIN_WITH_A_FAILING_BUILD, *train_flags(tmp_path / "run", fresh_cache)]
+    ((_, err0), code0), ((_, err1), code1) = two_processes(tmp_path, command, timeout=60)
+    assert code0 == 1 and "Traceback" in err0, err0[-3000:]
+    assert "OSError: [Errno 5] Input/output error (the test's storage failure)" in err0
+    assert code1 == 1, err1[-3000:]
+    assert ("maxlm: process 0 failed: OSError: [Errno 5] Input/output error (the test's storage "
+            "failure); its own output has the traceback") in err1
+    assert "Traceback" not in err1
+
+    homes = [tmp_path / "home0", tmp_path / "home1"]
+    for home in homes:
+        home.mkdir()
+    shutil.copy(sp_model, homes[1] / "tok.model")  # process 1's host has it, process 0's does not
+    command = [sys.executable, "-m", "maxlm.train", *train_flags(
+        tmp_path / "run_sp", data_dirs, "--config.data.tokenizer=~/tok.model", "--config.model.vocab_size=320")]
+    results = two_processes(tmp_path, command, timeout=60,
+                            wrap=lambda i, argv: ["env", f"HOME={homes[i]}", *argv])
+    for (out, err), code in results:
+        assert code == 2, err[-3000:]
+        assert f"tokenizer model file not found: {str(homes[0] / 'tok.model')!r}" in err
+        assert "Traceback" not in err
+
+    cfg = config_lib.resolve(load_config("tiny"), jax.device_count())
+    hf.export(random_params(cfg.model), cfg, str(homes[0] / "hf"))
+    command = [sys.executable, "-m", "maxlm.train", *train_flags(
+        tmp_path / "run_hf", data_dirs, "--config.checkpoint.init_from_hf=~/hf")]
+    results = two_processes(tmp_path, command, timeout=60,
+                            wrap=lambda i, argv: ["env", f"HOME={homes[i]}", *argv])
+    for (out, err), code in results:
+        assert code == 2, err[-3000:]
+        assert "checkpoint.init_from_hf=" in err and "cannot be read by process(es) 1 of the job" in err
+        assert "Traceback" not in err

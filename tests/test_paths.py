@@ -200,3 +200,55 @@ def test_a_profile_of_a_gs_workdir_lands_in_the_bucket(bucket, data_dirs):
     assert trace.after_step(2, jax.numpy.ones(1))
     files = [p.name for p in (bucket / "bkt" / "run" / "profile").rglob("*") if p.is_file()]
     assert any(f.endswith(".xplane.pb") for f in files) and any(f.endswith(".trace.json.gz") for f in files)
+
+
+def test_a_task_a_tokenizer_and_a_hf_folder_are_read_from_gs(tmp_path, sp_model, monkeypatch):
+    """The files a run reads by path (a task .jsonl, the SentencePiece model, a Hugging Face folder
+    for `checkpoint.init_from_hf`) at gs:// URLs, against the Cloud Storage stand-in of
+    tests/gcs.py: each reads as its local copy does (the HF weights onto a sharded mesh, bit for bit,
+    a block's rows read a few at a time), and a missing one is the local one's error."""
+    from maxlm.data import tokenizer as tokenizer_lib
+    from maxlm.data.errors import DataError
+    from maxlm.hf import files as hf
+    from maxlm.train import mesh as mesh_lib, state as state_lib, tasks
+    from tests.gcs import BUCKET, fake_gcs
+    from tests.helpers import random_params
+
+    monkeypatch.chdir(tmp_path)
+    task = tmp_path / "capitals.jsonl"
+    task.write_text("\n".join(json.dumps({"context": f"Q{i}:", "choices": [" a", " b"], "answer": i % 2})
+                              for i in range(5)) + "\n")
+    cfg = config_lib.resolve(with_overrides(load_config("tiny"), {"mesh.fsdp": 4, "mesh.tensor": 2}),
+                             jax.device_count())
+    params = random_params(cfg.model, seed=7)
+    hf.export(params, cfg, str(tmp_path / "hf"))
+    with fake_gcs():
+        bucket = epath.Path(f"gs://{BUCKET}")
+        for local in [task, sp_model, *(tmp_path / "hf").iterdir()]:
+            name = local.name if local.parent != tmp_path / "hf" else f"hf/{local.name}"
+            (bucket / name).write_bytes(local.read_bytes())
+        remote_task = tasks.load_task(f"gs://{BUCKET}/capitals.jsonl")
+        assert remote_task.examples == tasks.load_task(str(task)).examples and remote_task.name == "capitals"
+        with pytest.raises(DataError, match=f"^gs://{BUCKET}/none.jsonl: no such task file$"):
+            tasks.load_task(f"gs://{BUCKET}/none.jsonl")
+
+        sp_cfg = with_overrides(load_config("tiny"), {"data.tokenizer": f"gs://{BUCKET}/tok.model",
+                                                      "model.vocab_size": 320})
+        remote_tok = tokenizer_lib.checked_tokenizer(sp_cfg)
+        assert remote_tok.fingerprint == tokenizer_lib.load_tokenizer(str(sp_model)).fingerprint
+        assert remote_tok.spec == f"gs://{BUCKET}/tok.model"
+        with pytest.raises(ValueError, match="tokenizer model file not found"):
+            tokenizer_lib.load_tokenizer(f"gs://{BUCKET}/none.model")
+
+        cfg.checkpoint.init_from_hf = f"gs://{BUCKET}/hf"
+        hf.check_init_from_hf(cfg)
+        monkeypatch.setattr(hf, "_CHUNK_BYTES", 16 << 10)  # a block read in several pieces
+        mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
+        abstract = state_lib.abstract_params(cfg.model, state_lib.param_shardings(cfg.model, mesh, rules))
+        loaded = hf.load_params(f"gs://{BUCKET}/hf", cfg.model, abstract)
+        with pytest.raises(config_lib.ConfigError, match="no config.json"):
+            hf.read_dir(f"gs://{BUCKET}/none")
+    for got, want, target in zip(*map(jax.tree.leaves, (loaded, params, abstract))):
+        assert got.sharding == target.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not (tmp_path / "gs:").exists()

@@ -33,7 +33,7 @@ def group(module: str) -> str:
     for package in ("model", "data", "hf", "train", "bench"):
         if module == f"maxlm.{package}" or module.startswith(f"maxlm.{package}."):
             return package
-    return "config"  # maxlm, config, config_rules, axes, errors, console, paths
+    return "config"  # maxlm, config, config_rules, axes, errors, console, paths, processes
 
 
 def modules() -> dict[str, ast.Module]:

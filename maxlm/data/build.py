@@ -34,14 +34,16 @@ import json
 import logging
 import multiprocessing
 import os
+import secrets
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from maxlm import paths
+from maxlm import paths, processes
 from maxlm.data import filters, sources
 from maxlm.data.corpus import file_lock
 from maxlm.data.errors import DataError
@@ -118,7 +120,7 @@ def prepare(config, split: str, tokenizer: Tokenizer | None = None, workers: int
         _build_once(final, meta, config.data, tokenizer, runner)
         return final
 
-    final = _built_by_process_0(build_once) if _process_count() > 1 else build_once()
+    final = _built_by_process_0(build_once) if processes.process_count() > 1 else build_once()
     return open_entry(final, split, tokenizer)
 
 
@@ -137,6 +139,13 @@ def _build_once(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer, runner:
                 for stale in final.parent.glob(f".{final.name}.tmp-*"):
                     shutil.rmtree(stale, ignore_errors=True)
                 _build(final, meta, data_cfg, tokenizer, runner)
+
+
+def _scratch_name() -> str:
+    """The scratch directory of one builder of a remote entry, inside it: `.scratch-HOST-PID-RANDOM`.
+    Builders racing on an entry (two jobs preparing the same cache) write the same shards, but
+    each its own passes' files, which it removes at its end without touching the other's."""
+    return f".scratch-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _scratch(path: str):
@@ -165,39 +174,18 @@ def open_entry(final: Path, split: str, tokenizer: Tokenizer) -> tuple[ShardedRo
     return rows, info
 
 
-def _process_count() -> int:
-    import sys
-
-    # The data CLI and the tests use the data package without JAX's runtime: one process.
-    return sys.modules["jax"].process_count() if "jax" in sys.modules else 1
-
-
 def _built_by_process_0(build_it) -> Path:
     """A job of several processes prepares once: process 0 builds the entry (or finds it; only it
-    reads the source), the others wait for it and read what it wrote; one that cannot see it (a
-    cache directory local to each host) is a DataError naming the path, on every process."""
-    import jax
-    from jax.experimental import multihost_utils
-
-    message = ""
-    if jax.process_index() == 0:
-        try:
-            message = f"entry:{build_it()}"
-        except DataError as e:  # bad data: every process stops with process 0's message
-            message = f"error:{e}"
-    raw = message.encode()[:4096].ljust(4096, b"\0")
-    raw = multihost_utils.broadcast_one_to_all(np.frombuffer(raw, np.uint8))
-    kind, _, text = bytes(np.asarray(raw)).rstrip(b"\0").decode(errors="replace").partition(":")
-    if kind == "error":
-        raise DataError(text)
+    reads the source), the others wait for it and read what it wrote. A failure of process 0's
+    build stops every process (`processes.from_process_0`); one that cannot see the entry (a cache
+    directory local to each host) is a DataError naming the path, on every process."""
+    text = processes.from_process_0(lambda: str(build_it()).encode()).decode()
     entry = paths.workdir_path(text) if paths.is_remote(text) else Path(text)
-    seen = np.array([(entry / "meta.json").exists()], np.int32)
-    seen = multihost_utils.process_allgather(seen).reshape(-1)
-    if not seen.all():
-        blind = ", ".join(str(i) for i in np.flatnonzero(seen == 0))
-        raise DataError(f"data.cache_dir is not shared by the job's processes: process(es) {blind} cannot "
-                        f"read {text}, which process 0 prepared; put data.cache_dir on storage every host "
-                        "shares, or prepare it on each host first (`python -m maxlm.data prepare`)")
+    if blind := processes.blind((entry / "meta.json").exists()):
+        raise DataError(f"data.cache_dir is not shared by the job's processes: process(es) "
+                        f"{', '.join(map(str, blind))} cannot read {text}, which process 0 prepared; put "
+                        "data.cache_dir on storage every host shares, or prepare it on each host first "
+                        "(`python -m maxlm.data prepare`)")
     return entry
 
 
@@ -209,8 +197,8 @@ def _build(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer, runner: Runn
     runner = runner.at_most(len(units))
     partitions = runner.workers
     remote = paths.is_remote(str(final))
-    if remote:  # shards straight into the entry, the passes' files under .scratch
-        out, tmp = final, final / ".scratch"
+    if remote:  # shards straight into the entry, the passes' files in this builder's own scratch
+        out, tmp = final, final / _scratch_name()
         tmp.mkdir(parents=True, exist_ok=True)
     else:  # everything in a temporary sibling, renamed into place at the end
         out = tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
@@ -251,8 +239,6 @@ def _build(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer, runner: Runn
         }
         for leftover in tmp.glob("*.npy"):  # the dedup passes' keys and drop lists
             leftover.unlink()
-        if remote:
-            tmp.rmtree(missing_ok=True)
         (out / "meta.json").write_text(json.dumps({**meta, **stats}, indent=2, sort_keys=True))
         if not remote:
             try:
@@ -261,7 +247,12 @@ def _build(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer, runner: Runn
                 if not (final / "meta.json").is_file():  # not a lost race: a real failure
                     raise
     finally:
-        if not remote:
+        if remote:
+            try:
+                tmp.rmtree(missing_ok=True)
+            except OSError as e:  # not to hide the build's own error
+                log.warning("could not remove the scratch directory %s: %s", tmp, e)
+        else:
             shutil.rmtree(tmp, ignore_errors=True)
     log.info(
         "prepared %s[%s] with %s: %d units, %d docs (skipped %s, filtered %s), %d tokens in "

@@ -1,7 +1,9 @@
 """Tokenizers: a byte-level one (no files needed) and a SentencePiece wrapper.
 
 Both share one small interface so the pipeline never cares which is in use; `checked_tokenizer`
-loads the config's and checks it against the model's vocabulary.
+loads the config's and checks it against the model's vocabulary. A SentencePiece model file may
+be local or at a URL (`gs://bucket/tok.model`), read through etils.epath; on a job of several
+processes, process 0 alone reads it and every process gets its bytes (`maxlm.processes`).
 `encode` never adds special tokens: packing adds BOS/EOS itself, so documents
 are framed the same way whatever the tokenizer.
 """
@@ -14,6 +16,8 @@ import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from maxlm import processes
 
 
 class Tokenizer(abc.ABC):
@@ -80,16 +84,16 @@ class ByteTokenizer(Tokenizer):
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """A trained SentencePiece model; it must define bos, eos and pad pieces."""
+    """A trained SentencePiece model; it must define bos, eos and pad pieces. `proto`: the model
+    file's bytes, when already read (else they are read from `model_path`)."""
 
-    def __init__(self, model_path: str | os.PathLike):
+    def __init__(self, model_path: str | os.PathLike, proto: bytes | None = None):
         import sentencepiece as spm  # Only needed when such a model is used.
 
         self._path = os.fspath(model_path)
-        with open(self._path, "rb") as f:
-            proto = f.read()
-        self._sp = spm.SentencePieceProcessor(model_proto=proto)
-        self._fingerprint = "sp-" + hashlib.sha256(proto).hexdigest()[:16]
+        self.proto = model_bytes(self._path) if proto is None else proto
+        self._sp = spm.SentencePieceProcessor(model_proto=self.proto)
+        self._fingerprint = "sp-" + hashlib.sha256(self.proto).hexdigest()[:16]
         self.vocab_size = int(self._sp.get_piece_size())
         self.pad_id = int(self._sp.pad_id())
         self.bos_id = int(self._sp.bos_id())
@@ -129,22 +133,37 @@ class SentencePieceTokenizer(Tokenizer):
         return f"SentencePieceTokenizer({self._path!r}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """`"byte"` or a path (`~` expanded) to a SentencePiece `.model` file."""
-    if spec == "byte":
-        return ByteTokenizer()
-    path = os.path.expanduser(spec)
-    if not os.path.isfile(path):
+def model_bytes(path: str) -> bytes:
+    """The bytes of the SentencePiece model file at `path` (local or a URL); ValueError if there is
+    none."""
+    from etils import epath
+
+    file = epath.Path(path)
+    if not file.is_file():
         raise ValueError(
             f"tokenizer model file not found: {path!r} (data.tokenizer must be 'byte' or the "
             "path to a SentencePiece .model file)"
         )
-    return SentencePieceTokenizer(path)
+    return file.read_bytes()
+
+
+def load_tokenizer(spec: str, job: bool = False) -> Tokenizer:
+    """`"byte"` or the path (`~` expanded) or URL of a SentencePiece `.model` file.
+
+    `job`: every process of the job calls this at the same point, and process 0 alone reads the
+    file: every process gets its bytes, or raises its error (a file one host lacks stops all the
+    processes, not that one alone while the others wait for it). Else this process reads it."""
+    if spec == "byte":
+        return ByteTokenizer()
+    path = os.path.expanduser(spec)
+    proto = processes.from_process_0(lambda: model_bytes(path)) if job else model_bytes(path)
+    return SentencePieceTokenizer(path, proto)
 
 
 def checked_tokenizer(config) -> Tokenizer:
-    """`data.tokenizer`, loaded and checked against `model.vocab_size`."""
-    tokenizer = load_tokenizer(config.data.tokenizer)
+    """`data.tokenizer`, loaded for the job (`load_tokenizer(..., job=True)`: every process calls
+    this) and checked against `model.vocab_size`."""
+    tokenizer = load_tokenizer(config.data.tokenizer, job=True)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ValueError(
             f"tokenizer {tokenizer.spec!r} has vocab_size={tokenizer.vocab_size}, more than "

@@ -7,10 +7,13 @@ the host one layer at a time, converted (`hf_mapping.to_hf`) and written, so the
 one file's worth.
 
 Import (`load_params`, the config key `checkpoint.init_from_hf`) checks the folder's config and
-tensors against the run (one exit-2 line listing every mismatch), then builds each parameter with
+tensors against the run (one exit-2 line listing every mismatch; process 0 checks, and every
+process raises or goes on with it), then builds each parameter with
 `jax.make_array_from_callback`, every device reading only its own block (`hf_mapping.read_block`)
 from the memory-mapped safetensors files: no device and no host ever holds more than a shard of a
-parameter (times the layers of a scanned one). The mapping itself is in `maxlm/hf/mapping.py`.
+parameter (times the layers of a scanned one). A folder at a URL (`gs://bucket/llama`) is read
+through etils.epath instead of memory-mapped: a block's rows are read whole, 64 MiB at a time, and
+only its columns kept. The mapping itself is in `maxlm/hf/mapping.py`.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ import functools
 import json
 import math
 import os
-import shutil
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+from etils import epath
 
-from maxlm import config as config_lib, console
+from maxlm import config as config_lib, console, paths, processes
 from maxlm.hf.mapping import check_config, hf_config, hf_tensors, read_block, require_rope, sources, to_hf
 
 WEIGHTS = "model.safetensors"
@@ -35,70 +39,142 @@ INDEX = "model.safetensors.index.json"
 DTYPES = ("float32", "bfloat16")  # export dtypes (`--dtype`)
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained shards
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
+_NUMPY_DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
+_CHUNK_BYTES = 64 << 20  # read at a time from a folder at a URL
 
 
 def read_dir(path: str) -> tuple[dict, dict[str, str]]:
-    """(config.json, {tensor name: safetensors file}) of a local HF checkpoint folder: one
-    `model.safetensors` or shards listed in `model.safetensors.index.json`."""
+    """(config.json, {tensor name: safetensors file}) of a HF checkpoint folder (local, `~`
+    expanded, or a URL such as `gs://bucket/llama`, read through epath): one `model.safetensors`
+    or shards listed in `model.safetensors.index.json`. This process reads it (see `checked_dir`)."""
     path = os.path.expanduser(path)
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
+    folder = epath.Path(path)
+    if not (folder / "config.json").is_file():
         raise config_lib.ConfigError(
-            f"checkpoint.init_from_hf={path}: no config.json there (a local Hugging Face Llama "
-            "folder with config.json and model.safetensors or a safetensors index is needed)")
+            f"checkpoint.init_from_hf={path}: no config.json there (a Hugging Face Llama folder, "
+            "local or gs://, with config.json and model.safetensors or a safetensors index is needed)")
     try:
-        hf = json.loads(open(config_path).read())
+        hf = json.loads((folder / "config.json").read_text())
     except ValueError as e:
-        raise config_lib.ConfigError(f"{config_path} is not valid JSON ({e})") from None
-    index_path = os.path.join(path, INDEX)
-    if os.path.isfile(index_path):
-        weight_map = json.loads(open(index_path).read())["weight_map"]
-    elif os.path.isfile(os.path.join(path, WEIGHTS)):
-        from safetensors import safe_open
-
-        with safe_open(os.path.join(path, WEIGHTS), framework="numpy") as f:
-            weight_map = {name: WEIGHTS for name in f.keys()}
+        raise config_lib.ConfigError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+    if (folder / INDEX).is_file():
+        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+    elif (folder / WEIGHTS).is_file():
+        weight_map = {name: WEIGHTS for name in _header(folder / WEIGHTS)[0]}
     else:
         raise config_lib.ConfigError(
             f"checkpoint.init_from_hf={path}: neither {WEIGHTS} nor {INDEX} there "
             "(only safetensors checkpoints are read, not pytorch_model.bin)")
-    missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(path, f))})
+    missing = sorted(f for f in set(weight_map.values()) if not (folder / f).is_file())
     if missing:
         raise config_lib.ConfigError(f"checkpoint.init_from_hf={path}: {INDEX} lists missing "
                                      f"files {', '.join(missing)}")
     return hf, weight_map
 
 
-@contextlib.contextmanager
-def _open(path: str, weight_map: dict[str, str]):
-    """{tensor name: safetensors slice}, memory-mapped (nothing is read until sliced)."""
-    from safetensors import safe_open
-
-    with contextlib.ExitStack() as stack:
-        files = {f: stack.enter_context(safe_open(os.path.join(path, f), framework="numpy"))
-                 for f in sorted(set(weight_map.values()))}
-        yield {name: files[f].get_slice(name) for name, f in weight_map.items()}
+def _header(file: epath.Path) -> tuple[dict, int]:
+    """({tensor name: {dtype, shape, data_offsets}}, where the data starts) of a safetensors file:
+    its JSON header, the only part read."""
+    with file.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
 
 
 def check_weights(path: str, weight_map: dict[str, str], model_cfg) -> None:
     """Raises ConfigError naming the tensors the model needs that are missing, have another
     shape or are not floating point (reads only the files' headers)."""
+    folder = epath.Path(os.path.expanduser(path))
+    headers = {f: _header(folder / f)[0] for f in sorted(set(weight_map.values()))}
     problems = []
-    with _open(os.path.expanduser(path), weight_map) as slices:
-        for name, tensor in hf_tensors(model_cfg).items():
-            if name not in slices:
-                problems.append(f"{name} missing")
-                continue
-            shape, dtype = tuple(slices[name].get_shape()), slices[name].get_dtype()
-            if shape != tensor.hf_shape:
-                problems.append(f"{name} has shape {list(shape)}, expected {list(tensor.hf_shape)}")
-            elif dtype not in _FLOAT_DTYPES:
-                problems.append(f"{name} has dtype {dtype}, expected one of {_FLOAT_DTYPES}")
+    for name, tensor in hf_tensors(model_cfg).items():
+        info = headers[weight_map[name]].get(name) if name in weight_map else None
+        if info is None:
+            problems.append(f"{name} missing")
+            continue
+        shape, dtype = tuple(info["shape"]), info["dtype"]
+        if shape != tensor.hf_shape:
+            problems.append(f"{name} has shape {list(shape)}, expected {list(tensor.hf_shape)}")
+        elif dtype not in _FLOAT_DTYPES:
+            problems.append(f"{name} has dtype {dtype}, expected one of {_FLOAT_DTYPES}")
     if problems:
         more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
         raise config_lib.ConfigError(
             f"checkpoint.init_from_hf={path}: the weights do not fit the model: "
             + "; ".join(problems[:8]) + more)
+
+
+def checked_dir(path: str, model_cfg) -> dict[str, str]:
+    """{tensor name: safetensors file} of the HF folder at `path`, checked against `model_cfg`
+    (ConfigError) by process 0 alone: every process of the job calls this together, and all go on
+    or raise together (a folder one host cannot see does not stop that one alone)."""
+
+    def check() -> bytes:
+        hf, weight_map = read_dir(path)
+        check_config(hf, model_cfg, path)
+        check_weights(path, weight_map, model_cfg)
+        return json.dumps(weight_map).encode()
+
+    return json.loads(processes.from_process_0(check))
+
+
+class _EpathFile:
+    """A safetensors file read through epath (at a URL: nothing to memory-map), with safe_open's
+    `get_slice`."""
+
+    def __init__(self, file: epath.Path):
+        self.file = file
+        self.header, self.start = _header(file)
+
+    def get_slice(self, name: str) -> _EpathSlice:
+        return _EpathSlice(self, self.header[name])
+
+
+class _EpathSlice:
+    """One tensor of an `_EpathFile`: `[rows, columns]` reads only those rows, `_CHUNK_BYTES` at
+    a time, and keeps only those columns."""
+
+    def __init__(self, file: _EpathFile, info: dict):
+        self.file, self.info = file, info
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        shape, dtype = self.info["shape"], np.dtype(_NUMPY_DTYPES[self.info["dtype"]])
+        rows = range(*index[0].indices(shape[0]))
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        step = max(1, _CHUNK_BYTES // row_bytes)
+        blocks = [np.empty((0, *shape[1:]), dtype)[(slice(None), *index[1:])]]
+        with self.file.file.open("rb") as f:
+            for first in range(rows.start, rows.stop, step):
+                n = min(step, rows.stop - first)
+                f.seek(self.file.start + self.info["data_offsets"][0] + first * row_bytes)
+                block = np.frombuffer(f.read(n * row_bytes), dtype).reshape(n, *shape[1:])
+                blocks.append(block[(slice(None), *index[1:])])
+        return np.concatenate(blocks)
+
+
+@contextlib.contextmanager
+def _open(path: str, weight_map: dict[str, str]):
+    """{tensor name: safetensors slice}: memory-mapped for a local folder, read through epath for a
+    URL (nothing is read until sliced). Every process opens the files itself; one that cannot (a
+    folder on process 0's host only) stops every process with a ConfigError."""
+    from safetensors import safe_open
+
+    with contextlib.ExitStack() as stack:
+        files, problem = {}, None
+        try:
+            for f in sorted(set(weight_map.values())):
+                if paths.is_remote(path):
+                    files[f] = _EpathFile(epath.Path(path) / f)
+                else:
+                    files[f] = stack.enter_context(safe_open(os.path.join(path, f), framework="numpy"))
+        except Exception as e:  # whatever stops this process must stop every process
+            problem = f"{type(e).__name__}: {e}"
+        if blind := processes.blind(problem is None):
+            raise config_lib.ConfigError(
+                f"checkpoint.init_from_hf={path} cannot be read by process(es) {', '.join(map(str, blind))} "
+                f"of the job{f' ({problem})' if problem else ''}: put it on storage every host shares")
+        yield {name: files[f].get_slice(name) for name, f in weight_map.items()}
 
 
 def check_init_from_hf(cfg) -> None:
@@ -112,9 +188,7 @@ def check_init_from_hf(cfg) -> None:
             f"checkpoint.init_from_hf={ckpt.init_from_hf} and checkpoint.restore_from="
             f"{ckpt.restore_from} are both set; a run starts from one of them")
     require_rope(cfg.model, f"checkpoint.init_from_hf={ckpt.init_from_hf}")
-    hf, weight_map = read_dir(ckpt.init_from_hf)
-    check_config(hf, cfg.model, ckpt.init_from_hf)
-    check_weights(ckpt.init_from_hf, weight_map, cfg.model)
+    checked_dir(ckpt.init_from_hf, cfg.model)
 
 
 # ----------------------------------------------------------------------------- import
@@ -130,9 +204,7 @@ def load_params(path: str, model_cfg, abstract_params):
     """
     require_rope(model_cfg, f"checkpoint.init_from_hf={path}")
     path = os.path.expanduser(path)
-    hf, weight_map = read_dir(path)
-    check_config(hf, model_cfg, path)
-    check_weights(path, weight_map, model_cfg)
+    weight_map = checked_dir(path, model_cfg)
     out: dict[str, Any] = {}
     with _open(path, weight_map) as slices:
         for keys, name, tensor in sources(model_cfg, abstract_params):
@@ -269,8 +341,9 @@ def write_tokenizer(tokenizer, out: str, seq_len: int) -> list[str]:
     else:
         import sentencepiece as spm
 
-        shutil.copyfile(tokenizer.spec, os.path.join(out, "tokenizer.model"))
-        sp = spm.SentencePieceProcessor(model_file=tokenizer.spec)
+        with open(os.path.join(out, "tokenizer.model"), "wb") as f:
+            f.write(tokenizer.proto)
+        sp = spm.SentencePieceProcessor(model_proto=tokenizer.proto)
         pieces = {"pad": sp.id_to_piece(tokenizer.pad_id), "bos": sp.id_to_piece(tokenizer.bos_id),
                   "eos": sp.id_to_piece(tokenizer.eos_id), "unk": sp.id_to_piece(sp.unk_id())}
         config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True,
@@ -298,18 +371,23 @@ def export(params, cfg, out: str, dtype: str = "float32",
     """Writes a transformers-loadable Llama folder of the run `cfg`'s `params` into `out` (a
     local directory, created; it must not already hold an export): config.json,
     generation_config.json, the safetensors weights in `dtype` and the tokenizer files. Every
-    process calls it; process 0 writes. Returns the files' names."""
+    process calls it; process 0 checks `out` and writes. Returns the files' names."""
     from maxlm.data.tokenizer import load_tokenizer
 
     if dtype not in DTYPES:
         raise config_lib.ConfigError(f"--dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
     require_rope(cfg.model, "the Hugging Face export")
     out = os.path.expanduser(out)
-    taken = [f for f in (WEIGHTS, INDEX, "config.json") if os.path.exists(os.path.join(out, f))]
-    if taken:
-        raise config_lib.ConfigError(f"--out={out} already holds an export ({', '.join(taken)}); "
-                                     "choose another directory or remove it")
-    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer)
+
+    def check_out() -> bytes:  # process 0's, which writes there
+        taken = [f for f in (WEIGHTS, INDEX, "config.json") if os.path.exists(os.path.join(out, f))]
+        if taken:
+            raise config_lib.ConfigError(f"--out={out} already holds an export ({', '.join(taken)}); "
+                                         "choose another directory or remove it")
+        return b""
+
+    processes.from_process_0(check_out)
+    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, job=True)
     m = cfg.model
     if m.d_model % m.num_heads:
         console.warn(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}: "

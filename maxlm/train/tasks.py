@@ -1,6 +1,7 @@
 """Zero- and few-shot tasks: multiple-choice and cloze examples scored by log-likelihood.
 
-A task is a `.jsonl` file, one example per line, all of one kind; its name is the file's stem:
+A task is a `.jsonl` file (local or at a URL such as `gs://bucket/tasks/x.jsonl`), one example per
+line, all of one kind; its name is the file's stem:
 
     multiple choice  {"context": str, "choices": [str, ...], "answer": int}
     cloze            {"context": str, "target": str}, or {"text": str} (the target: its last word)
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import logging
 import math
@@ -43,8 +45,9 @@ import re
 import jax
 import ml_collections
 import numpy as np
+from etils import epath
 
-from maxlm import model
+from maxlm import model, processes
 from maxlm.data.errors import DataError
 from maxlm.data.prefetch import batch_parts_key
 from maxlm.train import mesh as mesh_lib, state as state_lib
@@ -82,12 +85,13 @@ def task_name(path: str) -> str:
 
 
 def load_task(path: str) -> Task:
-    """The task in `path` (`~` expanded). Raises DataError naming FILE:LINE for a bad line."""
+    """The task in `path` (`~` expanded; local or a URL). Raises DataError naming FILE:LINE for a
+    bad line. Every process of the job calls this together: process 0 alone reads the file (a file
+    one host lacks stops every process, not that one alone) and every process gets its bytes."""
     path = os.path.expanduser(path)
-    if not os.path.isfile(path):
-        raise DataError("no such task file", path)
+    data = processes.from_process_0(lambda: _task_bytes(path))
     kind, examples = None, []
-    with open(path, "rb") as f:
+    with io.BytesIO(data) as f:
         for line, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
@@ -100,6 +104,13 @@ def load_task(path: str) -> Task:
     if not examples:
         raise DataError("no examples (empty task file)", path)
     return Task(task_name(path), path, kind, tuple(examples))
+
+
+def _task_bytes(path: str) -> bytes:
+    file = epath.Path(path)
+    if not file.is_file():
+        raise DataError("no such task file", path)
+    return file.read_bytes()
 
 
 def parse_example(raw: bytes, path: str, line: int) -> tuple[str, Example]:
