@@ -248,6 +248,10 @@ def _data_defaults() -> _Section:
     s.workers = 0, NON_NEGATIVE_INT  # processes that prepare the packed cache (maxlm/data/build.py); 0 = one per core
     s.shard_mb = 64.0, POSITIVE  # local files: consecutive files of about this many MB form one shard
     s.shard_examples = 100_000, POSITIVE_INT  # TFDS sources: examples per shard
+    # A resume where a key the batches depend on changed (batch_size, seq_len, seed, the source,
+    # mixture, tokenizer or filters: data.STREAM_KEYS): "same" refuses it (exit 2), "tokens"
+    # continues after the tokens already read, "start" reads the new stream from its beginning
+    s.resume_position = "same", one_of(("same", "tokens", "start"))
     s.filters = _Section()
     s.filters.min_words = 0, NON_NEGATIVE  # 0 = off
     s.filters.max_symbol_ratio = 0.0, between("[0, 1]")  # 0 = off; else drop docs with more non-alnum, non-space chars

@@ -13,6 +13,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from ml_collections import ConfigDict
@@ -316,3 +317,31 @@ def test_a_preemption_agreed_around_a_restore_stops_at_a_committed_checkpoint(tm
     with pytest.raises(faults.Preempted) as stopped:
         loop.train_and_evaluate(cfg, str(tmp_path))
     assert checkpoint.verify_one(str(tmp_path / "checkpoints" / str(stopped.value.step))) is None
+
+
+def test_a_resume_with_another_batch_size_is_refused_naming_it_or_continues_after_the_rows_read(
+        two_layer_run, data_dirs, tmp_path):
+    """The data position is a batch index: with another batch_size the same position holds other
+    rows. Refused by default (exit 2 naming the key); data.resume_position=tokens continues after
+    the rows already read (a batch ramp-up: exact), =start reads the new stream from its start."""
+    ramped = tiny(data_dirs, steps=6, batch_size=16)
+    with pytest.raises(ConfigError, match=r"batch_size=16 \(checkpoint: 8\).*data.resume_position=tokens"):
+        loop.check_start(ramped, str(two_layer_run))
+    assert checkpoint.read_json(str(two_layer_run / "checkpoints" / "4"), "meta")["data"]["rows"] == 4 * 8
+
+    from maxlm.data import make_dataset
+    before, after = make_dataset(tiny(data_dirs), "train"), make_dataset(ramped, "train")
+    read = [before.row_ids(s) for s in range(4)]  # steps 0-3 read rows 0..31 of the stream
+    next_rows = np.concatenate([before.row_ids(4), before.row_ids(5)])  # what batch 8 would have read next
+    for mode, position in (("tokens", 2), ("start", 0)):
+        workdir = tmp_path / mode
+        shutil.copytree(two_layer_run, workdir)
+        cfg = tiny(data_dirs, steps=6, batch_size=16, **{"data.resume_position": mode})
+        loop.check_start(cfg, str(workdir))
+        loop.train_and_evaluate(cfg, str(workdir))
+        meta = checkpoint.read_json(str(workdir / "checkpoints" / "6"), "meta")
+        assert meta["data_position"] == position + 2 and meta["data"]["keys"]["batch_size"] == 16, mode
+        assert meta["data"]["rows"] == after.first_row(position + 2)
+        assert meta["anomaly"]["skips"] == [[4, position - 4]]  # the jump, so later resumes read the same
+    assert np.array_equal(after.row_ids(2), next_rows)  # tokens: exactly the rows after those read
+    assert not set(np.concatenate(read)) & set(after.row_ids(2))

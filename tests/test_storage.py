@@ -91,6 +91,9 @@ def test_a_write_refused_inside_orbax_removes_its_partial_directory_and_keeps_th
     (OSError(errno.EROFS, "Read-only file system"), "read-only file system"),
     (OSError(errno.EDQUOT, "Disk quota exceeded"), "disk quota exceeded"),
     (RuntimeError("upload failed: 403 Forbidden"), "the bucket refused the write (403 Forbidden)"),
+    # gcsfs's answer to a 403 (gcsfs/retry.py validate_response), as the write probe meets it
+    (OSError("Forbidden: bkt/run/checkpoints/.maxlm-write-probe\nuser lacks storage.objects.create"),
+     "the bucket refused the write (403 Forbidden)"),
     (ValueError("shapes differ"), None),
 ])
 def test_storage_refusals_are_named(error, reason):

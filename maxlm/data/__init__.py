@@ -8,7 +8,7 @@ from maxlm.data.batches import TokenDataset
 from maxlm.data.corpus import ensure_corpus, load_split
 from maxlm.data.errors import DataError
 from maxlm.data.packing import pack_documents, packing_efficiency
-from maxlm.data.pipeline import make_dataset
+from maxlm.data.pipeline import STREAM_KEYS, make_dataset
 from maxlm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "ensure_corpus",
     "load_split",
     "load_tokenizer",
+    "STREAM_KEYS",
     "make_dataset",
     "pack_documents",
     "packing_efficiency",

@@ -52,6 +52,21 @@ class TokenDataset:
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
 
+    def first_row(self, position: int) -> int:
+        """The index in the row stream (`order`) of batch `position`'s first row: the rows read
+        before it, each epoch's dropped remainder counted."""
+        epoch, in_epoch = divmod(int(position), self.steps_per_epoch)
+        return epoch * self.num_rows + in_epoch * self.batch_size
+
+    def position_at_row(self, row: int) -> int:
+        """The first batch position whose rows all come at or after stream index `row` (the
+        inverse of `first_row`, rounding up: no row before `row` is read again)."""
+        epoch, in_epoch = divmod(int(row), self.num_rows)
+        step = -(-in_epoch // self.batch_size)
+        if step >= self.steps_per_epoch:
+            epoch, step = epoch + 1, 0
+        return epoch * self.steps_per_epoch + step
+
     def row_ids(self, step: int, process_index=0, process_count: int = 1) -> np.ndarray:
         """Ids of the rows `batch(step, ...)` returns, in order."""
         step, parts, process_count = int(step), batch_parts_key(process_index), int(process_count)

@@ -83,6 +83,14 @@ class MixtureDataset:
             sample[here] = block * self.counts[source[here]] + rank[slots[here] % BLOCK]
         return source, sample
 
+    def first_row(self, position: int) -> int:
+        """The row slot of batch `position`'s first row (as `TokenDataset.first_row`)."""
+        return int(position) * self.batch_size
+
+    def position_at_row(self, row: int) -> int:
+        """The first batch position at or after row slot `row` (as `TokenDataset.position_at_row`)."""
+        return -(-int(row) // self.batch_size)
+
     def batch(self, step: int, process_index=0, process_count: int = 1) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step` (as `TokenDataset.batch`)."""
         step, parts, process_count = int(step), batch_parts_key(process_index), int(process_count)

@@ -17,6 +17,12 @@ from maxlm.data.batches import TokenDataset
 from maxlm.data.mixture import MixtureDataset
 from maxlm.data.tokenizer import checked_tokenizer
 
+# The config keys the rows of a step's batch depend on (besides the step): a resume in which one of
+# them changed would read other rows at the same data position (see `data.resume_position`).
+STREAM_KEYS = ("seed", "batch_size", "seq_len", "data.source", "data.mixture", "data.tokenizer", "data.text_key",
+               "data.txt_documents", "data.validation_percent", "data.bad_records", "data.shard_mb",
+               "data.shard_examples", "data.filters")
+
 
 def make_dataset(config, split: str) -> TokenDataset | MixtureDataset:
     """The packed `split` ("train" or "validation") of `config.data.source`, or of the sources

@@ -34,11 +34,11 @@ def train(f) -> None:
     cli.use_compile_cache(cfg)
     try:
         distributed.check_shared_workdir(f.workdir)  # every process sees the same checkpoints
+        # one run per workdir: a second one stops here, having written nothing there, before it
+        # reads the checkpoints a live run may be writing
+        workdir_lock.hold(f.workdir, on_lost=stop_on_lost_lease)
         data = loop.load_data(cfg)
         loop.check_start(cfg, f.workdir)
-        # one run per workdir: a second one stops here, having read but written nothing there, and
-        # a run with bad input stops before, leaving no lock file behind
-        workdir_lock.hold(f.workdir, on_lost=stop_on_lost_lease)
     except ValueError as e:  # bad data or a data/config mismatch: the user's to fix
         cli.config_error(str(e))
     try:

@@ -114,14 +114,20 @@ class Anomalies:
     def position(self, step: int) -> int:
         return data_position(step, self.skips)
 
+    def rebase(self, step: int, position: int) -> None:
+        """From `step` on, the stream reads from data `position` (a resume that changed the data
+        on purpose: maxlm/train/data_position.py): a skip of the batches between (maybe < 0)."""
+        if (jump := position - self.position(step)) != 0:
+            self.skips.append((step, jump))
+
     def meta(self) -> dict:
         """What a checkpoint records: `{"anomaly": {...}}` ({} when off, so meta stays as it was).
 
         The detector reads each loss one step late, so at a save it has not seen the last step's:
         that loss is recorded (`pending`, read now: the save waits for the step anyway) and a run
         resuming there reads it first, as the uninterrupted run does."""
-        if not self.enabled:
-            return {}
+        if not self.enabled:  # the skip list still holds deliberate jumps (`rebase`)
+            return {"anomaly": {"skips": [list(s) for s in self.skips]}} if self.skips else {}
         pending = None
         if self._previous is not None:
             step, metrics = self._previous

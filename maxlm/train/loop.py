@@ -21,7 +21,7 @@ from maxlm.data import make_dataset
 from maxlm.errors import ConfigError
 from maxlm.hf import files as hf
 from maxlm.model import attention, fp8
-from maxlm.train import anomaly, checkpoint, evaluate, faults, flops, loss_scale, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
+from maxlm.train import anomaly, checkpoint, data_position, evaluate, faults, flops, loss_scale, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
 from maxlm.train.step_logger import StepLogger
 
 log = logging.getLogger("maxlm")
@@ -59,6 +59,8 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     ckpt.warn_if_short_of_space(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
     state, lr_scale, meta = starting_state(cfg, ckpt, fresh_state, abstract)
     anomalies = anomaly.Anomalies(cfg.anomaly, meta)  # loss spikes: detector, skipped batches
+    if (position := data_position.continued(meta, cfg, train_data, ckpt.directory)) is not None:
+        anomalies.rebase(int(state["step"]), position)  # data changed on purpose: data.resume_position
     train_fn = train_step_fn(cfg, mesh, rules, shardings, anomalies.position)
     policy = faults.FaultPolicy(cfg.checkpoint, cfg.steps, clock_every=cfg.log_every_steps)
     writer = metrics.make_writers(workdir, jax.process_index() == 0, cfg.metrics.tensorboard)
@@ -92,7 +94,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                     step = int(state["step"])
                     logger.restart(step)
                     if stop:
-                        stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption)
+                        stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption, train_data)
                     continue
                 if bad_step is None and eval_due(cfg, done):
                     logger.flush()
@@ -104,7 +106,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                     action = policy.at_save_point(done, kind, int(step_metrics["bad_streak"]),
                                                   spiking=anomalies.in_streak())
                     if action == faults.SAVE:
-                        ckpt.save(done, state, checkpoint_meta(cfg, lr_scale, anomalies, done),
+                        ckpt.save(done, state, checkpoint_meta(cfg, lr_scale, anomalies, done, train_data),
                                   cfg.to_dict(), kind=kind)
                         policy.saved(done)
                         anomalies.saved(done)
@@ -117,7 +119,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                     step = int(state["step"])
                     logger.restart(step)
                     if stop:
-                        stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption)
+                        stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption, train_data)
                 elif preempted:
                     ckpt.wait()
                     raise faults.Preempted(done, interrupted=preemption.interrupted)
@@ -170,6 +172,9 @@ def check_start(cfg, workdir: str) -> None:
     full_state = bool(own) or not ckpt_cfg.restore_params_only
     if start and (problem := checkpoint.start_problem(start, cfg, full_state)):
         raise ConfigError(problem)
+    if start and full_state:  # the step goes on, and with it the data position
+        recorded = checkpoint.read_json(start, "meta").get("data", {}).get("keys")
+        data_position.check(recorded or data_position.stream_keys(checkpoint.read_json(start, "config")), cfg, start)
 
 
 def train_step_fn(cfg, mesh, rules, shardings, position):
@@ -188,13 +193,13 @@ def train_step_fn(cfg, mesh, rules, shardings, position):
     return train_fn
 
 
-def stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption) -> None:
+def stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption, train_data) -> None:
     """A preemption agreed on an iteration that restored a checkpoint: stop at the restored step,
     saving it first when it is not a checkpoint already (the initial state)."""
     step = int(state["step"])
     ckpt.wait()
     if ckpt.latest_step() != step:
-        ckpt.save(step, state, checkpoint_meta(cfg, lr_scale, anomalies, step), cfg.to_dict(), kind="preemption")
+        ckpt.save(step, state, checkpoint_meta(cfg, lr_scale, anomalies, step, train_data), cfg.to_dict(), kind="preemption")
         ckpt.wait()
     raise faults.Preempted(step, interrupted=preemption.interrupted)
 
@@ -242,10 +247,11 @@ def roll_back(cfg, ckpt, anomalies: anomaly.Anomalies, abstract, fresh_state, st
     return state
 
 
-def checkpoint_meta(cfg, lr_scale: float, anomalies: anomaly.Anomalies, step: int) -> dict:
+def checkpoint_meta(cfg, lr_scale: float, anomalies: anomaly.Anomalies, step: int, train_data) -> dict:
+    position = anomalies.position(step)
     return {"seed": cfg.seed, "lr_scale": lr_scale, "process_count": jax.process_count(),
             "device_count": jax.device_count(), "mesh": {a: cfg.mesh[a] for a in config_lib.MESH_AXES},
-            "data_position": anomalies.position(step), **anomalies.meta()}
+            "data_position": position, **data_position.record(cfg, train_data, position), **anomalies.meta()}
 
 
 def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
