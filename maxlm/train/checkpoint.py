@@ -39,7 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from maxlm import config as config_lib, console, paths
+from maxlm import config as config_lib, console, paths, processes
 from maxlm.errors import ConfigError
 from maxlm.train import faults, loss_scale, optim, state as state_lib
 
@@ -78,12 +78,10 @@ def agreed_steps(steps) -> list[int]:
     steps = sorted(int(s) for s in steps)
     if jax.process_count() == 1:
         return steps
-    from jax.experimental import multihost_utils
-
-    count = int(multihost_utils.broadcast_one_to_all(np.int64(len(steps))))
+    count = int(processes.broadcast(np.array([len(steps)], np.int64))[0])
     padded = np.zeros(count, np.int64)
     padded[:min(count, len(steps))] = steps[:count]
-    return [int(s) for s in multihost_utils.broadcast_one_to_all(padded)] if count else []
+    return [int(s) for s in processes.broadcast(padded)] if count else []
 
 
 def agreed(problem: str | None, what: str) -> str | None:
