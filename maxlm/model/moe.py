@@ -1,0 +1,240 @@
+"""A mixture-of-experts MLP: a router picks K of E SwiGLU experts per token (plus optional
+always-on shared experts); it replaces the dense SwiGLU in MoE layers.
+
+    out_BLD, stats = MoE(model_cfg).apply({"params": params, "moe": {"bias": bias_E}}, x_BLD)
+
+`route` turns router logits into each token's experts and gates (softmax: Mixtral/Qwen3;
+sigmoid with a selection-only bias and group-limited routing: DeepSeek-V3). The experts then run
+one of three ways, all the same numbers where nothing is dropped:
+`dropless` (tokens sorted by expert, grouped matmuls: jax.lax.ragged_dot), `with_capacity` (the
+GShard/Switch dense dispatch, each expert takes at most C tokens and drops the rest) and
+`reference` (every expert on every token: the ground truth for the tests).
+
+Shape suffixes: B batch, L length, D d_model, E experts, K experts per token (top-k),
+F expert mlp hidden, S shared-expert hidden (shared_experts·F), T tokens (B·L), N token-slots (T·K),
+C capacity (tokens per expert), G router groups.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+ROUTERS = ("softmax", "sigmoid")
+LOAD_BALANCE = ("aux_loss", "bias", "none")
+
+
+def _dtype(model_cfg):
+    # transformer.compute_dtype's value; this module cannot import transformer.py, which imports it
+    return jnp.dtype(model_cfg.dtype)
+
+
+def _param(module: nn.Module, name: str, std: float, shape, axes):
+    init = nn.initializers.normal(stddev=std)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def _group_limited(cfg, select_TE):
+    """`select_TE` with the experts outside each token's best `router_topk_groups` groups set to
+    -inf (DeepSeek-V3: a group scores the sum of its two best experts)."""
+    T, E = select_TE.shape
+    G = cfg.router_groups
+    per_group_TGX = select_TE.reshape(T, G, E // G)
+    group_score_TG = jax.lax.top_k(per_group_TGX, min(2, E // G))[0].sum(axis=-1)
+    best_groups_TX = jax.lax.top_k(group_score_TG, cfg.router_topk_groups)[1]
+    eligible_TG = jax.nn.one_hot(best_groups_TX, G, dtype=jnp.bool_).any(axis=1)
+    eligible_TE = jnp.repeat(eligible_TG, E // G, axis=1)
+    return jnp.where(eligible_TE, select_TE, -jnp.inf)
+
+
+def route(cfg, logits_TE, bias_E):
+    """(experts_TK int32, gates_TK float32, stats) from router logits [T, E].
+
+    softmax: probabilities over all E experts, the top K chosen; `router_renormalize` scales their
+    gates to sum 1 (Qwen3; Mixtral's softmax over the top-K logits is the same thing).
+    sigmoid: independent scores, the K chosen gates always normalised to sum 1 (DeepSeek-V3).
+    Either way `bias_E` (load_balance=bias) and group-limited routing (`router_groups` > 0) only
+    change which experts are chosen, never a gate's value; gates are then times `router_scale`.
+
+    stats: `aux_loss` (Switch/GShard: E·Σ_e f_e·P_e, f_e the share of token-slots routed to e,
+    P_e the mean probability of e, the normalised scores for sigmoid; 1.0 when balanced),
+    `z_loss` (mean logsumexp(logits)²) and `load_E` (slots per expert / their mean).
+    """
+    T, E = logits_TE.shape
+    K = cfg.experts_per_token
+    logits_TE = logits_TE.astype(jnp.float32)
+    if cfg.router == "softmax":
+        scores_TE = jax.nn.softmax(logits_TE, axis=-1)
+        probs_TE = scores_TE
+    else:
+        scores_TE = jax.nn.sigmoid(logits_TE)
+        probs_TE = scores_TE / scores_TE.sum(axis=-1, keepdims=True)
+    select_TE = scores_TE + bias_E
+    if cfg.router_groups:
+        select_TE = _group_limited(cfg, select_TE)
+    experts_TK = jax.lax.top_k(select_TE, K)[1].astype(jnp.int32)
+    gates_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
+    if cfg.router == "sigmoid" or cfg.router_renormalize:
+        gates_TK = gates_TK / gates_TK.sum(axis=-1, keepdims=True)
+    gates_TK = gates_TK * cfg.router_scale
+
+    slots_E = jnp.zeros((E,), jnp.float32).at[experts_TK.reshape(-1)].add(1.0)
+    f_E = slots_E / (T * K)
+    aux_loss = E * jnp.sum(f_E * probs_TE.mean(axis=0))
+    z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
+    return experts_TK, gates_TK, {"aux_loss": aux_loss, "z_loss": z_loss, "load_E": f_E * E}
+
+
+def router_loss(cfg, stats):
+    """What the router adds to the training objective: `load_balance_weight`·aux_loss (with
+    load_balance=aux_loss) + `router_z_loss`·z_loss."""
+    aux = cfg.load_balance_weight * stats["aux_loss"] if cfg.load_balance == "aux_loss" else 0.0
+    return aux + cfg.router_z_loss * stats["z_loss"]
+
+
+def updated_bias(bias_E, load_E, rate: float):
+    """DeepSeek-V3's auxiliary-loss-free balancing: each expert's selection bias moves by `rate`
+    towards the mean load, b_e += rate·sign(mean load − load_e). Run once per training step on the
+    step's load (the bias is no parameter: gradients never reach it)."""
+    return bias_E + rate * jnp.sign(jnp.mean(load_E) - load_E)
+
+
+# ----------------------------------------------------------------------------- the experts
+
+
+def _swiglu(x, w_gate, w_up, w_down, spec_in: str, spec_out: str):
+    hidden = nn.silu(jnp.einsum(spec_in, x, w_gate)) * jnp.einsum(spec_in, x, w_up)
+    return jnp.einsum(spec_out, hidden, w_down)
+
+
+def dropless(x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
+    """Every token-slot computed, [T, D] in `dtype`: the T·K slots sorted by expert (a stable sort,
+    so within an expert tokens keep their order), each expert's contiguous rows multiplied by its
+    weights (ragged_dot: no padding, no [E, T, ...] intermediate), unsorted and summed with the
+    gates (accumulated in float32)."""
+    T, K = experts_TK.shape
+    E = w_gate_EDF.shape[0]
+    experts_N = experts_TK.reshape(-1)
+    order_N = jnp.argsort(experts_N, stable=True)
+    sizes_E = jnp.bincount(experts_N, length=E).astype(jnp.int32)
+    x_ND = x_TD.astype(dtype)[order_N // K]
+    gate_NF = jax.lax.ragged_dot(x_ND, w_gate_EDF.astype(dtype), sizes_E)
+    up_NF = jax.lax.ragged_dot(x_ND, w_up_EDF.astype(dtype), sizes_E)
+    y_ND = jax.lax.ragged_dot(nn.silu(gate_NF) * up_NF, w_down_EFD.astype(dtype), sizes_E)
+    # unsort with the inverse permutation: a gather, then a plain weighted sum over the K slots
+    y_TKD = y_ND[jnp.argsort(order_N)].reshape(T, K, -1)
+    out_TD = jnp.einsum("tkd,tk->td", y_TKD, gates_TK.astype(dtype), preferred_element_type=jnp.float32)
+    return out_TD.astype(dtype)
+
+
+def capacity(cfg, num_tokens: int) -> int:
+    """C = ceil(capacity_factor·T·K/E): the most token-slots one expert takes (capacity_factor > 0)."""
+    return math.ceil(cfg.capacity_factor * num_tokens * cfg.experts_per_token / cfg.num_experts)
+
+
+def dispatch_positions(experts_TK, num_experts: int):
+    """Each slot's place in its expert's queue, [T, K] int32. The queue is in priority order:
+    every token's first choice (k=0) in token order, then every second choice, ... (GShard,
+    MaxText), so a token loses its lower-ranked experts to capacity before anyone's top choice."""
+    T, K = experts_TK.shape
+    onehot_NE = jax.nn.one_hot(experts_TK.T.reshape(-1), num_experts, dtype=jnp.int32)  # k-major
+    position_N = (jnp.cumsum(onehot_NE, axis=0) * onehot_NE).sum(axis=-1) - 1
+    return position_N.reshape(K, T).T
+
+
+def with_capacity(x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, capacity: int, dtype):
+    """([T, D] in `dtype`, dropped fraction): the dense dispatch/combine formulation (GShard).
+    Each expert takes its first `capacity` slots in queue order (`dispatch_positions`); a slot
+    beyond that is dropped, its expert output 0 (the residual stream carries the token on)."""
+    E = w_gate_EDF.shape[0]
+    position_TK = dispatch_positions(experts_TK, E)
+    kept_TK = position_TK < capacity
+    # one_hot of an out-of-range position is all zeros: a dropped slot dispatches nowhere
+    slot_TKC = jax.nn.one_hot(jnp.where(kept_TK, position_TK, capacity), capacity, dtype=dtype)
+    expert_TKE = jax.nn.one_hot(experts_TK, E, dtype=dtype)
+    # a token chooses an expert at most once, so summing its K slots keeps the mask 0/1
+    dispatch_TEC = jnp.einsum("tke,tkc->tec", expert_TKE, slot_TKC)
+    combine_TEC = jnp.einsum("tke,tkc,tk->tec", expert_TKE, slot_TKC, gates_TK.astype(dtype))
+    x_ECD = jnp.einsum("tec,td->ecd", dispatch_TEC, x_TD.astype(dtype))
+    y_ECD = _swiglu(x_ECD, w_gate_EDF.astype(dtype), w_up_EDF.astype(dtype), w_down_EFD.astype(dtype),
+                    "ecd,edf->ecf", "ecf,efd->ecd")
+    out_TD = jnp.einsum("tec,ecd->td", combine_TEC, y_ECD, preferred_element_type=jnp.float32)
+    dropped = 1.0 - kept_TK.sum() / kept_TK.size
+    return out_TD.astype(dtype), dropped.astype(jnp.float32)
+
+
+def reference(x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
+    """Every expert on every token ([E, T, F]), weighted by the chosen experts' gates (0 for the
+    others): E/K times the work, no sorting or dispatch to get wrong. The tests' ground truth."""
+    E = w_gate_EDF.shape[0]
+    gates_TE = jnp.einsum("tke,tk->te", jax.nn.one_hot(experts_TK, E, dtype=jnp.float32), gates_TK)
+    y_ETD = _swiglu(x_TD.astype(dtype), w_gate_EDF.astype(dtype), w_up_EDF.astype(dtype),
+                    w_down_EFD.astype(dtype), "td,edf->etf", "etf,efd->etd")
+    return jnp.einsum("te,etd->td", gates_TE.astype(dtype), y_ETD, preferred_element_type=jnp.float32).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+class MoE(nn.Module):
+    """The MoE MLP of one layer: x [B, L, D] → (out [B, L, D], stats).
+
+    stats: `route`'s (aux_loss, z_loss, load_E) and `dropped`, the share of token-slots over
+    capacity (0.0 when dropless). The selection bias is the variable "bias" [E] of collection
+    "moe": read here, updated by the training step (`updated_bias`).
+    """
+
+    cfg: Any
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        cfg = self.cfg
+        dtype = _dtype(cfg)
+        B, L, D = x_BLD.shape
+        E, F, S = cfg.num_experts, cfg.expert_mlp_dim, cfg.shared_experts * cfg.expert_mlp_dim
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)  # as SwiGLU: residual writes shrink with depth
+        router_DE = _param(self, "router", cfg.init_std, (D, E), ("embed", None))
+        w_gate_EDF = _param(self, "w_gate", cfg.init_std, (E, D, F), ("experts", "embed", "mlp"))
+        w_up_EDF = _param(self, "w_up", cfg.init_std, (E, D, F), ("experts", "embed", "mlp"))
+        w_down_EFD = _param(self, "w_down", out_std, (E, F, D), ("experts", "mlp", "embed"))
+        bias_E = self.variable("moe", "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
+                               None, (E,), jnp.float32).value
+
+        x_TD = x_BLD.reshape(B * L, D)
+        # router in float32: top-k between near-equal logits must not flip with the compute dtype
+        logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router_DE)
+        experts_TK, gates_TK, stats = route(cfg, logits_TE, bias_E)
+        weights = (x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+        if cfg.capacity_factor:
+            out_TD, dropped = with_capacity(*weights, capacity(cfg, B * L), dtype)
+        else:
+            out_TD, dropped = dropless(*weights, dtype), jnp.zeros((), jnp.float32)
+        if S:
+            w_gate_DS = _param(self, "shared_gate", cfg.init_std, (D, S), ("embed", "mlp"))
+            w_up_DS = _param(self, "shared_up", cfg.init_std, (D, S), ("embed", "mlp"))
+            w_down_SD = _param(self, "shared_down", out_std, (S, D), ("mlp", "embed"))
+            out_TD = out_TD + _swiglu(x_TD.astype(dtype), w_gate_DS.astype(dtype), w_up_DS.astype(dtype),
+                                      w_down_SD.astype(dtype), "td,ds->ts", "ts,sd->td")
+        out_BLD = checkpoint_name(out_TD.reshape(B, L, D), "mlp_out")  # as SwiGLU's, for the remat policies
+        return out_BLD, {**stats, "dropped": dropped}
+
+
+def expert_params(cfg) -> int:
+    """Every parameter of one MoE layer: router, all E experts, shared experts."""
+    D, E, F, S = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim, cfg.shared_experts * cfg.expert_mlp_dim
+    return D * E + E * 3 * D * F + 3 * D * S
+
+
+def active_params(cfg) -> int:
+    """The parameters one token uses in one MoE layer: router, its K experts, shared experts
+    (what its FLOPs scale with: 6 × this per token for a training step's matmuls)."""
+    D, E, F, S = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim, cfg.shared_experts * cfg.expert_mlp_dim
+    return D * E + cfg.experts_per_token * 3 * D * F + 3 * D * S
