@@ -209,8 +209,9 @@ class MoE(nn.Module):
                                None, (E,), jnp.float32).value
 
         x_TD = x_BLD.reshape(B * L, D)
-        # router in float32: top-k between near-equal logits must not flip with the compute dtype
-        logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router_DE)
+        # router in full float32 (not TF32/bf16 passes either; it is D·E a token): top-k between
+        # near-equal logits must not flip with the compute dtype or the backend
+        logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router_DE, precision="highest")
         experts_TK, gates_TK, stats = route(cfg, logits_TE, bias_E)
         weights = (x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
         if cfg.capacity_factor:
