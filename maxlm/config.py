@@ -18,7 +18,9 @@ import ml_collections
 
 from maxlm import axes
 from maxlm.axes import DEFAULT_RULES, MESH_AXES  # noqa: F401  (MESH_AXES: config_lib.MESH_AXES)
-from maxlm.config_rules import (  # noqa: F401  (the choices, as config_lib.REMAT etc.)
+from maxlm.config_rules import (
+    LOAD_BALANCE,
+    ROUTERS,  # noqa: F401  (the choices, as config_lib.REMAT etc.)
     ATTENTION,
     BOOL,
     DTYPES,
@@ -197,6 +199,22 @@ def _model_defaults() -> _Section:
     s.logits_chunk_size = 0, NON_NEGATIVE  # >0: the loss computes logits this many positions at a time
     s.z_loss = 0.0, NON_NEGATIVE  # weight of log²Z in the objective (PaLM uses 1e-4)
     s.label_smoothing = 0.0, between("[0, 1)")
+    # Mixture of experts (maxlm/model/moe.py, docs/moe.md): the SwiGLU of every layer after the
+    # first `first_dense_layers` becomes `num_experts` SwiGLU experts, `experts_per_token` per token
+    s.num_experts = 0, NON_NEGATIVE_INT  # 0: a dense model
+    s.experts_per_token = 2, POSITIVE_INT
+    s.expert_mlp_dim = 0, NON_NEGATIVE_INT  # each expert's hidden size; 0: mlp_dim
+    s.shared_experts = 0, NON_NEGATIVE_INT  # always-on experts beside the routed ones (DeepSeek, Qwen2-MoE)
+    s.first_dense_layers = 0, NON_NEGATIVE_INT  # layers kept dense at the bottom (DeepSeek-V3: 3)
+    s.router = "softmax", one_of(ROUTERS)  # softmax: Mixtral, Qwen3; sigmoid: DeepSeek-V3
+    s.router_renormalize = True, BOOL  # softmax: the top-k gates scaled to sum 1
+    s.router_scale = 1.0, POSITIVE  # the gates times this (DeepSeek-V3's routed scaling factor)
+    s.router_groups = 0, NON_NEGATIVE_INT  # group-limited routing: experts in this many groups (0: off) ...
+    s.router_topk_groups = 0, NON_NEGATIVE_INT  # ... of which each token's best this many are eligible
+    s.load_balance = "aux_loss", one_of(LOAD_BALANCE)  # Switch/GShard's auxiliary loss, or none
+    s.load_balance_weight = 0.01, NON_NEGATIVE  # the auxiliary loss's weight
+    s.router_z_loss = 0.0, NON_NEGATIVE  # weight of the router's log²Z (ST-MoE uses 1e-3)
+    s.capacity_factor = 0.0, NON_NEGATIVE  # 0: dropless; > 0: each expert takes this x its fair share, drops the rest
     return s
 
 

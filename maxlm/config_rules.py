@@ -24,6 +24,8 @@ LR_BATCH_SCALING = ("none", "sqrt", "linear")  # optim.lr_batch_scaling
 REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
 ATTENTION = ("auto", "xla", "cudnn", "splash")  # see attention.attention_backend
 POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/model/positions.py
+ROUTERS = ("softmax", "sigmoid")  # model.router: see maxlm/model/moe.py
+LOAD_BALANCE = ("aux_loss", "none")  # model.load_balance
 SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/model/attention.py)
 
 
@@ -92,6 +94,32 @@ def check_platform(c, num_devices: int, platform: str | None) -> None:
         raise ConfigError(f"num_devices={c.num_devices} but JAX sees {num_devices} devices here")
 
 
+def _check_experts(c) -> None:
+    """The mixture-of-experts keys against each other and the layers; fills model.expert_mlp_dim."""
+    m = c.model
+    if not m.num_experts:
+        return
+    if m.experts_per_token > m.num_experts:
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} is more than model.num_experts="
+                          f"{m.num_experts}: a token cannot go to more experts than there are")
+    if m.first_dense_layers >= m.num_layers:
+        raise ConfigError(f"model.first_dense_layers={m.first_dense_layers} leaves no MoE layer of "
+                          f"model.num_layers={m.num_layers}; lower it, or set model.num_experts=0 for a dense model")
+    if m.router_groups:
+        if m.num_experts % m.router_groups:
+            raise ConfigError(f"model.router_groups={m.router_groups} must divide model.num_experts={m.num_experts}")
+        per_group = m.num_experts // m.router_groups
+        if not 1 <= m.router_topk_groups <= m.router_groups or m.router_topk_groups * per_group < m.experts_per_token:
+            raise ConfigError(f"model.router_topk_groups={m.router_topk_groups} must be in [1, router_groups="
+                              f"{m.router_groups}] and hold at least experts_per_token={m.experts_per_token} "
+                              f"experts ({per_group} a group)")
+    if c.mesh.stage > 1:
+        raise ConfigError("model.num_experts > 0 with mesh.stage > 1: the pipeline does not run MoE layers "
+                          "yet; use mesh.stage=1")
+    if m.expert_mlp_dim == 0:
+        m.expert_mlp_dim = m.mlp_dim
+
+
 def check_model_and_optim(c) -> None:
     """Cross-field rules within the model and optimizer; fills model.head_dim, optim.decay_steps."""
     m = c.model
@@ -128,6 +156,7 @@ def check_model_and_optim(c) -> None:
             )
         m.head_dim = m.d_model // m.num_heads
     _check_positions(c)
+    _check_experts(c)
     if c.optim.warmup_steps > c.steps:
         raise ConfigError(f"optim.warmup_steps={c.optim.warmup_steps} is longer than steps={c.steps}")
     if c.optim.decay_steps == 0:

@@ -31,7 +31,7 @@ def main(argv) -> None:
         cli.config_error(f"--max_shard_mb={f.max_shard_mb} must be >= 1")
     distributed.initialize()
     try:
-        hf.require_rope(runs.read_config(f.workdir).model, "the Hugging Face export")  # before restoring
+        hf.require_llama(runs.read_config(f.workdir).model, "the Hugging Face export")  # before restoring
         run = runs.load_run(f.workdir, f.step)
         files = hf.export(run["params"], run["config"], f.out, f.dtype, f.max_shard_mb * 2**20)
     except ValueError as e:  # RunError, ConfigError, a missing tokenizer file

@@ -82,6 +82,8 @@ def _block(model_cfg, p, x_BTD, positions_BT, cache):
                                  positions_BT, cache)
     x_BTD = x_BTD + attn_BTD
     h_BTD = _rms_norm(model_cfg, p["mlp_norm"], x_BTD)
+    if "router" in p["mlp"]:  # an MoE layer (maxlm/model/moe.py)
+        return x_BTD + model.MoE(model_cfg).apply({"params": p["mlp"]}, h_BTD)[0], cache
     return x_BTD + model.SwiGLU(model_cfg).apply({"params": p["mlp"]}, h_BTD), cache
 
 
@@ -90,13 +92,19 @@ def forward(model_cfg, params, tokens_BT, positions_BT, cache):
     earlier tokens in the cache), and the cache with their keys and values added."""
     x_BTD = model.embed(params["embed"], tokens_BT, model.compute_dtype(model_cfg))
     x_BTD = positions.add_positions(model_cfg, x_BTD, positions_BT, params.get("pos_embed"))
-    if "layers" in params:  # the scanned layout: one layer body over the leading layer axis
+    if "layers" in params:  # the scanned layout: one layer body per group over its leading layer axis
 
         def body(x_BTD, layer):
             layer_params, layer_cache = layer
             return _block(model_cfg, layer_params, x_BTD, positions_BT, layer_cache)
 
-        x_BTD, cache = jax.lax.scan(body, x_BTD, (params["layers"], cache))
+        caches, start = [], 0
+        for name, length, _ in model.layer_groups(model_cfg):  # an MoE model's dense layers, then its MoE ones
+            group_cache = jax.tree.map(lambda c, start=start, length=length: c[start:start + length], cache)
+            x_BTD, group_cache = jax.lax.scan(body, x_BTD, (params[name], group_cache))
+            caches.append(group_cache)
+            start += length
+        cache = jax.tree.map(lambda *c: jnp.concatenate(c), *caches)
     else:
         new_cache = []
         for i, layer_cache in enumerate(cache):

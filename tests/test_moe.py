@@ -276,7 +276,7 @@ def init_layer(cfg, x_BLD):
 
 
 def test_layer_params_shapes_and_logical_specs():
-    cfg = moe_cfg(shared_experts=2)
+    cfg = moe_cfg(shared_experts=2, load_balance="bias")  # the bias variable exists for load_balance=bias
     x_BLD = jnp.zeros((2, 4, D), F32)
     boxed = jax.eval_shape(lambda: init_layer(cfg, x_BLD))
     specs = nn.get_partition_spec(boxed)
@@ -297,7 +297,7 @@ def test_layer_params_shapes_and_logical_specs():
 
 
 def test_layer_init_std():
-    cfg = moe_cfg(d_model=64, expert_mlp_dim=64, num_layers=8, init_std=0.1)
+    cfg = moe_cfg(d_model=64, expert_mlp_dim=64, num_layers=8, init_std=0.1, load_balance="bias")
     variables = init_layer(cfg, jnp.zeros((1, 4, 64), F32))
     params = nn.unbox(variables["params"])
     assert abs(float(params["w_up"].std()) - 0.1) < 0.005
@@ -308,7 +308,8 @@ def test_layer_init_std():
 @pytest.mark.parametrize("capacity_factor", [0.0, 100.0])
 def test_layer_equals_reference_on_its_own_params(capacity_factor):
     # init_std 0.5: outputs of order 1, so that a tolerance of 1e-6 means something
-    cfg = moe_cfg(shared_experts=1, capacity_factor=capacity_factor, router="sigmoid", init_std=0.5)
+    cfg = moe_cfg(shared_experts=1, capacity_factor=capacity_factor, router="sigmoid", init_std=0.5,
+                  load_balance="bias")
     x_BLD = jax.random.normal(jax.random.key(6), (2, 8, D), F32)
     variables = nn.unbox(init_layer(cfg, x_BLD))
     variables["moe"]["bias"] = jnp.linspace(-0.3, 0.3, E)
@@ -341,3 +342,10 @@ def test_param_counts_match_the_tree(shared):
     assert sum(sizes.values()) == moe.expert_params(cfg)
     per_expert = sum(sizes[k] for k in ("w_gate", "w_up", "w_down")) // E
     assert moe.active_params(cfg) == sum(sizes.values()) - (E - K) * per_expert
+
+
+def test_without_bias_balancing_the_layer_has_no_bias_variable():
+    """Only load_balance=bias selects with a bias (the training step's to update): otherwise the
+    layer holds parameters alone, and selection is the router's."""
+    variables = moe.MoE(moe_cfg()).init(jax.random.key(0), jnp.zeros((1, 4, D), F32))
+    assert set(variables) == {"params"}

@@ -32,7 +32,7 @@ import numpy as np
 from etils import epath
 
 from maxlm import config as config_lib, console, paths, processes
-from maxlm.hf.mapping import check_config, hf_config, hf_tensors, read_block, require_rope, sources, to_hf
+from maxlm.hf.mapping import check_config, hf_config, hf_tensors, read_block, require_llama, sources, to_hf
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -187,7 +187,7 @@ def check_init_from_hf(cfg) -> None:
         raise config_lib.ConfigError(
             f"checkpoint.init_from_hf={ckpt.init_from_hf} and checkpoint.restore_from="
             f"{ckpt.restore_from} are both set; a run starts from one of them")
-    require_rope(cfg.model, f"checkpoint.init_from_hf={ckpt.init_from_hf}")
+    require_llama(cfg.model, f"checkpoint.init_from_hf={ckpt.init_from_hf}")
     checked_dir(ckpt.init_from_hf, cfg.model)
 
 
@@ -202,7 +202,7 @@ def load_params(path: str, model_cfg, abstract_params):
 
     Raises ConfigError when the checkpoint does not match `model_cfg`.
     """
-    require_rope(model_cfg, f"checkpoint.init_from_hf={path}")
+    require_llama(model_cfg, f"checkpoint.init_from_hf={path}")
     path = os.path.expanduser(path)
     weight_map = checked_dir(path, model_cfg)
     out: dict[str, Any] = {}
@@ -376,7 +376,7 @@ def export(params, cfg, out: str, dtype: str = "float32",
 
     if dtype not in DTYPES:
         raise config_lib.ConfigError(f"--dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
-    require_rope(cfg.model, "the Hugging Face export")
+    require_llama(cfg.model, "the Hugging Face export")
     out = os.path.expanduser(out)
 
     def check_out() -> bytes:  # process 0's, which writes there

@@ -3,7 +3,7 @@
 
 maxlm's model is the Llama architecture (pre-norm RMSNorm, RoPE, SwiGLU, grouped-query attention,
 no biases), so a run converts to `transformers.LlamaForCausalLM` without custom code; a run with
-other position encodings (`model.positions` sinusoidal or learned) does not (`require_rope`):
+other position encodings (`model.positions` sinusoidal or learned) does not (`require_llama`):
 
     maxlm parameter                      HF tensor (`model.layers.{i}.` prefix for a layer's)
     embed            [V, D]              model.embed_tokens.weight        [V, D]
@@ -141,9 +141,14 @@ def read_block(hf_slice, tensor: Tensor, index: tuple[slice, ...]) -> np.ndarray
 # ----------------------------------------------------------------------------- config mapping
 
 
-def require_rope(model_cfg, what: str) -> None:
-    """ConfigError unless the model encodes positions with RoPE (`model.positions`): transformers'
-    Llama has no other position encoding, so `what` (an export, an import) cannot map it."""
+def require_llama(model_cfg, what: str) -> None:
+    """ConfigError unless the model is one transformers' Llama can hold, so that `what` (an
+    export, an import) can map it: positions by RoPE (`model.positions`; Llama has no other), and
+    a dense MLP (the MoE classes, Mixtral's and Qwen3-MoE's, are not mapped yet)."""
+    if model_cfg.num_experts:
+        raise config_lib.ConfigError(
+            f"{what} maps dense Llama models; this one has model.num_experts={model_cfg.num_experts} "
+            "(mixture-of-experts export and import are not built yet)")
     if model_cfg.positions != "rope":
         raise config_lib.ConfigError(
             f"{what} needs model.positions='rope', got {model_cfg.positions!r}: transformers' Llama "

@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-ROUTERS = ("softmax", "sigmoid")
-LOAD_BALANCE = ("aux_loss", "bias", "none")
+from maxlm.config_rules import LOAD_BALANCE, ROUTERS  # noqa: F401  (the choices, as moe.ROUTERS)
 
 
 def _dtype(model_cfg):
@@ -205,8 +204,11 @@ class MoE(nn.Module):
         w_gate_EDF = _param(self, "w_gate", cfg.init_std, (E, D, F), ("experts", "embed", "mlp"))
         w_up_EDF = _param(self, "w_up", cfg.init_std, (E, D, F), ("experts", "embed", "mlp"))
         w_down_EFD = _param(self, "w_down", out_std, (E, F, D), ("experts", "mlp", "embed"))
-        bias_E = self.variable("moe", "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
-                               None, (E,), jnp.float32).value
+        if cfg.load_balance == "bias":
+            bias_E = self.variable("moe", "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
+                                   None, (E,), jnp.float32).value
+        else:  # selection by the router alone
+            bias_E = jnp.zeros((E,), jnp.float32)
 
         x_TD = x_BLD.reshape(B * L, D)
         # router in full float32 (not TF32/bf16 passes either; it is D·E a token): top-k between

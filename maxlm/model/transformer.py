@@ -28,7 +28,7 @@ import ml_collections
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm.model import attention, backward_order, fp8, head, positions
+from maxlm.model import attention, backward_order, fp8, head, moe, positions
 
 Batch = dict[str, jax.Array]
 
@@ -155,7 +155,10 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
+    """One layer; `experts`: its MLP is the mixture of experts (maxlm/model/moe.py), whose router
+    statistics it returns as the scan's per-layer output."""
     cfg: Any
+    experts: bool = False
 
     @nn.compact
     def __call__(self, x_BLD, positions_BL, mask_B1LS, segment_ids_BL):
@@ -164,8 +167,22 @@ class Block(nn.Module):
         h_BLD = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_BLD)
         x_BLD = x_BLD + Attention(cfg, name="attn")(h_BLD, positions_BL, mask_B1LS, segment_ids_BL)
         h_BLD = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_BLD)
-        x_BLD = x_BLD + SwiGLU(cfg, name="mlp")(h_BLD)
-        return _constrain(x_BLD, ("batch", "length", "act_embed")), None  # (carry, out) for scan
+        stats = None
+        if self.experts:
+            mlp_BLD, stats = moe.MoE(cfg, name="mlp")(h_BLD)
+        else:
+            mlp_BLD = SwiGLU(cfg, name="mlp")(h_BLD)
+        x_BLD = x_BLD + mlp_BLD
+        return _constrain(x_BLD, ("batch", "length", "act_embed")), stats  # (carry, out) for scan
+
+
+def layer_groups(model_cfg) -> list[tuple[str, int, bool]]:
+    """(scanned name, layers, experts?) of the layer groups, bottom first: a dense model's
+    `layers`; an MoE model's `first_dense_layers` as `dense_layers`, then its MoE `layers`."""
+    if not model_cfg.num_experts:
+        return [("layers", model_cfg.num_layers, False)]
+    dense = model_cfg.first_dense_layers
+    return [("dense_layers", dense, False)] * bool(dense) + [("layers", model_cfg.num_layers - dense, True)]
 
 
 class Transformer(nn.Module):
@@ -187,20 +204,29 @@ class Transformer(nn.Module):
         if REMAT_POLICIES[cfg.remat] is not None:
             # prevent_cse only matters outside scan, where XLA could merge the recomputation away.
             block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:  # one compiled layer body whatever the depth; params get a `layers` axis
-            layers = nn.scan(
-                block,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-                length=cfg.num_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )
-            x_BLD, _ = layers(cfg, name="layers")(x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
+        router_stats = []  # per MoE layer
+        if cfg.scan_layers:  # one compiled layer body per group whatever the depth; params get a `layers` axis
+            for name, length, experts in layer_groups(cfg):
+                layers = nn.scan(
+                    block,
+                    variable_axes={"params": 0},
+                    split_rngs={"params": True},
+                    in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                    length=length,
+                    metadata_params={nn.PARTITION_NAME: "layers"},
+                )
+                x_BLD, stats = layers(cfg, experts, name=name)(x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
+                if experts:  # stacked over the group's layers by the scan
+                    router_stats.append(stats)
         else:
+            first_moe = cfg.first_dense_layers if cfg.num_experts else cfg.num_layers
             for i in range(cfg.num_layers):
-                x_BLD, _ = backward_order.call_in_order(
-                    block(cfg, name=f"layer_{i}"), x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
+                x_BLD, stats = backward_order.call_in_order(
+                    block(cfg, i >= first_moe, name=f"layer_{i}"), x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
+                if stats is not None:
+                    router_stats.append(jax.tree.map(lambda a: a[None], stats))
+        if router_stats:  # [MoE layers, ...], read by `forward` (the objective, the metrics)
+            self.sow("intermediates", "router_stats", jax.tree.map(lambda *a: jnp.concatenate(a), *router_stats))
         if not cfg.tie_embeddings:  # declared here so init creates it; used by `head_weights`
             _param(self, "head", _normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
         return RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BLD)
@@ -238,18 +264,28 @@ def param_logical_specs(model_cfg):
     if model_cfg.scan_layers:
         return specs
     # an unrolled layer's spec is the stacked one without its leading `layers` axis
-    layer_specs = jax.tree.map(lambda spec: PartitionSpec(*spec[1:]), specs["layers"], is_leaf=is_spec)
-    return unstack_layers({**specs, "layers": layer_specs}, num_layers=model_cfg.num_layers, stacked=False)
+    groups = {name: jax.tree.map(lambda spec: PartitionSpec(*spec[1:]), specs[name], is_leaf=is_spec)
+              for name, _, _ in layer_groups(model_cfg)}
+    dense = model_cfg.first_dense_layers if model_cfg.num_experts else 0
+    return unstack_layers({**specs, **groups}, num_layers=model_cfg.num_layers, stacked=False, num_dense=dense)
+
+
+def forward(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict | None]:
+    """(the final-normed hidden states [B, L, D] (compute dtype) of a packed batch, the router
+    statistics of an MoE model stacked over its MoE layers (maxlm/model/moe.py), else None);
+    pipelined over the mesh's `stage` axis when it has one of size > 1 (same numbers)."""
+    if pipeline_stages() > 1:
+        return pipelined_hidden_states(model_cfg, params, batch, pipeline_stages()), None
+    x_BLD, sown = Transformer(model_cfg).apply(
+        {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"], mutable=["intermediates"]
+    )
+    router_stats = sown.get("intermediates", {}).get("router_stats")
+    return x_BLD, (router_stats[0] if router_stats else None)
 
 
 def hidden_states(model_cfg, params, batch: Batch) -> jax.Array:
-    """The final-normed hidden states [B, L, D] (compute dtype) of a packed batch; pipelined over
-    the mesh's `stage` axis when it has one of size > 1 (same numbers)."""
-    if pipeline_stages() > 1:
-        return pipelined_hidden_states(model_cfg, params, batch, pipeline_stages())
-    return Transformer(model_cfg).apply(
-        {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"]
-    )
+    """`forward`'s hidden states."""
+    return forward(model_cfg, params, batch)[0]
 
 
 # ----------------------------------------------------------------------------- pipeline parallelism
@@ -391,11 +427,11 @@ def _chunked_token_losses(model_cfg, x_BLD, w_head, targets_BL) -> dict:
     return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(B, L), per_token_NBC)
 
 
-def token_losses(model_cfg, params, batch: Batch) -> dict:
+def token_losses(model_cfg, params, batch: Batch, x_BLD=None) -> dict:
     """{"objective", "cross_entropy", "correct"} per token [B, L] (see `_token_losses`), and
-    "weights": 1 for real tokens, 0 for padding. Logits are computed `model.logits_chunk_size`
-    positions at a time when that is set."""
-    x_BLD = hidden_states(model_cfg, params, batch)
+    "weights": 1 for real tokens, 0 for padding; of the hidden states `x_BLD` (default: the
+    batch's). Logits are computed `model.logits_chunk_size` positions at a time when that is set."""
+    x_BLD = hidden_states(model_cfg, params, batch) if x_BLD is None else x_BLD
     w_head = head_weights(model_cfg, params)
     chunk = model_cfg.logits_chunk_size
     per_token = _chunked_token_losses if chunk and chunk < x_BLD.shape[1] else _token_losses
@@ -405,44 +441,75 @@ def token_losses(model_cfg, params, batch: Batch) -> dict:
 
 def loss_fn(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict]:
     """The training objective averaged over real (non-padding) tokens, and
-    {"num_tokens", "cross_entropy"} (the plain next-token loss, what `loss` reports)."""
-    per_token = token_losses(model_cfg, params, batch)
+    {"num_tokens", "cross_entropy"} (the plain next-token loss, what `loss` reports), with an MoE
+    model's "router" statistics (`aux_loss`, `z_loss`, `dropped` averaged over its MoE layers,
+    `load_max`: the busiest expert's tokens over the mean, in any layer)."""
+    x_BLD, router_stats = forward(model_cfg, params, batch)
+    per_token = token_losses(model_cfg, params, batch, x_BLD)
     weights_BL = per_token["weights"]
     num_tokens = weights_BL.sum()
     mean = lambda v_BL: (v_BL * weights_BL).sum() / jnp.maximum(num_tokens, 1.0)
-    return mean(per_token["objective"]), {"num_tokens": num_tokens,
-                                          "cross_entropy": mean(per_token["cross_entropy"])}
+    objective = mean(per_token["objective"])
+    aux = {"num_tokens": num_tokens, "cross_entropy": mean(per_token["cross_entropy"])}
+    if router_stats is not None:  # the load-balancing and router z-losses, averaged over the MoE layers
+        layers_mean = jax.tree.map(lambda a: a.mean(axis=0), router_stats)
+        objective = objective + moe.router_loss(model_cfg, layers_mean)
+        aux["router"] = {"aux_loss": layers_mean["aux_loss"], "z_loss": layers_mean["z_loss"],
+                         "dropped": layers_mean["dropped"],
+                         "load_max": router_stats["load_E"].max()}  # the busiest expert of any layer / mean
+    return objective, aux
 
 
 def count_params(model_cfg) -> int:
     """Closed-form parameter count (checked against the real pytree in the tests)."""
     D, H, K, Dh, F, V = (model_cfg.d_model, model_cfg.num_heads, model_cfg.num_kv_heads,
                          model_cfg.head_dim, model_cfg.mlp_dim, model_cfg.vocab_size)
-    per_layer = D * H * Dh + 2 * D * K * Dh + H * Dh * D + 3 * D * F + 2 * D
+    attention_and_norms = D * H * Dh + 2 * D * K * Dh + H * Dh * D + 2 * D
+    dense_layers = model_cfg.first_dense_layers if model_cfg.num_experts else model_cfg.num_layers
+    layers = (dense_layers * (attention_and_norms + 3 * D * F)
+              + (model_cfg.num_layers - dense_layers) * (attention_and_norms + moe.expert_params(model_cfg)))
     head = 0 if model_cfg.tie_embeddings else D * V
     position_table = model_cfg.max_positions * D if model_cfg.positions == "learned" else 0
-    return V * D + position_table + model_cfg.num_layers * per_layer + D + head
+    return V * D + position_table + layers + D + head
+
+
+def active_params(model_cfg) -> int:
+    """The parameters one token's forward pass uses: `count_params`, less the experts an MoE
+    layer does not route it to (all of them for a dense model)."""
+    moe_layers = model_cfg.num_layers - model_cfg.first_dense_layers if model_cfg.num_experts else 0
+    return count_params(model_cfg) - moe_layers * (moe.expert_params(model_cfg) - moe.active_params(model_cfg))
 
 
 def stack_layers(params):
-    """Unrolled params (`layer_0`, `layer_1`, ...) → the scanned layout (`layers`, leading axis)."""
+    """Unrolled params (`layer_0`, `layer_1`, ...) → the scanned layout: `layers`, a leading layer
+    axis; an MoE model's dense layers (below its MoE ones) as `dense_layers`."""
     names = sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k[6:]))
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[k] for k in names))
-    return {**{k: v for k, v in params.items() if k not in names}, "layers": stacked}
+    experts = [k for k in names if "router" in params[k]["mlp"]]
+    dense = [k for k in names if k not in experts]
+    stack = lambda keys: jax.tree.map(lambda *xs: jnp.stack(xs), *(params[k] for k in keys))
+    groups = {"layers": stack(experts), **({"dense_layers": stack(dense)} if dense else {})} if experts \
+        else {"layers": stack(names)}
+    return {**{k: v for k, v in params.items() if k not in names}, **groups}
 
 
-def unstack_layers(params, num_layers: int | None = None, stacked: bool = True):
-    """The scanned layout (`layers`, leading axis) → unrolled params (`layer_0`, `layer_1`, ...).
+def unstack_layers(params, num_layers: int | None = None, stacked: bool = True, num_dense: int = 0):
+    """The scanned layout (`dense_layers` then `layers`, each with a leading axis) → unrolled
+    params (`layer_0`, `layer_1`, ...).
 
-    With `stacked=False`, `params["layers"]` is one layer's tree, repeated `num_layers` times
-    (for trees without a layer axis, such as PartitionSpecs)."""
-    layers = params["layers"]
-    if stacked:
-        num_layers = jax.tree.leaves(layers)[0].shape[0]
-        per_layer = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(num_layers)]
-    else:
-        per_layer = [layers] * num_layers
-    rest = {k: v for k, v in params.items() if k != "layers"}
+    With `stacked=False`, each group is one layer's tree (for trees without a layer axis, such as
+    PartitionSpecs): `num_dense` times the `dense_layers` one, then the `layers` one up to
+    `num_layers` in all."""
+    per_layer = []
+    for group in ("dense_layers", "layers"):
+        if group not in params:
+            continue
+        layers = params[group]
+        if stacked:
+            count = jax.tree.leaves(layers)[0].shape[0]
+            per_layer += [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(count)]
+        else:
+            per_layer += [layers] * (num_dense if group == "dense_layers" else num_layers - num_dense)
+    rest = {k: v for k, v in params.items() if k not in ("dense_layers", "layers")}
     return {**rest, **{f"layer_{i}": layer for i, layer in enumerate(per_layer)}}
 
 

@@ -53,6 +53,15 @@ def _head_dim(model_cfg) -> int:
     return model_cfg.d_model // model_cfg.num_heads
 
 
+def _mlp_flops(model_cfg) -> int:
+    """Forward MLP FLOPs per token over the layers: gate, up and down of the dense SwiGLUs; in
+    MoE layers those of the *active* experts (the K routed ones, the shared ones) and the router."""
+    m = model_cfg
+    dense = m.first_dense_layers if m.num_experts else m.num_layers
+    per_moe_layer = 2 * (m.d_model * m.num_experts + 3 * m.d_model * m.expert_mlp_dim * (m.experts_per_token + m.shared_experts))
+    return dense * 3 * 2 * m.d_model * m.mlp_dim + (m.num_layers - dense) * per_moe_layer
+
+
 def forward_flops_breakdown(model_cfg, seq_len: int) -> dict[str, float]:
     """Forward-pass FLOPs per token, summed over layers, by component.
 
@@ -61,7 +70,7 @@ def forward_flops_breakdown(model_cfg, seq_len: int) -> dict[str, float]:
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    d, F, V = model_cfg.d_model, model_cfg.mlp_dim, model_cfg.vocab_size
+    d, V = model_cfg.d_model, model_cfg.vocab_size
     H, K, L = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.num_layers
     if H % K:
         raise ValueError(f"num_heads ({H}) must be a multiple of num_kv_heads ({K})")
@@ -71,7 +80,7 @@ def forward_flops_breakdown(model_cfg, seq_len: int) -> dict[str, float]:
         "q_proj": L * 2 * d * H * Dh,
         "kv_proj": L * 2 * 2 * d * K * Dh,
         "out_proj": L * 2 * H * Dh * d,
-        "mlp": L * 3 * 2 * d * F,  # gate, up, down
+        "mlp": _mlp_flops(model_cfg),
         # QK^T and AV: 2*2*T*H*Dh per token, halved for the causal mask.
         "attention": L * (2 * 2 * T * H * Dh) // 2,
         "lm_head": 2 * d * V,

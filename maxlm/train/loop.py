@@ -259,8 +259,10 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
     per_token = flops.flops_per_token(cfg.model, cfg.seq_len)
     peak = flops.peak_flops(jax.devices(), cfg.model.dtype)
     m = cfg.model
-    log.info("model: %s parameters, %.3g training FLOPs/token; peak %.3g FLOP/s (%s, %s)",
-             f"{model.count_params(m):,}", per_token, peak["total_flops_per_sec"], peak["device_kind"],
+    active = f" ({model.active_params(m):,} active per token: {m.experts_per_token} of {m.num_experts} experts)" \
+        if m.num_experts else ""
+    log.info("model: %s parameters%s, %.3g training FLOPs/token; peak %.3g FLOP/s (%s, %s)",
+             f"{model.count_params(m):,}", active, per_token, peak["total_flops_per_sec"], peak["device_kind"],
              peak["source"])
     log.info("attention: %s, layers %s, remat %s, compute %s, fp8 %s",
              attention.attention_backend(m.attention, m.dtype, cfg.seq_len),

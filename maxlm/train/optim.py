@@ -106,11 +106,12 @@ _AFTER_WARMUP = {"linear": _linear, "polynomial": _polynomial, "step": _step, "w
 def weight_decay_mask(params):
     """True for parameters that take weight decay: matrices, not vectors (norm scales).
 
-    Scanned layers (`params["layers"]`) carry a leading layer axis that does not count.
+    Scanned layers (`params["layers"]`, an MoE model's `params["dense_layers"]`) carry a leading
+    layer axis that does not count.
     """
 
     def is_matrix(path, p):
-        scanned = getattr(path[0], "key", None) == "layers"
+        scanned = getattr(path[0], "key", None) in ("layers", "dense_layers")
         return p.ndim - scanned >= 2
 
     return jax.tree_util.tree_map_with_path(is_matrix, params)

@@ -50,17 +50,21 @@ def loss_and_grads(cfg, params, batch, scale=None):
         (loss_i, aux_i), grads_i = grad_fn(params, micro)
         w = aux_i["num_tokens"]  # the microbatch's mean × its tokens = its loss sum
         sums = {"loss": loss_i * w, "cross_entropy": aux_i["cross_entropy"] * w, "num_tokens": w,
+                "router": jax.tree.map(lambda v: v * w, aux_i.get("router", {})),
                 "grads": jax.tree.map(lambda g: g * w, grads_i)}
         return jax.tree.map(jnp.add, carry, sums), None
 
     zero = jnp.zeros((), jnp.float32)
-    init = {"loss": zero, "cross_entropy": zero, "num_tokens": zero,
+    router = dict.fromkeys(("aux_loss", "z_loss", "dropped", "load_max"), zero) if cfg.model.num_experts else {}
+    init = {"loss": zero, "cross_entropy": zero, "num_tokens": zero, "router": router,
             "grads": jax.tree.map(jnp.zeros_like, params)}
     split = functools.partial(model.microbatches, n=n, axes=("batch", "length"))
     sums, _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
     denom = jnp.maximum(sums["num_tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / denom, sums["grads"])
     aux = {"num_tokens": sums["num_tokens"], "cross_entropy": sums["cross_entropy"] / denom}
+    if router:  # the microbatches' router statistics, weighted by their tokens
+        aux["router"] = jax.tree.map(lambda v: v / denom, sums["router"])
     return (sums["loss"] / denom, aux), unscale(grads)
 
 
@@ -125,6 +129,8 @@ def train_step(cfg, tx, schedule, state: State, batch, lr_scale, inject_nan=None
         "skipped_steps": new_state["skipped_steps"],
         "bad_streak": new_state["bad_streak"],
         "applied": ok.astype(jnp.int32),  # 0: skipped (non-finite, or a float16 overflow)
+        # an MoE model's router: moe_aux_loss, moe_z_loss, moe_dropped, moe_load_max (model.loss_fn)
+        **{f"moe_{name}": value for name, value in aux.get("router", {}).items()},
     }
     if scale is not None:
         new_state.update(loss_scale.update(cfg.optim, state, grads_finite, applied=ok))
