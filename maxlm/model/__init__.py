@@ -5,15 +5,14 @@
     loss, aux = model.loss_fn(cfg.model, params, batch)
 
 `transformer.py` is the network (blocks, the pipelined forward, the losses); `moe.py` the
-mixture-of-experts MLP; `attention.py` its
-attention backends and packed mask, `positions.py` the position encodings, `head.py` the output
-projection, `fp8.py` float8 matmuls, `backward_order.py` the unrolled layers' backward order.
+mixture-of-experts MLP; `attention.py` its attention backends and packed mask, `positions.py` the
+position encodings, `head.py` the output projection, `fp8.py` float8 matmuls, `backward_order.py`
+the unrolled layers' backward order.
 Nothing here knows about meshes, optimizers or data files.
 """
 
 from maxlm.model.moe import MoE
 from maxlm.model.transformer import (
-    active_params,
     REMAT_POLICIES,
     Attention,
     Batch,
@@ -21,15 +20,16 @@ from maxlm.model.transformer import (
     RMSNorm,
     SwiGLU,
     Transformer,
+    active_params,
     apply,
     bubble_fraction,
     compute_dtype,
     count_params,
     embed,
+    forward,
     head_weights,
     hidden_states,
     init_params,
-    forward,
     is_spec,
     layer_groups,
     loss_fn,
@@ -45,9 +45,34 @@ from maxlm.model.transformer import (
 )
 
 __all__ = [
-    "active_params", "REMAT_POLICIES", "Attention", "Batch", "Block", "RMSNorm", "SwiGLU", "Transformer", "apply",
-    "bubble_fraction", "compute_dtype", "count_params", "embed", "head_weights", "hidden_states",
-    "forward", "init_params", "is_spec", "layer_groups", "loss_fn", "MoE", "microbatches", "output_logits", "param_logical_specs",
-    "pipeline_stages", "pipelined_hidden_states", "stack_layers", "token_losses", "unstack_layers",
+    "REMAT_POLICIES",
+    "Attention",
+    "Batch",
+    "Block",
+    "MoE",
+    "RMSNorm",
+    "SwiGLU",
+    "Transformer",
+    "active_params",
+    "apply",
+    "bubble_fraction",
+    "compute_dtype",
+    "count_params",
+    "embed",
+    "forward",
+    "head_weights",
+    "hidden_states",
+    "init_params",
+    "is_spec",
+    "layer_groups",
+    "loss_fn",
+    "microbatches",
+    "output_logits",
+    "param_logical_specs",
+    "pipeline_stages",
+    "pipelined_hidden_states",
+    "stack_layers",
+    "token_losses",
+    "unstack_layers",
     "weight_matmul",
 ]
