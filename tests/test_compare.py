@@ -78,6 +78,7 @@ def test_remat_policies_map_to_the_same_saved_tensors(remat, scan, expected):
     ({"model.label_smoothing": 0.1}, "model.label_smoothing"),
     ({"optim.name": "lion"}, "optim.name='lion'"),
     ({"model.remat": "none"}, "model.remat='none' with model.scan_layers"),
+    ({"model.num_experts": 4}, "model.num_experts > 0"),
 ])
 def test_what_maxtext_cannot_run_the_same_way_is_refused(overrides, named):
     with pytest.raises(ConfigError, match=re.escape(named)):

@@ -13,11 +13,14 @@ import ml_collections
 import numpy as np
 import pytest
 
+from maxlm import config as config_lib
 from maxlm.train import flops, metrics
 
 
 def model_cfg(**overrides):
-    cfg = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
+    """The default model keys (a dense model) with these shapes."""
+    cfg = config_lib.defaults().model.to_dict()
+    cfg.update(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
                mlp_dim=128, vocab_size=100, tie_embeddings=False)
     cfg.update(overrides)
     return ml_collections.ConfigDict(cfg)
@@ -54,7 +57,7 @@ def test_head_dim_zero_means_d_model_over_heads():
 
 
 def test_llama2_7b_non_attention_is_six_times_matmul_params():
-    cfg = ml_collections.ConfigDict(LLAMA2_7B)
+    cfg = model_cfg(**LLAMA2_7B)
     d, L, V = cfg.d_model, cfg.num_layers, cfg.vocab_size
     # Everything except the input embedding table and the 2L+1 RMSNorm scales;
     # the (untied) LM head stays in.
