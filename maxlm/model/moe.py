@@ -230,6 +230,16 @@ class MoE(nn.Module):
         return out_BLD, {**stats, "dropped": dropped}
 
 
+def dense_layers(cfg) -> int:
+    """The layers whose MLP is the dense SwiGLU: the first `first_dense_layers` of an MoE model,
+    every layer of a dense one; the layers above them are MoE layers."""
+    return cfg.first_dense_layers if cfg.num_experts else cfg.num_layers
+
+
+# the router statistics the objective's aux carries for the metrics (transformer.loss_fn)
+ROUTER_METRICS = ("aux_loss", "z_loss", "dropped", "load_max")
+
+
 def expert_params(cfg) -> int:
     """Every parameter of one MoE layer: router, all E experts, shared experts."""
     D, E, F, S = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim, cfg.shared_experts * cfg.expert_mlp_dim

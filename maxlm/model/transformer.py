@@ -181,7 +181,7 @@ def layer_groups(model_cfg) -> list[tuple[str, int, bool]]:
     `layers`; an MoE model's `first_dense_layers` as `dense_layers`, then its MoE `layers`."""
     if not model_cfg.num_experts:
         return [("layers", model_cfg.num_layers, False)]
-    dense = model_cfg.first_dense_layers
+    dense = moe.dense_layers(model_cfg)
     return [("dense_layers", dense, False)] * bool(dense) + [("layers", model_cfg.num_layers - dense, True)]
 
 
@@ -219,10 +219,9 @@ class Transformer(nn.Module):
                 if experts:  # stacked over the group's layers by the scan
                     router_stats.append(stats)
         else:
-            first_moe = cfg.first_dense_layers if cfg.num_experts else cfg.num_layers
             for i in range(cfg.num_layers):
                 x_BLD, stats = backward_order.call_in_order(
-                    block(cfg, i >= first_moe, name=f"layer_{i}"), x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
+                    block(cfg, i >= moe.dense_layers(cfg), name=f"layer_{i}"), x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
                 if stats is not None:
                     router_stats.append(jax.tree.map(lambda a: a[None], stats))
         if router_stats:  # [MoE layers, ...], read by `forward` (the objective, the metrics)
@@ -266,7 +265,7 @@ def param_logical_specs(model_cfg):
     # an unrolled layer's spec is the stacked one without its leading `layers` axis
     groups = {name: jax.tree.map(lambda spec: PartitionSpec(*spec[1:]), specs[name], is_leaf=is_spec)
               for name, _, _ in layer_groups(model_cfg)}
-    dense = model_cfg.first_dense_layers if model_cfg.num_experts else 0
+    dense = moe.dense_layers(model_cfg) if model_cfg.num_experts else 0  # a dense model's are `layers`
     return unstack_layers({**specs, **groups}, num_layers=model_cfg.num_layers, stacked=False, num_dense=dense)
 
 
@@ -454,9 +453,9 @@ def loss_fn(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict]:
     if router_stats is not None:  # the load-balancing and router z-losses, averaged over the MoE layers
         layers_mean = jax.tree.map(lambda a: a.mean(axis=0), router_stats)
         objective = objective + moe.router_loss(model_cfg, layers_mean)
-        aux["router"] = {"aux_loss": layers_mean["aux_loss"], "z_loss": layers_mean["z_loss"],
-                         "dropped": layers_mean["dropped"],
-                         "load_max": router_stats["load_E"].max()}  # the busiest expert of any layer / mean
+        # the busiest expert of any layer over the mean, the rest averaged over the layers
+        aux["router"] = {name: router_stats["load_E"].max() if name == "load_max" else layers_mean[name]
+                         for name in moe.ROUTER_METRICS}
     return objective, aux
 
 
@@ -465,9 +464,9 @@ def count_params(model_cfg) -> int:
     D, H, K, Dh, F, V = (model_cfg.d_model, model_cfg.num_heads, model_cfg.num_kv_heads,
                          model_cfg.head_dim, model_cfg.mlp_dim, model_cfg.vocab_size)
     attention_and_norms = D * H * Dh + 2 * D * K * Dh + H * Dh * D + 2 * D
-    dense_layers = model_cfg.first_dense_layers if model_cfg.num_experts else model_cfg.num_layers
-    layers = (dense_layers * (attention_and_norms + 3 * D * F)
-              + (model_cfg.num_layers - dense_layers) * (attention_and_norms + moe.expert_params(model_cfg)))
+    dense = moe.dense_layers(model_cfg)
+    layers = (dense * (attention_and_norms + 3 * D * F)
+              + (model_cfg.num_layers - dense) * (attention_and_norms + moe.expert_params(model_cfg)))
     head = 0 if model_cfg.tie_embeddings else D * V
     position_table = model_cfg.max_positions * D if model_cfg.positions == "learned" else 0
     return V * D + position_table + layers + D + head
@@ -476,7 +475,9 @@ def count_params(model_cfg) -> int:
 def active_params(model_cfg) -> int:
     """The parameters one token's forward pass uses: `count_params`, less the experts an MoE
     layer does not route it to (all of them for a dense model)."""
-    moe_layers = model_cfg.num_layers - model_cfg.first_dense_layers if model_cfg.num_experts else 0
+    moe_layers = model_cfg.num_layers - moe.dense_layers(model_cfg)
+    if not moe_layers:
+        return count_params(model_cfg)
     return count_params(model_cfg) - moe_layers * (moe.expert_params(model_cfg) - moe.active_params(model_cfg))
 
 

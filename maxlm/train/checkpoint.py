@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import os
@@ -41,7 +42,7 @@ from etils import epath
 
 from maxlm import config as config_lib, console, paths, processes
 from maxlm.errors import ConfigError
-from maxlm.train import faults, loss_scale, optim, state as state_lib
+from maxlm.train import faults, loss_scale, metrics, optim, state as state_lib
 
 log = logging.getLogger("maxlm")
 
@@ -306,8 +307,12 @@ class Checkpointer:
         """About what a checkpoint takes: the newest one's size, else the state's bytes."""
         steps = self.steps()
         if steps and not paths.is_remote(self.directory):
-            return paths.tree_bytes(os.path.join(self.directory, str(steps[-1])))
+            return self._bytes_of(steps[-1])
         return sum(x.nbytes for x in jax.tree.leaves(state))
+
+    @functools.lru_cache(maxsize=1)  # noqa: B019 - one figure per newest step: a listing, not one per save
+    def _bytes_of(self, step: int) -> int:
+        return paths.tree_bytes(os.path.join(self.directory, str(step)))
 
     def warn_if_short_of_space(self, state_bytes: int) -> None:
         """At start: a warning when the checkpoint directory cannot hold `max_to_keep` + 1
@@ -316,7 +321,7 @@ class Checkpointer:
         if free is None:
             return
         steps = self.steps()
-        size = paths.tree_bytes(os.path.join(self.directory, str(steps[-1]))) if steps else state_bytes
+        size = self._bytes_of(steps[-1]) if steps else state_bytes
         held = min(len(steps), self.cfg.max_to_keep)  # already on disk, and kept
         wanted = (self.cfg.max_to_keep + 1 - held) * size
         if free < wanted:
@@ -535,13 +540,7 @@ def shape_problem(path: str, abstract_state, params_only: bool = False) -> str |
 def config_changes(saved: dict, now: dict) -> list[str]:
     """`KEY=NOW (checkpoint: SAVED)` for each config key whose value differs, those that shape the
     state (`model.*`, `optim.*`) alone when there are any."""
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    a, b = flat(saved), flat(now)
+    a, b = metrics.flatten_config(saved), metrics.flatten_config(now)  # tuples and lists alike, as JSON
     changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     shaping = [k for k in changed if k.startswith(("model.", "optim."))]
     return [f"{k}={b.get(k)!r} (checkpoint: {a.get(k)!r})" for k in (shaping or changed)]

@@ -19,38 +19,28 @@ import logging
 
 from maxlm.data import STREAM_KEYS
 from maxlm.errors import ConfigError
+from maxlm.train import metrics
 
 log = logging.getLogger("maxlm")
 
 
 def stream_keys(config_dict: dict) -> dict:
-    """{key: value} of STREAM_KEYS in a config dict (dotted keys, nested sections flattened)."""
-    def get(key):
-        value = config_dict
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        return value
-    return {key: get(key) for key in STREAM_KEYS}
+    """{dotted key: value} of STREAM_KEYS in a config dict, sections such as `data.filters` by
+    their keys, and tuples as JSON text (`metrics.flatten_config`), as the meta records them."""
+    return {key: value for key, value in metrics.flatten_config(config_dict).items()
+            if any(key == k or key.startswith(k + ".") for k in STREAM_KEYS)}
 
 
 def record(cfg, dataset, position: int) -> dict:
     """What a checkpoint's meta records about the data (`{"data": ...}`)."""
-    return {"data": {"keys": _json(stream_keys(cfg.to_dict())), "rows": dataset.first_row(position)}}
-
-
-def _json(value):
-    """Tuples as lists, as the meta's JSON reads them back."""
-    if isinstance(value, dict):
-        return {k: _json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json(v) for v in value]
-    return value
+    return {"data": {"keys": stream_keys(cfg.to_dict()), "rows": dataset.first_row(position)}}
 
 
 def changes(recorded: dict, cfg) -> list[str]:
     """`KEY=NOW (checkpoint: SAVED)` for each stream key that differs from the recorded ones."""
-    now = _json(stream_keys(cfg.to_dict()))
-    return [f"{k}={now[k]!r} (checkpoint: {recorded.get(k)!r})" for k in STREAM_KEYS if now[k] != recorded.get(k)]
+    now = stream_keys(cfg.to_dict())
+    return [f"{k}={now.get(k)!r} (checkpoint: {recorded.get(k)!r})" for k in sorted(set(now) | set(recorded))
+            if now.get(k) != recorded.get(k)]
 
 
 def check(recorded: dict, cfg, path: str) -> None:

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxlm.model import moe
+
 # ---------------------------------------------------------------------------
 # Model FLOPs
 # ---------------------------------------------------------------------------
@@ -57,7 +59,7 @@ def _mlp_flops(model_cfg) -> int:
     """Forward MLP FLOPs per token over the layers: gate, up and down of the dense SwiGLUs; in
     MoE layers those of the *active* experts (the K routed ones, the shared ones) and the router."""
     m = model_cfg
-    dense = m.first_dense_layers if m.num_experts else m.num_layers
+    dense = moe.dense_layers(m)
     per_moe_layer = 2 * (m.d_model * m.num_experts + 3 * m.d_model * m.expert_mlp_dim * (m.experts_per_token + m.shared_experts))
     return dense * 3 * 2 * m.d_model * m.mlp_dim + (m.num_layers - dense) * per_moe_layer
 

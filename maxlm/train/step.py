@@ -55,7 +55,7 @@ def loss_and_grads(cfg, params, batch, scale=None):
         return jax.tree.map(jnp.add, carry, sums), None
 
     zero = jnp.zeros((), jnp.float32)
-    router = dict.fromkeys(("aux_loss", "z_loss", "dropped", "load_max"), zero) if cfg.model.num_experts else {}
+    router = dict.fromkeys(model.moe.ROUTER_METRICS, zero) if cfg.model.num_experts else {}
     init = {"loss": zero, "cross_entropy": zero, "num_tokens": zero, "router": router,
             "grads": jax.tree.map(jnp.zeros_like, params)}
     split = functools.partial(model.microbatches, n=n, axes=("batch", "length"))
