@@ -13,7 +13,7 @@ import time
 from etils import epath
 
 from maxlm import paths
-from maxlm.train import checkpoint
+from maxlm.train import checkpoint, checkpoint_fit
 
 
 def _entries(directory: str):
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
             "%Y-%m-%dT%H:%M:%S", time.localtime(epath.Path(path).stat().mtime))
         row = [str(step), status, paths.human_bytes(paths.tree_bytes(path)), saved, meta.get("kind", "?")]
         if command == "verify":
-            problem = checkpoint.verify_one(path) if status == "complete" else status
+            problem = checkpoint_fit.verify_one(path) if status == "complete" else status
             bad += problem is not None
             row.append("ok" if problem is None else problem)
         rows.append(row)

@@ -14,7 +14,7 @@ import numpy as np
 from etils import epath
 
 from maxlm import config as config_lib, model
-from maxlm.train import checkpoint, mesh as mesh_lib, optim, state as state_lib, step as step_lib
+from maxlm.train import checkpoint, checkpoint_fit, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ def saved_state(workdir, step: int) -> dict:
     """The state checkpointed at `step` in `workdir` (restored with the config recorded in the
     checkpoint, onto one device), as numpy arrays."""
     path = _checkpoint_path(workdir, step)
-    state, _ = checkpoint.restore_state(path, checkpoint.expected_state(checkpoint.read_json(path, "config")))
+    state, _ = checkpoint.restore_state(path, checkpoint_fit.expected_state(checkpoint.read_json(path, "config")))
     return jax.tree.map(np.asarray, jax.device_get(state))
 
 

@@ -14,7 +14,7 @@ import pytest
 from maxlm import checkpoint as checkpoint_command, config as config_lib, model
 from maxlm.data import make_dataset
 from maxlm.model import attention
-from maxlm.train import checkpoint, loop, loss_scale, mesh as mesh_lib, optim, state as state_lib, step as step_lib
+from maxlm.train import checkpoint, checkpoint_fit, loop, loss_scale, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 from tests.helpers import load_config, metrics_rows, packed_batch, saved_state, train_losses, train_rows, with_overrides
 
 FP16 = {"model.dtype": "float16"}
@@ -265,7 +265,7 @@ def test_checkpoints_without_the_loss_scale_restore_both_ways(tmp_path, capsys):
 
     restored, _ = checkpoint.restore_state(str(tmp_path / "f16" / "checkpoints" / "0"), abstract32)
     assert set(restored) == set(state32)
-    assert checkpoint.verify_one(str(tmp_path / "f16" / "checkpoints" / "0")) is None
+    assert checkpoint_fit.verify_one(str(tmp_path / "f16" / "checkpoints" / "0")) is None
 
 
 # ----------------------------------------------------------------------------- through the loop

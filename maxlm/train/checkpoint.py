@@ -40,9 +40,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from maxlm import config as config_lib, console, paths, processes
+from maxlm import console, paths, processes
 from maxlm.errors import ConfigError
-from maxlm.train import faults, loss_scale, metrics, optim, state as state_lib
+from maxlm.train import faults, loss_scale, state as state_lib
 
 log = logging.getLogger("maxlm")
 
@@ -52,7 +52,7 @@ ITEMS = ("state", "meta", "config")
 OPTIONAL_STATE = frozenset(loss_scale.STATE_KEYS)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 DAMAGED_SUFFIX = ".damaged"  # STEP.damaged: a file marking the directory STEP as damaged (older runs: a renamed directory)
-_all_finite = jax.jit(state_lib.all_finite)
+finite_state = jax.jit(state_lib.all_finite)
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -252,7 +252,7 @@ class Checkpointer:
         # them, so this never fires in a healthy run; it makes "no non-finite state is ever saved"
         # hold whatever went wrong, for one on-device pass over the state (the save then copies all
         # of it to the host anyway).
-        if not bool(_all_finite(state)):
+        if not bool(finite_state(state)):
             raise faults.NonFiniteLossError(f"the state of step {step} holds non-finite values: not saved "
                                             f"(the checkpoints in {self.directory} are untouched)")
         if step in self.damaged:
@@ -445,7 +445,7 @@ def _content_problem(state, step: int) -> str | None:
     """Why a restored state cannot be the checkpoint of `step`, or None."""
     if int(state["step"]) != step:
         return f"holds step {int(state['step'])}"
-    if not bool(_all_finite(state)):
+    if not bool(finite_state(state)):
         return "holds non-finite values"
     return None
 
@@ -461,7 +461,7 @@ def restore_state(path: str, abstract_state, params_only: bool = False):
     directory = os.path.join(path, "state")
     target, partial = {"params": abstract_state["params"]}, True
     if not params_only:
-        saved = set(_saved_tree(handler, directory))
+        saved = set(saved_tree(handler, directory))
         target = {k: v for k, v in abstract_state.items() if k in saved or k not in OPTIONAL_STATE}
         extra = saved - set(target)
         partial = bool(extra) and extra <= OPTIONAL_STATE
@@ -472,7 +472,7 @@ def restore_state(path: str, abstract_state, params_only: bool = False):
     return state, read_json(path, "meta")
 
 
-def _saved_tree(handler, directory: str):
+def saved_tree(handler, directory: str):
     """The saved pytree's metadata (its leaves describe the arrays)."""
     saved = handler.metadata(directory)
     return saved.item_metadata.tree if hasattr(saved, "item_metadata") else saved.tree
@@ -495,18 +495,7 @@ def resolve_restore_from(path: str) -> str:
     raise ValueError(f"checkpoint.restore_from={path} holds no complete checkpoint")
 
 
-# ----------------------------------------------------------------------------- checks
-
-
-def expected_state(config_dict: dict):
-    """The state's ShapeDtypeStructs (on one device) for a recorded config: what a checkpoint of
-    it must hold, and the target to restore it into."""
-    cfg = config_lib.from_recorded(config_dict)
-    tx = optim.make_optimizer(cfg)
-    return state_lib.abstract_state(cfg, tx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-
-
-def _shapes_by_path(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
+def shapes_by_path(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
     """{path: shape} of a pytree's leaves, a path being the names of its keys, indices and fields
     alike: orbax's metadata holds optax's namedtuples (Adam's, Adafactor's states) as dicts of
     their fields, sorted by name, and its tuples as lists."""
@@ -516,17 +505,11 @@ def _shapes_by_path(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {tuple(name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
 
-
-def _positions(model_cfg) -> str:
-    table = f", model.max_positions={model_cfg.max_positions}" if model_cfg.positions == "learned" else ""
-    return f"model.positions={model_cfg.positions!r}{table}"
-
-
 def shape_problem(path: str, abstract_state, params_only: bool = False) -> str | None:
     """Why the arrays saved at `path` cannot be restored into `abstract_state` (another tree or
     other shapes), or None; only the parameters with `params_only`. Reads metadata, no arrays."""
-    saved = _shapes_by_path(_saved_tree(ocp.PyTreeCheckpointer(), os.path.join(path, "state")))
-    wanted = _shapes_by_path(abstract_state)
+    saved = shapes_by_path(saved_tree(ocp.PyTreeCheckpointer(), os.path.join(path, "state")))
+    wanted = shapes_by_path(abstract_state)
     keep = (lambda k: k[0] == "params") if params_only else (lambda k: k[0] not in OPTIONAL_STATE)
     saved, wanted = ({k: v for k, v in d.items() if keep(k)} for d in (saved, wanted))
     if saved == wanted:
@@ -535,58 +518,3 @@ def shape_problem(path: str, abstract_state, params_only: bool = False) -> str |
     first = differ[0][0]
     return (f"{len(saved)} arrays saved, {len(wanted)} expected; first difference at {'/'.join(first)}: "
             f"saved {saved.get(first, 'nothing')}, expected {wanted.get(first, 'nothing')}")
-
-
-def config_changes(saved: dict, now: dict) -> list[str]:
-    """`KEY=NOW (checkpoint: SAVED)` for each config key whose value differs, those that shape the
-    state (`model.*`, `optim.*`) alone when there are any."""
-    a, b = metrics.flatten_config(saved), metrics.flatten_config(now)  # tuples and lists alike, as JSON
-    changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-    shaping = [k for k in changed if k.startswith(("model.", "optim."))]
-    return [f"{k}={b.get(k)!r} (checkpoint: {a.get(k)!r})" for k in (shaping or changed)]
-
-
-def start_problem(path: str, cfg, full_state: bool) -> str | None:
-    """Why `cfg` cannot start from the checkpoint at `path`, or None: its parameters were written
-    with another position encoding or learned table length; for a `full_state`, its optimizer
-    state by another `optim.name`; or its arrays have other shapes (another model size), named by
-    the config keys that differ from the checkpoint's recorded config. Restoring regardless would
-    fail, and such a checkpoint is not damaged."""
-    saved = config_lib.from_recorded(read_json(path, "config"))
-    if _positions(saved.model) != _positions(cfg.model):
-        return (f"{_positions(cfg.model)}, but the checkpoint {path} was written with {_positions(saved.model)}: "
-                "its parameters do not fit; resume with its settings or start another workdir")
-    if full_state and saved.optim.name != cfg.optim.name:
-        return (f"optim.name={cfg.optim.name!r}, but the checkpoint {path} holds {saved.optim.name!r} optimizer "
-                f"state: resume with optim.name={saved.optim.name!r}, or start a new workdir from its "
-                f"parameters (checkpoint.restore_from={path} checkpoint.restore_params_only=True)")
-    if (misfit := shape_problem(path, expected_state(cfg.to_dict()), params_only=not full_state)) is not None:
-        changes = config_changes(saved.to_dict(), cfg.to_dict())
-        return (f"the checkpoint {path} does not fit this config ({misfit}); the config differs from the "
-                f"checkpoint's in {', '.join(changes) or 'no key'}. Resume with the checkpoint's settings, or "
-                "start another workdir (checkpoint.restore_from with checkpoint.restore_params_only=True keeps "
-                "the parameters when only the optimizer changed)")
-    return None
-
-
-def verify_one(path: str, config_dict: dict | None = None) -> str | None:
-    """None if the checkpoint at `path` is complete, restores, is finite and has the shapes of
-    its config (or of `config_dict`); else what is wrong."""
-    if (problem := file_problem(path)) is not None:
-        return problem
-    try:
-        expected = expected_state(config_dict or read_json(path, "config"))
-        saved_tree = _saved_tree(ocp.PyTreeCheckpointer(), os.path.join(path, "state"))
-        saved_shapes, expected_shapes = _shapes_by_path(saved_tree), _shapes_by_path(expected)
-        if saved_shapes != expected_shapes:
-            first = min(set(saved_shapes.items()) ^ set(expected_shapes.items()))[0]
-            return (f"shapes differ from the config ({len(saved_shapes)} arrays saved, "
-                    f"{len(expected_shapes)} expected; first at {'/'.join(first)})")
-        state, meta = restore_state(path, expected)
-    except Exception as e:  # noqa: BLE001
-        return f"does not restore ({short(e)})"
-    if not bool(_all_finite(state)):
-        return "holds non-finite values"
-    if int(state["step"]) != int(os.path.basename(path)) or meta.get("step") != int(state["step"]):
-        return f"step mismatch (state {int(state['step'])}, meta {meta.get('step')})"
-    return None

@@ -21,7 +21,7 @@ from maxlm.data import make_dataset
 from maxlm.errors import ConfigError
 from maxlm.hf import files as hf
 from maxlm.model import attention, fp8
-from maxlm.train import anomaly, checkpoint, data_position, evaluate, faults, flops, loss_scale, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
+from maxlm.train import anomaly, checkpoint, checkpoint_fit, data_position, evaluate, faults, flops, loss_scale, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
 from maxlm.train.step_logger import StepLogger
 
 log = logging.getLogger("maxlm")
@@ -170,7 +170,7 @@ def check_start(cfg, workdir: str) -> None:
         hf.check_init_from_hf(cfg)
     start = own[-1][1] if own else source
     full_state = bool(own) or not ckpt_cfg.restore_params_only
-    if start and (problem := checkpoint.start_problem(start, cfg, full_state)):
+    if start and (problem := checkpoint_fit.start_problem(start, cfg, full_state)):
         raise ConfigError(problem)
     if start and full_state:  # the step goes on, and with it the data position
         recorded = checkpoint.read_json(start, "meta").get("data", {}).get("keys")
