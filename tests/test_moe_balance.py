@@ -5,6 +5,7 @@ router metrics and their console line (maxlm/train/router_metrics.py). The bitwi
 the bias: tests/test_moe_model.py."""
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +14,13 @@ import pytest
 
 from maxlm import config as config_lib, model
 from maxlm.model import balance
-from maxlm.train import optim, router_metrics, step as step_lib
+from maxlm.train import metrics as metrics_lib, optim, router_metrics, step as step_lib, step_logger
 from tests.helpers import load_config, packed_batch, random_params, with_overrides
 
-# 3 layers, the first dense: MoE layers 1 and 2; sigmoid scores, as DeepSeek-V3's
+# 3 layers, the first dense: MoE layers 1 and 2; sigmoid scores, as DeepSeek-V3's; two microbatches a step
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.first_dense_layers": 1, "model.num_layers": 3,
        "model.router": "sigmoid", "model.init_std": 0.2, "model.vocab_size": 64, "batch_size": 4, "seq_len": 32,
-       "optim.warmup_steps": 0, "optim.weight_decay": 0.1}
+       "optim.warmup_steps": 0, "optim.weight_decay": 0.1, "optim.grad_accum_steps": 2}
 
 
 def moe_config(**overrides):
@@ -123,10 +124,17 @@ def test_the_bias_balances_a_skewed_router_where_nothing_else_does():
     assert bias[-8:].mean() < 1.6 and bias[-8:].mean() < none[-8:].mean() - 0.3
 
 
-def test_the_console_line_names_each_worst_layer():
+def test_the_console_line_names_each_worst_layer(caplog):
     row = {"loss": 2.0, "moe_load_max": 1.84,
            "moe/layer_01/load_max": 1.2, "moe/layer_01/dropped": 0.003, "moe/layer_01/bias_spread": 0.012,
            "moe/layer_05/load_max": 1.84, "moe/layer_05/dropped": 0.001, "moe/layer_05/bias_spread": 0.004}
     assert router_metrics.console_line(100, row) == (
         "step    100 | moe load_max 1.84 (layer 5) | dropped 0.3% (layer 1) | bias_spread 0.012 (layer 1)")
     assert router_metrics.console_line(100, {"loss": 2.0, "moe_load_max": 1.84}) is None
+    # the step logger prints it after the step's line, from the row it writes
+    logger = step_logger.StepLogger(metrics_lib.NullWriter(), start_step=99, total_steps=200, log_every=100,
+                                    tokens_per_step=8, flops_per_token=1.0, peak_flops_per_sec=1.0)
+    with caplog.at_level(logging.INFO, logger="maxlm"):
+        logger.step_done(100, {**row, "num_tokens": 8.0})
+        logger.flush()
+    assert caplog.messages[-1] == router_metrics.console_line(100, row)
