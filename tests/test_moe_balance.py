@@ -131,6 +131,8 @@ def test_the_console_line_names_each_worst_layer(caplog):
     assert router_metrics.console_line(100, row) == (
         "step    100 | moe load_max 1.84 (layer 5) | dropped 0.3% (layer 1) | bias_spread 0.012 (layer 1)")
     assert router_metrics.console_line(100, {"loss": 2.0, "moe_load_max": 1.84}) is None
+    dropless = {"moe/layer_01/load_max": 1.2, "moe/layer_01/dropped": 0.0, "moe/layer_02/dropped": 0.0}
+    assert router_metrics.console_line(7, dropless) == "step      7 | moe load_max 1.20 (layer 1) | dropped 0.0%"
     # the step logger prints it after the step's line, from the row it writes
     logger = step_logger.StepLogger(metrics_lib.NullWriter(), start_step=99, total_steps=200, log_every=100,
                                     tokens_per_step=8, flops_per_token=1.0, peak_flops_per_sec=1.0)

@@ -47,7 +47,8 @@ _LAYER_KEY = re.compile(r"moe/layer_(\d+)/(\w+)$")
 
 def console_line(step: int, row: dict) -> str | None:
     """`step    100 | moe load_max 1.84 (layer 5) | dropped 0.3% (layer 5) | bias_spread 0.012
-    (layer 3)`: the worst layer of each (None for a row without per-layer router metrics)."""
+    (layer 3)`: the worst layer of each, none named where every layer has 0 (dropless runs); None
+    for a row without per-layer router metrics."""
     worst: dict[str, tuple[float, int]] = {}
     for key, value in row.items():
         if (match := _LAYER_KEY.match(key)) and value > worst.get(match[2], (-1.0, 0))[0]:
@@ -55,5 +56,6 @@ def console_line(step: int, row: dict) -> str | None:
     if not worst:
         return None
     formats = {"load_max": "moe load_max {:.2f}", "dropped": "dropped {:.1%}", "bias_spread": "bias_spread {:.3g}"}
-    parts = [fmt.format(worst[name][0]) + f" (layer {worst[name][1]})" for name, fmt in formats.items() if name in worst]
+    parts = [fmt.format(worst[name][0]) + (f" (layer {worst[name][1]})" if worst[name][0] else "")
+             for name, fmt in formats.items() if name in worst]
     return " | ".join([f"step {step:>6}", *parts])
