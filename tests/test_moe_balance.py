@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 from maxlm import config as config_lib, model
 from maxlm.model import balance
@@ -92,6 +93,9 @@ def test_both_layer_layouts_hold_and_move_the_same_biases():
     np.testing.assert_allclose(moved["layers"]["mlp"]["router_bias"],
                                [[-0.001, 0.1, 0.201, 0.301], [0.401, 0.501, 0.599, 0.699]], atol=1e-7)
     assert sum(x.size for x in jax.tree.leaves(unrolled)) == model.count_params(unrolled_cfg.model)
+    specs = model.param_logical_specs(unrolled_cfg.model)
+    assert jax.tree.structure(specs, is_leaf=model.is_spec) == jax.tree.structure(unrolled)
+    assert specs["layer_1"]["mlp"]["router_bias"] == PartitionSpec(None)  # the router's expert dim: unsplit
 
 
 def skewed(cfg, params, strength: float = 1.0):
