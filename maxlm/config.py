@@ -211,8 +211,9 @@ def _model_defaults() -> _Section:
     s.router_scale = 1.0, POSITIVE  # the gates times this (DeepSeek-V3's routed scaling factor)
     s.router_groups = 0, NON_NEGATIVE_INT  # group-limited routing: experts in this many groups (0: off) ...
     s.router_topk_groups = 0, NON_NEGATIVE_INT  # ... of which each token's best this many are eligible
-    s.load_balance = "aux_loss", one_of(LOAD_BALANCE)  # Switch/GShard's auxiliary loss, or none
+    s.load_balance = "aux_loss", one_of(LOAD_BALANCE)  # Switch/GShard's auxiliary loss, DeepSeek-V3's bias, or none
     s.load_balance_weight = 0.01, NON_NEGATIVE  # the auxiliary loss's weight
+    s.bias_update_rate = 1e-3, POSITIVE  # load_balance=bias: each step's move of the bias (DeepSeek-V3's gamma)
     s.router_z_loss = 0.0, NON_NEGATIVE  # weight of the router's log²Z (ST-MoE uses 1e-3)
     s.capacity_factor = 0.0, NON_NEGATIVE  # 0: dropless; > 0: each expert takes this x its fair share, drops the rest
     return s

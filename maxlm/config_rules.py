@@ -25,7 +25,7 @@ REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see m
 ATTENTION = ("auto", "xla", "cudnn", "splash")  # see attention.attention_backend
 POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/model/positions.py
 ROUTERS = ("softmax", "sigmoid")  # model.router: see maxlm/model/moe.py
-LOAD_BALANCE = ("aux_loss", "none")  # model.load_balance
+LOAD_BALANCE = ("aux_loss", "bias", "none")  # model.load_balance: see maxlm/model/balance.py for bias
 SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/model/attention.py)
 
 

@@ -276,7 +276,7 @@ def init_layer(cfg, x_BLD):
 
 
 def test_layer_params_shapes_and_logical_specs():
-    cfg = moe_cfg(shared_experts=2, load_balance="bias")  # the bias variable exists for load_balance=bias
+    cfg = moe_cfg(shared_experts=2, load_balance="bias")  # router_bias exists for load_balance=bias
     x_BLD = jnp.zeros((2, 4, D), F32)
     boxed = jax.eval_shape(lambda: init_layer(cfg, x_BLD))
     specs = nn.get_partition_spec(boxed)
@@ -288,11 +288,12 @@ def test_layer_params_shapes_and_logical_specs():
         "shared_gate": ((D, 2 * F), ("embed", "mlp")),
         "shared_up": ((D, 2 * F), ("embed", "mlp")),
         "shared_down": ((2 * F, D), ("mlp", "embed")),
+        "router_bias": ((E,), (None,)),
     }
     params = nn.unbox(boxed["params"])
     assert {k: v.shape for k, v in params.items()} == {k: shape for k, (shape, _) in want.items()}
     assert specs["params"] == {k: PartitionSpec(*axes) for k, (_, axes) in want.items()}
-    assert specs["moe"] == {"bias": PartitionSpec("experts")}
+    assert set(specs) == {"params"}  # the bias is a param: apply(params, x) stays pure
     assert "shared_gate" not in jax.eval_shape(lambda: init_layer(moe_cfg(), x_BLD))["params"]
 
 
@@ -302,7 +303,7 @@ def test_layer_init_std():
     params = nn.unbox(variables["params"])
     assert abs(float(params["w_up"].std()) - 0.1) < 0.005
     assert abs(float(params["w_down"].std()) - 0.1 / 4) < 0.002  # init_std / sqrt(2 · num_layers)
-    np.testing.assert_array_equal(nn.unbox(variables["moe"])["bias"], np.zeros(E))
+    np.testing.assert_array_equal(params["router_bias"], np.zeros(E))
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 100.0])
@@ -312,11 +313,11 @@ def test_layer_equals_reference_on_its_own_params(capacity_factor):
                   load_balance="bias")
     x_BLD = jax.random.normal(jax.random.key(6), (2, 8, D), F32)
     variables = nn.unbox(init_layer(cfg, x_BLD))
-    variables["moe"]["bias"] = jnp.linspace(-0.3, 0.3, E)
+    variables["params"]["router_bias"] = jnp.linspace(-0.3, 0.3, E)
     out_BLD, stats = jax.jit(moe.MoE(cfg).apply)(variables, x_BLD)
     p = variables["params"]
     x_TD = np.asarray(x_BLD, np.float64).reshape(16, D)
-    experts, gates, _ = np_route(cfg, x_TD @ np.asarray(p["router"], np.float64), variables["moe"]["bias"])
+    experts, gates, _ = np_route(cfg, x_TD @ np.asarray(p["router"], np.float64), p["router_bias"])
     want = np_moe(x_TD, experts, gates, (p["w_gate"], p["w_up"], p["w_down"]))
     want += np_moe(x_TD, np.zeros((16, 1), int), np.ones((16, 1)),  # the shared expert: always on, gate 1
                    (p["shared_gate"][None], p["shared_up"][None], p["shared_down"][None]))
@@ -334,9 +335,9 @@ def test_layer_with_small_capacity_reports_drops():
     assert float(stats["dropped"]) >= 0.5  # capacity for half the slots at most
 
 
-@pytest.mark.parametrize("shared", [0, 2])
-def test_param_counts_match_the_tree(shared):
-    cfg = moe_cfg(shared_experts=shared)
+@pytest.mark.parametrize("shared,balance", [(0, "aux_loss"), (2, "aux_loss"), (0, "bias")])
+def test_param_counts_match_the_tree(shared, balance):
+    cfg = moe_cfg(shared_experts=shared, load_balance=balance)
     params = jax.eval_shape(lambda: init_layer(cfg, jnp.zeros((1, 4, D), F32)))["params"]
     sizes = {k: int(np.prod(v.shape)) for k, v in nn.unbox(params).items()}
     assert sum(sizes.values()) == moe.expert_params(cfg)
@@ -344,8 +345,9 @@ def test_param_counts_match_the_tree(shared):
     assert moe.active_params(cfg) == sum(sizes.values()) - (E - K) * per_expert
 
 
-def test_without_bias_balancing_the_layer_has_no_bias_variable():
-    """Only load_balance=bias selects with a bias (the training step's to update): otherwise the
-    layer holds parameters alone, and selection is the router's."""
+def test_without_bias_balancing_the_layer_has_no_bias():
+    """Only load_balance=bias selects with a bias (the training step's to update): otherwise
+    selection is the router's alone."""
     variables = moe.MoE(moe_cfg()).init(jax.random.key(0), jnp.zeros((1, 4, D), F32))
-    assert set(variables) == {"params"}
+    assert set(variables) == {"params"} and "router_bias" not in variables["params"]
+

@@ -11,9 +11,9 @@ import pytest
 
 from maxlm import config as config_lib, generate as gen, model
 from maxlm.errors import ConfigError
-from maxlm.model import moe
+from maxlm.model import balance, moe
 from maxlm.train import flops, loop
-from tests.helpers import load_config, losses, train_rows, with_overrides
+from tests.helpers import load_config, losses, saved_state, train_rows, with_overrides
 
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.first_dense_layers": 1, "model.num_layers": 3,
        "model.router_z_loss": 1e-3, "model.init_std": 0.2, "model.vocab_size": 64}
@@ -80,9 +80,10 @@ def test_cached_decoding_equals_the_whole_sequence():
 
 
 @pytest.mark.slow
-def test_an_moe_model_trains_on_8_devices_and_resumes_exactly(tmp_path, data_dirs):
+def test_an_moe_model_trains_on_8_devices_and_resumes_exactly_balancing_bias_included(tmp_path, data_dirs):
     overrides = {**data_dirs, "eval.every_steps": 5, "log_every_steps": 1, "checkpoint.every_steps": 5,
-                 "metrics.tensorboard": False, "model.vocab_size": 264, "model.init_std": 0.02}
+                 "metrics.tensorboard": False, "model.vocab_size": 264, "model.init_std": 0.02,
+                 "model.load_balance": "bias", "model.bias_update_rate": 0.01}
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     loop.train_and_evaluate(moe_config(**overrides, steps=10), str(whole))
     loop.train_and_evaluate(moe_config(**overrides, steps=5), str(resumed))
@@ -90,9 +91,14 @@ def test_an_moe_model_trains_on_8_devices_and_resumes_exactly(tmp_path, data_dir
     got, want = losses(resumed), losses(whole)
     assert got == want and sorted(got) == list(range(1, 11))
     assert want[10] < want[1]
+    cfg = moe_config(**overrides)
+    bias = {run: np.asarray(balance.layer_biases(cfg.model, saved_state(run, 10)["params"])) for run in (whole, resumed)}
+    np.testing.assert_array_equal(bias[resumed], bias[whole])
+    assert np.ptp(bias[whole], axis=-1).min() > 0  # it did move, in both MoE layers
     row = train_rows(whole)[10]  # the router's numbers, in metrics.jsonl and TensorBoard alike
     assert row["moe_load_max"] >= 1.0 and row["moe_dropped"] == 0.0 and row["moe_aux_loss"] >= 1.0
-    assert row["moe_z_loss"] > 0
+    assert row["moe_z_loss"] > 0 and row["moe_bias_spread"] == pytest.approx(np.ptp(bias[whole], axis=-1).max())
+    assert row["moe_load_max"] == max(row[f"moe/layer_0{i}/load_max"] for i in (1, 2)) and "moe/layer_00/load_max" not in row
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -102,6 +108,7 @@ def test_an_moe_model_trains_on_8_devices_and_resumes_exactly(tmp_path, data_dir
     ({"model.router_groups": 2, "model.router_topk_groups": 0}, r"model.router_topk_groups=0 must be in \[1"),
     ({"model.router": "top1"}, r"model.router"),
     ({"model.capacity_factor": -1.0}, r"model.capacity_factor"),
+    ({"model.load_balance": "bias", "model.bias_update_rate": 0.0}, r"model.bias_update_rate"),
     ({"mesh.stage": 2, "mesh.fsdp": 4}, r"mesh.stage > 1: the pipeline does not run MoE layers"),
 ])
 def test_bad_moe_configs_are_refused_naming_the_key(overrides, message):

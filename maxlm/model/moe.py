@@ -1,7 +1,7 @@
 """A mixture-of-experts MLP: a router picks K of E SwiGLU experts per token (plus optional
 always-on shared experts); it replaces the dense SwiGLU in MoE layers.
 
-    out_BLD, stats = MoE(model_cfg).apply({"params": params, "moe": {"bias": bias_E}}, x_BLD)
+    out_BLD, stats = MoE(model_cfg).apply({"params": params}, x_BLD)
 
 `route` turns router logits into each token's experts and gates (softmax: Mixtral/Qwen3;
 sigmoid with a selection-only bias and group-limited routing: DeepSeek-V3). The experts then run
@@ -102,7 +102,7 @@ def router_loss(cfg, stats):
 def updated_bias(bias_E, load_E, rate: float):
     """DeepSeek-V3's auxiliary-loss-free balancing: each expert's selection bias moves by `rate`
     towards the mean load, b_e += rate·sign(mean load − load_e). Run once per training step on the
-    step's load (the bias is no parameter: gradients never reach it)."""
+    step's load (maxlm/model/balance.py); gradients never reach the bias."""
     return bias_E + rate * jnp.sign(jnp.mean(load_E) - load_E)
 
 
@@ -187,8 +187,10 @@ class MoE(nn.Module):
     """The MoE MLP of one layer: x [B, L, D] → (out [B, L, D], stats).
 
     stats: `route`'s (aux_loss, z_loss, load_E) and `dropped`, the share of token-slots over
-    capacity (0.0 when dropless). The selection bias is the variable "bias" [E] of collection
-    "moe": read here, updated by the training step (`updated_bias`).
+    capacity (0.0 when dropless). With load_balance=bias the selection bias is the param
+    `router_bias` [E] (Hugging Face DeepSeek-V3's `e_score_correction_bias`): a weight, so eval,
+    generation and checkpoints carry it, but one the optimizer never moves (its gradient is
+    stopped here); the training step sets it (`updated_bias`, maxlm/model/balance.py).
     """
 
     cfg: Any
@@ -204,9 +206,9 @@ class MoE(nn.Module):
         w_gate_EDF = _param(self, "w_gate", cfg.init_std, (E, D, F), ("experts", "embed", "mlp"))
         w_up_EDF = _param(self, "w_up", cfg.init_std, (E, D, F), ("experts", "embed", "mlp"))
         w_down_EFD = _param(self, "w_down", out_std, (E, F, D), ("experts", "mlp", "embed"))
-        if cfg.load_balance == "bias":
-            bias_E = self.variable("moe", "bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
-                                   None, (E,), jnp.float32).value
+        if cfg.load_balance == "bias":  # expert dim unsplit, as the router's: top-k sees every expert
+            bias_E = jax.lax.stop_gradient(self.param(
+                "router_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (E,), jnp.float32))
         else:  # selection by the router alone
             bias_E = jnp.zeros((E,), jnp.float32)
 
@@ -241,13 +243,17 @@ ROUTER_METRICS = ("aux_loss", "z_loss", "dropped", "load_max")
 
 
 def expert_params(cfg) -> int:
-    """Every parameter of one MoE layer: router, all E experts, shared experts."""
+    """Every parameter of one MoE layer: router (and its bias), all E experts, shared experts."""
     D, E, F, S = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim, cfg.shared_experts * cfg.expert_mlp_dim
-    return D * E + E * 3 * D * F + 3 * D * S
+    return D * E + _router_bias(cfg) + E * 3 * D * F + 3 * D * S
 
 
 def active_params(cfg) -> int:
-    """The parameters one token uses in one MoE layer: router, its K experts, shared experts
-    (what its FLOPs scale with: 6 × this per token for a training step's matmuls)."""
+    """The parameters one token uses in one MoE layer: router (and its bias), its K experts, shared
+    experts (what its FLOPs scale with: 6 × this per token for a training step's matmuls)."""
     D, E, F, S = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim, cfg.shared_experts * cfg.expert_mlp_dim
-    return D * E + cfg.experts_per_token * 3 * D * F + 3 * D * S
+    return D * E + _router_bias(cfg) + cfg.experts_per_token * 3 * D * F + 3 * D * S
+
+
+def _router_bias(cfg) -> int:
+    return cfg.num_experts if cfg.load_balance == "bias" else 0

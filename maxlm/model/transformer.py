@@ -442,7 +442,8 @@ def loss_fn(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict]:
     """The training objective averaged over real (non-padding) tokens, and
     {"num_tokens", "cross_entropy"} (the plain next-token loss, what `loss` reports), with an MoE
     model's "router" statistics (`aux_loss`, `z_loss`, `dropped` averaged over its MoE layers,
-    `load_max`: the busiest expert's tokens over the mean, in any layer)."""
+    `load_max`: the busiest expert's tokens over the mean, in any layer; `layers`: `forward`'s
+    per-layer ones, [MoE layers, ...], for the per-layer metrics and the balancing bias)."""
     x_BLD, router_stats = forward(model_cfg, params, batch)
     per_token = token_losses(model_cfg, params, batch, x_BLD)
     weights_BL = per_token["weights"]
@@ -456,6 +457,7 @@ def loss_fn(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict]:
         # the busiest expert of any layer over the mean, the rest averaged over the layers
         aux["router"] = {name: router_stats["load_E"].max() if name == "load_max" else layers_mean[name]
                          for name in moe.ROUTER_METRICS}
+        aux["router"]["layers"] = router_stats
     return objective, aux
 
 

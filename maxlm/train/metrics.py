@@ -60,6 +60,7 @@ TENSORBOARD_TAGS = {
     "moe_z_loss": "moe/z_loss",
     "moe_load_max": "moe/load_max",
     "moe_dropped": "moe/dropped",
+    "moe_bias_spread": "moe/bias_spread",
     "eval_loss": "eval/loss",
     "eval_perplexity": "eval/perplexity",
     "tokens_per_sec": "perf/tokens_per_sec",

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import optax
 
 from maxlm import model
-from maxlm.train import loss_scale, mesh as mesh_lib, optim
+from maxlm.model import balance
+from maxlm.train import loss_scale, mesh as mesh_lib, optim, router_metrics
 from maxlm.train.state import State
 
 
@@ -55,11 +56,14 @@ def loss_and_grads(cfg, params, batch, scale=None):
         return jax.tree.map(jnp.add, carry, sums), None
 
     zero = jnp.zeros((), jnp.float32)
-    router = dict.fromkeys(model.moe.ROUTER_METRICS, zero) if cfg.model.num_experts else {}
+    split = functools.partial(model.microbatches, n=n, axes=("batch", "length"))
+    micro = jax.tree.map(split, batch)
+    # the router statistics' shapes (scalars, and per MoE layer) as one microbatch's aux has them
+    aux_shapes = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], micro))[1]
+    router = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes.get("router", {}))
     init = {"loss": zero, "cross_entropy": zero, "num_tokens": zero, "router": router,
             "grads": jax.tree.map(jnp.zeros_like, params)}
-    split = functools.partial(model.microbatches, n=n, axes=("batch", "length"))
-    sums, _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+    sums, _ = jax.lax.scan(body, init, micro)
     denom = jnp.maximum(sums["num_tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / denom, sums["grads"])
     aux = {"num_tokens": sums["num_tokens"], "cross_entropy": sums["cross_entropy"] / denom}
@@ -93,7 +97,10 @@ def train_step(cfg, tx, schedule, state: State, batch, lr_scale, inject_nan=None
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     updates = jax.tree.map(lambda u: (u * lr_scale).astype(u.dtype), updates)
     params = optax.apply_updates(state["params"], updates)
-    # how far this step moved the weights, relative to their size (~1e-3 is typical for Adam)
+    if balance.enabled(cfg.model):  # the selection bias moves by the step's load, not by the optimizer
+        params = balance.rebalanced(cfg.model, params, state["params"], aux["router"]["layers"]["load_E"])
+    # how far this step moved the weights, relative to their size (~1e-3 is typical for Adam); the
+    # optimizer's update only: a balancing bias's move is not in it (moe/layer_NN/bias_spread shows it)
     update_ratio = optax.tree.norm(updates) / optax.tree.norm(state["params"])
     grads_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     # Scalars, not a pass over every leaf (6% of a small model's CPU step): from a finite state,
@@ -129,8 +136,8 @@ def train_step(cfg, tx, schedule, state: State, batch, lr_scale, inject_nan=None
         "skipped_steps": new_state["skipped_steps"],
         "bad_streak": new_state["bad_streak"],
         "applied": ok.astype(jnp.int32),  # 0: skipped (non-finite, or a float16 overflow)
-        # an MoE model's router: moe_aux_loss, moe_z_loss, moe_dropped, moe_load_max (model.loss_fn)
-        **{f"moe_{name}": value for name, value in aux.get("router", {}).items()},
+        # an MoE model's router: moe_aux_loss, moe_load_max, ..., and per layer moe/layer_NN/...
+        **router_metrics.of_step(cfg.model, aux.get("router"), params),
     }
     if scale is not None:
         new_state.update(loss_scale.update(cfg.optim, state, grads_finite, applied=ok))

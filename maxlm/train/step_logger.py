@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from maxlm.train import flops
+from maxlm.train import flops, router_metrics
 
 log = logging.getLogger("maxlm")
 
@@ -142,6 +142,8 @@ class StepLogger:
         del row["num_tokens"]
         self.writer.write(step, row)
         log.info(format_line(step, row, eta_sec=row["step_time_sec"] * (self.total_steps - step)))
+        if moe_line := router_metrics.console_line(step, row):  # an MoE model's worst layers
+            log.info(moe_line)
         self.last_row = dict(row, step=step, first_loss=self.first_loss)
 
     def eval_done(self, step: int, row: dict) -> None:
