@@ -212,7 +212,10 @@ def test_export_cli_refuses_a_non_rope_run(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_sentencepiece_tokenizer_files_load_in_transformers(tmp_path):
+@pytest.mark.parametrize("model_type", [None, "mixtral"])
+def test_sentencepiece_tokenizer_files_load_in_transformers(tmp_path, model_type):
+    """Alone, and beside a Mixtral config.json (AutoTokenizer then takes another path: its fast
+    backend, converted from tokenizer.model)."""
     import sentencepiece as spm
 
     words = "the quick brown fox jumps over lazy dog def class return import 2024 naïve café".split()
@@ -227,6 +230,8 @@ def test_sentencepiece_tokenizer_files_load_in_transformers(tmp_path):
     out = tmp_path / "hf"
     out.mkdir()
     hf.write_tokenizer(ours, str(out), seq_len=64)
+    if model_type:
+        (out / "config.json").write_text(json.dumps({"model_type": model_type}))
     theirs = transformers.AutoTokenizer.from_pretrained(str(out))
     assert (theirs.pad_token_id, theirs.bos_token_id, theirs.eos_token_id) == (0, 2, 3)
     for text in ["the quick brown fox 12345", "naïve café ünïcödé 42\n\n", "def f(x):\n    return x  "]:

@@ -191,3 +191,27 @@ def test_export_cli_refuses_a_shared_expert_run_in_one_line(tmp_path):
         "maxlm: config error: the Hugging Face export maps a mixture-of-experts model to transformers' "
         "MixtralForCausalLM, which cannot hold model.shared_experts=2 (Mixtral has no shared experts)"]
     assert not (tmp_path / "hf").exists()
+
+
+# ----------------------------------------------------------------------------- through the CLI
+
+
+@pytest.mark.ci
+def test_a_trained_moe_run_exports_through_the_cli(tmp_path, data_dirs):
+    """As a user would: train a tiny MoE run, `python -m maxlm.export`, load it in transformers
+    by its config.json alone, decode greedily: maxlm's tokens."""
+    from maxlm.train import loop, runs
+
+    cfg = _moe_cfg({**data_dirs, "steps": 2, "optim.warmup_steps": 1, "checkpoint.every_steps": 2})
+    loop.train_and_evaluate(cfg, str(tmp_path / "run"))
+    result = _cli("maxlm.export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'hf'}")
+    assert result.returncode == 0, result.stderr
+    hf_model = _hf_model(str(tmp_path / "hf"))
+    assert type(hf_model).__name__ == "MixtralForCausalLM"
+    run = runs.load_run(str(tmp_path / "run"))
+    tokenizer = transformers.ByT5Tokenizer.from_pretrained(str(tmp_path / "hf"))
+    prompt = [tokenizer.bos_token_id, *tokenizer("The quick", add_special_tokens=False).input_ids]
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   max_new_tokens=8, do_sample=False)[0].tolist()
+    assert theirs == _greedy(run["config"].model, run["params"], prompt, 8, allowed=259)
