@@ -7,12 +7,12 @@ the config's mesh rules; default the newest complete checkpoint) and writes into
 `transformers.AutoModelForCausalLM.from_pretrained(HFDIR)` and `AutoTokenizer.from_pretrained(HFDIR)`
 load with no custom code: `config.json`, `generation_config.json`, `model.safetensors` (or shards
 and an index past --max_shard_mb) and the tokenizer files. The class follows from the run's config
-(`LlamaForCausalLM` dense, `MixtralForCausalLM` MoE: `maxlm/hf/architectures.py`), the weights'
-mapping is in `maxlm/hf/mapping.py`, the files in `maxlm/hf/files.py`; the way back is the config
-key `checkpoint.init_from_hf=HFDIR`. A run the class cannot hold (`model.positions` other than
-`rope`, an MoE key Mixtral has no place for) is refused with one line naming the key (exit 2), from
-the run's config.json before its checkpoint is read. Prints one JSON object: out, step, dtype,
-files, checkpoint.
+(`LlamaForCausalLM`, `Qwen3ForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM`:
+`maxlm/hf/architectures.py`), the weights' mapping is in `maxlm/hf/mapping.py`, the files in
+`maxlm/hf/files.py`; the way back is the config key `checkpoint.init_from_hf=HFDIR`. A run the
+class cannot hold (`model.positions` other than `rope`, an MoE key the class has no place for) is
+refused with one line naming the key (exit 2), from the run's config.json before its checkpoint is
+read. Prints one JSON object: out, step, dtype, files, checkpoint.
 """
 
 from __future__ import annotations

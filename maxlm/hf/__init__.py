@@ -1,3 +1,3 @@
 """Interop with Hugging Face `transformers`: `architectures.py` (which class holds a model: Llama,
-Mixtral; its config.json both ways), `mapping.py` (the weights' names and layouts) and `files.py`
+Qwen3, Mixtral, Qwen3-MoE; its config.json both ways), `mapping.py` (the weights' names and layouts) and `files.py`
 (reading a HF folder to initialise from, writing one on export)."""

@@ -6,8 +6,9 @@
 
 The class follows from the model config:
 
-    model.num_experts = 0     LlamaForCausalLM
-    model.num_experts > 0     MixtralForCausalLM
+                          model.qk_norm = none     model.qk_norm = per_head
+    model.num_experts = 0   LlamaForCausalLM         Qwen3ForCausalLM
+    model.num_experts > 0   MixtralForCausalLM       Qwen3MoeForCausalLM
 
 A key the class cannot hold is refused with one line naming it (`architecture`). The weights'
 names are in `maxlm/hf/mapping.py`.
@@ -26,29 +27,41 @@ class Arch(NamedTuple):
 
     hf_class: str  # config.json's `architectures`
     model_type: str
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys: self_attn.{q,k}_norm
     moe_block: str = ""  # an MoE layer's module name (its router is `{moe_block}.gate`); "" for a dense class
     expert_weights: tuple[str, str, str] = ()  # an expert's gate, up and down projections
 
+    @property
+    def name(self) -> str:
+        return self.hf_class.removesuffix("ForCausalLM")
+
 
 LLAMA = Arch("LlamaForCausalLM", "llama")
-MIXTRAL = Arch("MixtralForCausalLM", "mixtral", "block_sparse_moe", ("w1", "w3", "w2"))
-ARCHITECTURES = {a.model_type: a for a in (LLAMA, MIXTRAL)}
+QWEN3 = Arch("Qwen3ForCausalLM", "qwen3", qk_norm=True)
+MIXTRAL = Arch("MixtralForCausalLM", "mixtral", moe_block="block_sparse_moe", expert_weights=("w1", "w3", "w2"))
+QWEN3_MOE = Arch("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, moe_block="mlp",
+                 expert_weights=("gate_proj", "up_proj", "down_proj"))
+ARCHITECTURES = {a.model_type: a for a in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)}
 
 
-def _mixtral_refusals(m) -> list[str]:
-    """The model keys transformers' Mixtral has no place for, each with why."""
+def _moe_refusals(arch: Arch, m) -> list[str]:
+    """The MoE keys the class has no place for, each with why."""
+    name = arch.name
     checks = [
-        (m.shared_experts, f"model.shared_experts={m.shared_experts} (Mixtral has no shared experts)"),
-        (m.router != "softmax", f"model.router={m.router!r} (Mixtral's router is a softmax over all experts)"),
-        (m.router_groups, f"model.router_groups={m.router_groups} (Mixtral has no group-limited routing)"),
-        (m.first_dense_layers, f"model.first_dense_layers={m.first_dense_layers} (every Mixtral layer is an "
-                               "MoE layer)"),
-        (not m.router_renormalize, "model.router_renormalize=False (Mixtral renormalises the top-k gates "
-                                   "to sum 1)"),
-        (m.router_scale != 1, f"model.router_scale={m.router_scale} (Mixtral does not scale the gates)"),
-        (m.load_balance == "bias", "model.load_balance='bias' (the selection bias has no place in "
-                                   "Mixtral's router)"),
+        (m.shared_experts, f"model.shared_experts={m.shared_experts} ({name} has no shared experts)"),
+        (m.router != "softmax", f"model.router={m.router!r} ({name}'s router is a softmax over all experts)"),
+        (m.router_groups, f"model.router_groups={m.router_groups} ({name} has no group-limited routing)"),
+        (m.router_scale != 1, f"model.router_scale={m.router_scale} ({name} does not scale the gates)"),
+        (m.load_balance == "bias", f"model.load_balance='bias' (the selection bias has no place in "
+                                   f"{name}'s router)"),
     ]
+    if arch is MIXTRAL:  # Qwen3-MoE has both: mlp_only_layers, norm_topk_prob
+        checks += [
+            (m.first_dense_layers, f"model.first_dense_layers={m.first_dense_layers} (every Mixtral layer is "
+                                   "an MoE layer)"),
+            (not m.router_renormalize, "model.router_renormalize=False (Mixtral renormalises the top-k "
+                                       "gates to sum 1)"),
+        ]
     return [why for refused, why in checks if refused]
 
 
@@ -57,15 +70,21 @@ def architecture(m, what: str) -> Arch:
     is the export or the import, for the message)."""
     if m.positions != "rope":
         raise config_lib.ConfigError(
-            f"{what} needs model.positions='rope', got {m.positions!r}: transformers' Llama and "
-            "Mixtral have only RoPE, no sinusoidal or learned position embeddings")
-    if not m.num_experts:
-        return LLAMA
-    if refused := _mixtral_refusals(m):
+            f"{what} needs model.positions='rope', got {m.positions!r}: transformers' Llama, Qwen3 "
+            "and Mixtral have only RoPE, no sinusoidal or learned position embeddings")
+    if m.qk_norm == "full":
         raise config_lib.ConfigError(
-            f"{what} maps a mixture-of-experts model to transformers' MixtralForCausalLM, which cannot "
+            f"{what} maps model.qk_norm 'none' (Llama, Mixtral) and 'per_head' (Qwen3, Qwen3-MoE), "
+            "not 'full' (OLMo 2's, whose post-norm blocks maxlm does not have)")
+    per_head = m.qk_norm == "per_head"
+    if not m.num_experts:
+        return QWEN3 if per_head else LLAMA
+    arch = QWEN3_MOE if per_head else MIXTRAL
+    if refused := _moe_refusals(arch, m):
+        raise config_lib.ConfigError(
+            f"{what} maps a mixture-of-experts model to transformers' {arch.hf_class}, which cannot "
             f"hold " + "; ".join(refused))
-    return MIXTRAL
+    return arch
 
 
 # ----------------------------------------------------------------------------- export
@@ -104,19 +123,23 @@ def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
         "initializer_range": m.init_std,
         "use_cache": True,
     }
+    # read by transformers' training only, with output_router_logits=True
+    aux_loss = m.load_balance_weight if m.load_balance == "aux_loss" else 0.0
     if arch is LLAMA:
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    if arch in (QWEN3, QWEN3_MOE):
+        config.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
+                      max_window_layers=m.num_layers)
     if arch is MIXTRAL:
-        config.update(
-            intermediate_size=m.expert_mlp_dim,  # Mixtral's only MLPs are its experts
-            num_local_experts=m.num_experts,
-            num_experts_per_tok=m.experts_per_token,
-            sliding_window=None,
-            router_jitter_noise=0.0,
-            # read by transformers' training only, with output_router_logits=True
-            router_aux_loss_coef=m.load_balance_weight if m.load_balance == "aux_loss" else 0.0,
-            output_router_logits=False,
-        )
+        config.update(intermediate_size=m.expert_mlp_dim,  # Mixtral's only MLPs are its experts
+                      num_local_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
+                      sliding_window=None, router_jitter_noise=0.0, router_aux_loss_coef=aux_loss,
+                      output_router_logits=False)
+    if arch is QWEN3_MOE:  # intermediate_size: the dense layers' (mlp_only_layers)
+        config.update(moe_intermediate_size=m.expert_mlp_dim, num_experts=m.num_experts,
+                      num_experts_per_tok=m.experts_per_token, norm_topk_prob=bool(m.router_renormalize),
+                      decoder_sparse_step=1, mlp_only_layers=list(range(m.first_dense_layers)),
+                      router_aux_loss_coef=aux_loss, output_router_logits=False)
     return config
 
 
@@ -133,15 +156,27 @@ def _rope(hf: dict) -> tuple[float, str]:
     return float(theta), next((k for k in kinds if k and k != "default"), "default")
 
 
-def _mixtral_keys(hf: dict) -> tuple[dict, list[str]]:
-    """Mixtral's MoE keys as maxlm's, and what maxlm cannot represent."""
-    mapped = {"num_experts": hf.get("num_local_experts", 8), "experts_per_token": hf.get("num_experts_per_tok", 2),
-              "expert_mlp_dim": hf["intermediate_size"], "shared_experts": 0, "first_dense_layers": 0,
-              "router": "softmax", "router_renormalize": True, "router_scale": 1.0, "router_groups": 0}
-    unsupported = []
-    if hf.get("sliding_window") is not None:
-        unsupported.append(f"sliding_window={hf['sliding_window']} (maxlm's attention is full causal)")
-    return mapped, unsupported
+def _moe_keys(arch: Arch, hf: dict) -> tuple[dict, list[str]]:
+    """An MoE class's keys as maxlm's (with the routing the class implies), and what maxlm cannot
+    represent. Defaults: transformers' MixtralConfig's and Qwen3MoeConfig's."""
+    implied = {"shared_experts": 0, "router": "softmax", "router_scale": 1.0, "router_groups": 0}
+    if arch is MIXTRAL:  # its intermediate_size is its experts'; it has no dense MLP
+        return {"num_experts": hf.get("num_local_experts", 8), "experts_per_token": hf.get("num_experts_per_tok", 2),
+                "expert_mlp_dim": hf["intermediate_size"], "first_dense_layers": 0, "router_renormalize": True,
+                **implied}, []
+    # Qwen3-MoE: layer i is dense when in mlp_only_layers or off every decoder_sparse_step-th
+    step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    dense = [i for i in range(hf["num_hidden_layers"]) if i in only or (i + 1) % step]
+    experts = hf.get("num_experts", hf.get("num_local_experts", 128))  # transformers 5 saves the latter
+    mapped = {"num_experts": experts, "experts_per_token": hf.get("num_experts_per_tok", 8),
+              "expert_mlp_dim": hf.get("moe_intermediate_size", 768), "first_dense_layers": len(dense),
+              "router_renormalize": bool(hf.get("norm_topk_prob", False)), **implied}
+    if dense:  # intermediate_size is the dense layers'
+        mapped["mlp_dim"] = hf["intermediate_size"]
+    if dense != list(range(len(dense))):
+        return mapped, [f"dense layers {dense} (maxlm's dense layers are the first ones: mlp_only_layers="
+                        "[0, ..., k-1], decoder_sparse_step=1)"]
+    return mapped, []
 
 
 def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
@@ -172,13 +207,17 @@ def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
     if arch is None or arch.hf_class not in archs:
         known = ", ".join(f"{a.model_type!r} ({a.hf_class})" for a in ARCHITECTURES.values())
         unsupported.append(f"model_type={model_type!r} architectures={archs} (maxlm reads {known})")
-    elif arch is MIXTRAL:
-        moe_keys, moe_unsupported = _mixtral_keys(hf)
-        del mapped["mlp_dim"]  # Mixtral's intermediate_size is its experts'; it has no dense MLP
-        mapped.update(moe_keys)
-        unsupported += moe_unsupported
     else:
-        mapped["num_experts"] = 0
+        mapped["qk_norm"] = "per_head" if arch.qk_norm else "none"
+        if arch.moe_block:
+            moe_keys, moe_unsupported = _moe_keys(arch, hf)
+            del mapped["mlp_dim"]  # back in moe_keys when the model has dense layers
+            mapped.update(moe_keys)
+            unsupported += moe_unsupported
+        else:
+            mapped["num_experts"] = 0
+    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", arch is MIXTRAL):
+        unsupported.append(f"sliding_window={hf['sliding_window']} (maxlm's attention is full causal)")
     if rope_type != "default":
         unsupported.append(f"rope type {rope_type!r} (maxlm has plain RoPE only, no rope scaling)")
     if hf.get("hidden_act", "silu") != "silu":

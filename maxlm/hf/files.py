@@ -1,8 +1,8 @@
-"""Hugging Face files: export a run's parameters, import a Llama or Mixtral checkpoint's.
+"""Hugging Face files: export a run's parameters, import a Llama, Qwen3, Mixtral or Qwen3-MoE
+checkpoint's.
 
-Export (`export`, `python -m maxlm.export`) writes what transformers' `LlamaForCausalLM` (a dense
-model) or `MixtralForCausalLM` (an MoE model; `maxlm/hf/architectures.py` picks) and
-`AutoTokenizer` load with no custom code: config.json, generation_config.json, the safetensors
+Export (`export`, `python -m maxlm.export`) writes what transformers' causal-LM class of the run
+(`maxlm/hf/architectures.py` picks it from the model config) and `AutoTokenizer` load with no custom code: config.json, generation_config.json, the safetensors
 weights (sharded past a size, with an index) and the tokenizer files. Each tensor is gathered to
 the host one layer at a time, converted (`hf_mapping.to_hf`) and written, so the host holds at most
 one file's worth.
@@ -54,7 +54,7 @@ def read_dir(path: str) -> tuple[dict, dict[str, str]]:
     folder = epath.Path(path)
     if not (folder / "config.json").is_file():
         raise config_lib.ConfigError(
-            f"checkpoint.init_from_hf={path}: no config.json there (a Hugging Face Llama or Mixtral folder, "
+            f"checkpoint.init_from_hf={path}: no config.json there (a Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE folder, "
             "local or gs://, with config.json and model.safetensors or a safetensors index is needed)")
     try:
         hf = json.loads((folder / "config.json").read_text())
@@ -366,7 +366,7 @@ def generation_config(cfg, tokenizer) -> dict:
 
 def export(params, cfg, out: str, dtype: str = "float32",
            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer=None) -> list[str]:
-    """Writes a transformers-loadable folder (Llama or Mixtral) of the run `cfg`'s `params` into `out` (a
+    """Writes a transformers-loadable folder (the class `architecture` picks) of the run `cfg`'s `params` into `out` (a
     local directory, created; it must not already hold an export): config.json,
     generation_config.json, the safetensors weights in `dtype` and the tokenizer files. Every
     process calls it; process 0 checks `out` and writes. Returns the files' names."""
@@ -376,7 +376,7 @@ def export(params, cfg, out: str, dtype: str = "float32",
         raise config_lib.ConfigError(f"--dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
     architecture(cfg.model, "the Hugging Face export")
     if cfg.model.num_experts and cfg.model.capacity_factor:
-        console.warn(f"model.capacity_factor={cfg.model.capacity_factor}: transformers' Mixtral runs every "
+        console.warn(f"model.capacity_factor={cfg.model.capacity_factor}: transformers' MoE classes run every "
                      "token's experts (dropless); its logits are maxlm's with capacity_factor=0, which differ "
                      "where maxlm's capacity drops token-slots")
     out = os.path.expanduser(out)

@@ -2,8 +2,8 @@
 `maxlm/hf/architectures.py`, the files read and written in `maxlm/hf/files.py`).
 
 maxlm's layers are Llama's (pre-norm RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases),
-so a dense run converts to `transformers.LlamaForCausalLM` and an MoE run to
-`MixtralForCausalLM`, without custom code:
+so a run converts to the transformers class `architectures.architecture` picks (Llama, Qwen3,
+Mixtral, Qwen3-MoE) without custom code:
 
     maxlm parameter                      HF tensor (`model.layers.{i}.` prefix for a layer's)
     embed            [V, D]              model.embed_tokens.weight        [V, D]
@@ -13,16 +13,18 @@ so a dense run converts to `transformers.LlamaForCausalLM` and an MoE run to
     attn.wq          [D, H, Dh]          self_attn.q_proj.weight          [H·Dh, D]
     attn.wk, wv      [D, K, Dh]          self_attn.{k,v}_proj.weight      [K·Dh, D]
     attn.wo          [H, Dh, D]          self_attn.o_proj.weight          [D, H·Dh]
+    attn.q_norm.scale, k_norm.scale [Dh] self_attn.{q,k}_norm.weight      [Dh]  (Qwen3: qk_norm=per_head)
     mlp_norm.scale   [D]                 post_attention_layernorm.weight  [D]
     mlp.w_gate, w_up [D, F]              mlp.{gate,up}_proj.weight        [F, D]
     mlp.w_down       [F, D]              mlp.down_proj.weight             [D, F]
-  an MoE layer (Mixtral: B = block_sparse_moe, gate/up/down = w1/w3/w2):
+  an MoE layer (Mixtral: B = block_sparse_moe, gate/up/down = w1/w3/w2; Qwen3-MoE: B = mlp,
+  gate/up/down = gate_proj/up_proj/down_proj; its dense layers, mlp_only_layers, are as above):
     mlp.router       [D, E]              B.gate.weight                    [E, D]
     mlp.w_gate, w_up [E, D, F]           B.experts.{e}.{gate,up}.weight   [F, D]  (one per expert)
     mlp.w_down       [E, F, D]           B.experts.{e}.down.weight        [D, F]
 
-The experts are written one tensor each, the layout of published Mixtral checkpoints and of
-transformers 4.x; transformers 5 fuses them into `experts.gate_up_proj` as it loads (and splits
+The experts are written one tensor each, the layout of published Mixtral and Qwen3-MoE checkpoints
+and of transformers 4.x; transformers 5 fuses them into `experts.gate_up_proj` as it loads (and splits
 them again when it saves). A layer's parameters are `layers` (scanned: a leading layer axis; an
 MoE model's dense layers below it are `dense_layers`) or `layer_{i}` (unrolled). RoPE needs no
 permutation: maxlm rotates the pairs (i, i + Dh/2), which is what HF's `rotate_half` does (HF
@@ -43,7 +45,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from maxlm.hf.architectures import architecture
+from maxlm.hf.architectures import Arch, architecture
 from maxlm.model import layer_groups, moe
 
 
@@ -80,14 +82,13 @@ class Source(NamedTuple):
         return self.name.format(i=layer[0] if layer else None, e=expert[0] if expert else None)
 
 
-def _mlp_tensors(m, experts: bool) -> dict[tuple[str, ...], tuple[str, Tensor]]:
+def _mlp_tensors(m, arch: Arch, experts: bool) -> dict[tuple[str, ...], tuple[str, Tensor]]:
     """A layer's MLP: the dense SwiGLU, or the MoE layer's router and experts."""
     D, F = m.d_model, m.mlp_dim
     if not experts:
         return {("mlp", "w_gate"): ("mlp.gate_proj.weight", Tensor(((F,), (D,)), (1, 0))),
                 ("mlp", "w_up"): ("mlp.up_proj.weight", Tensor(((F,), (D,)), (1, 0))),
                 ("mlp", "w_down"): ("mlp.down_proj.weight", Tensor(((D,), (F,)), (1, 0)))}
-    arch = architecture(m, "the Hugging Face mapping")
     E, F = m.num_experts, m.expert_mlp_dim
     gate, up, down = (f"{arch.moe_block}.experts.{{e}}.{w}.weight" for w in arch.expert_weights)
     return {("mlp", "router"): (f"{arch.moe_block}.gate.weight", Tensor(((E,), (D,)), (1, 0))),
@@ -100,14 +101,18 @@ def _layer_tensors(m, experts: bool) -> dict[tuple[str, ...], tuple[str, Tensor]
     """A block's parameters (path within the block) → (HF name within the layer, Tensor);
     `experts`: an MoE layer's."""
     D, H, K, Dh = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
+    arch = architecture(m, "the Hugging Face mapping")
+    qk_norms = {("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", Tensor(((Dh,),), (0,))),
+                ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", Tensor(((Dh,),), (0,)))}
     return {
         ("attn_norm", "scale"): ("input_layernorm.weight", Tensor(((D,),), (0,))),
         ("attn", "wq"): ("self_attn.q_proj.weight", Tensor(((H, Dh), (D,)), (2, 0, 1))),
         ("attn", "wk"): ("self_attn.k_proj.weight", Tensor(((K, Dh), (D,)), (2, 0, 1))),
         ("attn", "wv"): ("self_attn.v_proj.weight", Tensor(((K, Dh), (D,)), (2, 0, 1))),
         ("attn", "wo"): ("self_attn.o_proj.weight", Tensor(((D,), (H, Dh)), (1, 2, 0))),
+        **(qk_norms if arch.qk_norm else {}),
         ("mlp_norm", "scale"): ("post_attention_layernorm.weight", Tensor(((D,),), (0,))),
-        **_mlp_tensors(m, experts),
+        **_mlp_tensors(m, arch, experts),
     }
 
 
