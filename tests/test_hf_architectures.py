@@ -57,17 +57,16 @@ def _logits(hf_model, tokens_1L):
         return hf_model(torch.from_numpy(tokens_1L.astype(np.int64))).logits.numpy()
 
 
-def _greedy(model_cfg, params, prompt, new_tokens: int, allowed: int) -> list[int]:
-    """maxlm's greedy continuation (argmax over the first `allowed` ids), the whole prefix
-    recomputed at each step in one fixed-length buffer (causal: the padding after it is unseen)."""
-    length = len(prompt) + new_tokens
+def _greedy(logits_of, prompt, new_tokens: int, allowed: int, length: int = 48) -> list[int]:
+    """maxlm's greedy continuation (argmax over the first `allowed` ids) with `logits_of(batch)`,
+    the whole prefix recomputed at each step in one `length`-token buffer (causal: the padding
+    after it is unseen; the export test's batch shape, so nothing compiles again)."""
     batch = {"inputs": np.zeros((1, length), np.int32), "segment_ids": np.ones((1, length), np.int32),
              "positions": np.arange(length, dtype=np.int32)[None]}
     batch["inputs"][0, :len(prompt)] = prompt
-    logits_of = jax.jit(functools.partial(model.apply, model_cfg))
-    for t in range(len(prompt), length):
-        batch["inputs"][0, t] = int(np.argmax(np.asarray(logits_of(params, batch))[0, t - 1, :allowed]))
-    return batch["inputs"][0].tolist()
+    for t in range(len(prompt), len(prompt) + new_tokens):
+        batch["inputs"][0, t] = int(np.argmax(np.asarray(logits_of(batch))[0, t - 1, :allowed]))
+    return batch["inputs"][0, :len(prompt) + new_tokens].tolist()
 
 
 def _hf_greedy(hf_model, prompt, new_tokens: int) -> list[int]:
@@ -91,11 +90,11 @@ def test_export_is_the_class_with_maxlm_logits_and_greedy_tokens(tmp_path, hf_cl
     assert written["architectures"] == [hf_class]
     hf_model = _hf_model(str(tmp_path))
     assert type(hf_model).__name__ == hf_class
+    logits_of = functools.partial(jax.jit(functools.partial(model.apply, cfg.model)), params)
     batch = _sequence(48, 259, seed=2)
-    ours = np.asarray(jax.jit(functools.partial(model.apply, cfg.model))(params, batch))
-    np.testing.assert_allclose(_logits(hf_model, batch["inputs"]), ours, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(_logits(hf_model, batch["inputs"]), logits_of(batch), atol=1e-4, rtol=0)
     prompt = _sequence(6, 259, seed=3)["inputs"][0].tolist()
-    assert _hf_greedy(hf_model, prompt, 10) == _greedy(cfg.model, params, prompt, 10, allowed=259)
+    assert _hf_greedy(hf_model, prompt, 10) == _greedy(logits_of, prompt, 10, allowed=259)
 
 
 # ----------------------------------------------------------------------------- import
@@ -255,4 +254,5 @@ def test_a_trained_moe_run_exports_through_the_cli(tmp_path, data_dirs):
     run = runs.load_run(str(tmp_path / "run"))
     tokenizer = transformers.ByT5Tokenizer.from_pretrained(str(tmp_path / "hf"))
     prompt = [tokenizer.bos_token_id, *tokenizer("The quick", add_special_tokens=False).input_ids]
-    assert _hf_greedy(hf_model, prompt, 8) == _greedy(run["config"].model, run["params"], prompt, 8, allowed=259)
+    logits_of = functools.partial(jax.jit(functools.partial(model.apply, run["config"].model)), run["params"])
+    assert _hf_greedy(hf_model, prompt, 8) == _greedy(logits_of, prompt, 8, allowed=259)
