@@ -161,7 +161,8 @@ def test_qwen3_moe_dense_layers_are_read_from_mlp_only_layers_and_the_sparse_ste
     qwen = dict(SHAPE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=4,
                 intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
     mapped, unsupported = architectures.model_config_from_hf(dict(qwen, mlp_only_layers=[0, 1]))
-    assert (mapped["first_dense_layers"], mapped["mlp_dim"], mapped["router_renormalize"], unsupported) == (2, 96, False, [])
+    assert unsupported == [] and (mapped["first_dense_layers"], mapped["mlp_dim"]) == (2, 96)
+    assert mapped["router_renormalize"] is False and mapped["qk_norm"] == "per_head"
     mapped, _ = architectures.model_config_from_hf(qwen)  # every layer MoE: no dense MLP to compare
     assert mapped["first_dense_layers"] == 0 and "mlp_dim" not in mapped
     for odd in (dict(mlp_only_layers=[1]), dict(decoder_sparse_step=2)):

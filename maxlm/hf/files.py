@@ -2,10 +2,11 @@
 checkpoint's.
 
 Export (`export`, `python -m maxlm.export`) writes what transformers' causal-LM class of the run
-(`maxlm/hf/architectures.py` picks it from the model config) and `AutoTokenizer` load with no custom code: config.json, generation_config.json, the safetensors
-weights (sharded past a size, with an index) and the tokenizer files. Each tensor is gathered to
-the host one layer at a time, converted (`hf_mapping.to_hf`) and written, so the host holds at most
-one file's worth.
+(`maxlm/hf/architectures.py` picks it from the model config) and `AutoTokenizer` load with no
+custom code: config.json, generation_config.json, the safetensors weights (sharded past a size,
+with an index) and the tokenizer files. Each tensor is gathered to the host one at a time (a
+layer's, an expert's), converted (`hf_mapping.to_hf`) and written, so the host holds at most one
+file's worth.
 
 Import (`load_params`, the config key `checkpoint.init_from_hf`) checks the folder's config and
 tensors against the run (one exit-2 line listing every mismatch; process 0 checks, and every
@@ -54,8 +55,9 @@ def read_dir(path: str) -> tuple[dict, dict[str, str]]:
     folder = epath.Path(path)
     if not (folder / "config.json").is_file():
         raise config_lib.ConfigError(
-            f"checkpoint.init_from_hf={path}: no config.json there (a Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE folder, "
-            "local or gs://, with config.json and model.safetensors or a safetensors index is needed)")
+            f"checkpoint.init_from_hf={path}: no config.json there (a Hugging Face Llama, Qwen3, Mixtral or "
+            "Qwen3-MoE folder, local or gs://, with config.json and model.safetensors or a safetensors index "
+            "is needed)")
     try:
         hf = json.loads((folder / "config.json").read_text())
     except ValueError as e:

@@ -4,7 +4,8 @@
     logits_BLV = apply(model_cfg, params, batch)    # no hidden state
 
 Blocks are pre-norm: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)); attention is
-grouped-query, its queries and keys optionally RMS-normed before RoPE (`model.qk_norm`). Positions are rotary embeddings in attention or an absolute encoding added to the
+grouped-query, its queries and keys optionally RMS-normed before RoPE (`model.qk_norm`).
+Positions are rotary embeddings in attention or an absolute encoding added to the
 token embeddings (`model.positions`: maxlm/model/positions.py). A batch is packed: `segment_ids` name
 the document each token belongs to (0 = padding) and `positions` restart at 0 for each document,
 so attention never crosses documents and every encoding sees per-document positions.
