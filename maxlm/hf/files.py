@@ -368,8 +368,8 @@ def generation_config(cfg, tokenizer) -> dict:
 
 def export(params, cfg, out: str, dtype: str = "float32",
            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer=None) -> list[str]:
-    """Writes a transformers-loadable folder (the class `architecture` picks) of the run `cfg`'s `params` into `out` (a
-    local directory, created; it must not already hold an export): config.json,
+    """Writes a transformers-loadable folder (of the class `architecture` picks) of the run `cfg`'s
+    `params` into `out` (a local directory, created; it must not already hold an export): config.json,
     generation_config.json, the safetensors weights in `dtype` and the tokenizer files. Every
     process calls it; process 0 checks `out` and writes. Returns the files' names."""
     from maxlm.data.tokenizer import load_tokenizer
@@ -379,7 +379,7 @@ def export(params, cfg, out: str, dtype: str = "float32",
     architecture(cfg.model, "the Hugging Face export")
     if cfg.model.num_experts and cfg.model.capacity_factor:
         console.warn(f"model.capacity_factor={cfg.model.capacity_factor}: transformers' MoE classes run every "
-                     "token's experts (dropless); its logits are maxlm's with capacity_factor=0, which differ "
+                     "token's experts (dropless); their logits are maxlm's with capacity_factor=0, which differ "
                      "where maxlm's capacity drops token-slots")
     out = os.path.expanduser(out)
 
