@@ -35,6 +35,7 @@ from maxlm.config_rules import (
     POSITIONS,
     POSITIVE,
     POSITIVE_INT,
+    QK_NORMS,
     REMAT,
     SCHEDULES,
     SPLASH_BLOCK,
@@ -185,6 +186,7 @@ def _model_defaults() -> _Section:
     s.positions = "rope", one_of(POSITIONS)  # rotary in attention, or added to the embeddings
     s.max_positions = 0, NON_NEGATIVE_INT  # the learned table's rows (positions="learned"); 0: seq_len
     s.norm_eps = 1e-5, POSITIVE
+    s.qk_norm = "none", one_of(QK_NORMS)  # RMSNorm of queries and keys before RoPE: each head's (Qwen3), or whole (OLMo 2)
     s.dtype = "float32", one_of(DTYPES)  # compute dtype; parameters are always float32
     s.init_std = 0.02, NON_NEGATIVE
     s.scan_layers = True, BOOL  # one compiled layer body (compile time flat in depth)

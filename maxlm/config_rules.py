@@ -24,6 +24,7 @@ LR_BATCH_SCALING = ("none", "sqrt", "linear")  # optim.lr_batch_scaling
 REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
 ATTENTION = ("auto", "xla", "cudnn", "splash")  # see attention.attention_backend
 POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/model/positions.py
+QK_NORMS = ("none", "per_head", "full")  # model.qk_norm: see maxlm/model/transformer.py Attention
 ROUTERS = ("softmax", "sigmoid")  # model.router: see maxlm/model/moe.py
 LOAD_BALANCE = ("aux_loss", "bias", "none")  # model.load_balance: see maxlm/model/balance.py for bias
 SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/model/attention.py)

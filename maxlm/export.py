@@ -4,12 +4,15 @@
 
 Loads the run like `python -m maxlm.eval` (DIR/config.json, one checkpoint's parameters sharded by
 the config's mesh rules; default the newest complete checkpoint) and writes into HFDIR what
-`transformers.LlamaForCausalLM.from_pretrained(HFDIR)` and `AutoTokenizer.from_pretrained(HFDIR)`
+`transformers.AutoModelForCausalLM.from_pretrained(HFDIR)` and `AutoTokenizer.from_pretrained(HFDIR)`
 load with no custom code: `config.json`, `generation_config.json`, `model.safetensors` (or shards
-and an index past --max_shard_mb) and the tokenizer files. The mapping is in `maxlm/hf/mapping.py`, the files in `maxlm/hf/files.py`; the
-way back is the config key `checkpoint.init_from_hf=HFDIR`. A run whose `model.positions` is not
-`rope` is refused (exit 2): transformers' Llama has only RoPE. Prints one JSON object: out, step,
-dtype, files, checkpoint.
+and an index past --max_shard_mb) and the tokenizer files. The class follows from the run's config
+(`LlamaForCausalLM`, `Qwen3ForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM`:
+`maxlm/hf/architectures.py`), the weights' mapping is in `maxlm/hf/mapping.py`, the files in
+`maxlm/hf/files.py`; the way back is the config key `checkpoint.init_from_hf=HFDIR`. A run the
+class cannot hold (`model.positions` other than `rope`, an MoE key the class has no place for) is
+refused with one line naming the key (exit 2), from the run's config.json before its checkpoint is
+read. Prints one JSON object: out, step, dtype, files, checkpoint.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def main(argv) -> None:
         cli.config_error(f"--max_shard_mb={f.max_shard_mb} must be >= 1")
     distributed.initialize()
     try:
-        hf.require_llama(runs.read_config(f.workdir).model, "the Hugging Face export")  # before restoring
+        hf.architecture(runs.read_config(f.workdir).model, "the Hugging Face export")  # before restoring
         run = runs.load_run(f.workdir, f.step)
         files = hf.export(run["params"], run["config"], f.out, f.dtype, f.max_shard_mb * 2**20)
     except ValueError as e:  # RunError, ConfigError, a missing tokenizer file

@@ -64,6 +64,10 @@ def _attention(model_cfg, p, x_BTD, positions_BT, cache):
     q_BTHDh = model.weight_matmul(cfg, "bld,dhk->blhk", x_BTD, p["wq"], dtype)
     k_BTKDh = model.weight_matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wk"], dtype)
     v_BTKDh = model.weight_matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wv"], dtype)
+    if cfg.qk_norm != "none":
+        norm = lambda name, heads, x: model.RMSNorm(cfg.norm_eps, dtype, model.qk_norm_axes(cfg, heads)).apply(
+            {"params": p[name]}, x)
+        q_BTHDh, k_BTKDh = norm("q_norm", "heads", q_BTHDh), norm("k_norm", "kv_heads", k_BTKDh)
     q_BTHDh = positions.rotary(cfg, q_BTHDh, positions_BT)
     k_BTKDh = positions.rotary(cfg, k_BTKDh, positions_BT)
     rows_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[0])[:, None], positions_BT.shape)

@@ -109,29 +109,32 @@ def test_eval_cli(run, tmp_path):
 
 
 @functools.lru_cache(maxsize=None)
-def small(scan: bool = True, positions: str = "rope"):
+def small(scan: bool = True, positions: str = "rope", qk_norm: str = "none"):
     """A random model with grouped-query attention (4 heads, 2 kv heads) whose logits are far
     from ties (larger init), float32; its mesh is fsdp=4 x tensor=2. A learned position table
     has seq_len = 64 rows."""
     cfg = with_overrides(load_config("tiny"), {"model.init_std": 0.2, "model.vocab_size": 64,
                                                "model.num_heads": 4, "model.num_kv_heads": 2,
                                                "model.scan_layers": scan, "mesh.fsdp": 4,
-                                               "mesh.tensor": 2, "model.positions": positions})
+                                               "mesh.tensor": 2, "model.positions": positions,
+                                               "model.qk_norm": qk_norm})
     cfg = config_lib.resolve(cfg, jax.device_count())
     return cfg, model.init_params(cfg.model, jax.random.key(1))
 
 
-# both layer layouts with RoPE; the absolute position encodings (added to the embeddings) scanned
+# both layer layouts with RoPE; the absolute position encodings (added to the embeddings) scanned;
+# qk-norm over each head scanned, over all heads unrolled
 LAYOUTS_AND_POSITIONS = pytest.mark.parametrize(
-    "scan, positions", [(True, "rope"), (False, "rope"), (True, "sinusoidal"), (True, "learned")],
-    ids=["scanned", "unrolled", "sinusoidal", "learned"])
+    "scan, positions, qk_norm", [(True, "rope", "none"), (False, "rope", "none"), (True, "sinusoidal", "none"),
+                                 (True, "learned", "none"), (True, "rope", "per_head"), (False, "rope", "full")],
+    ids=["scanned", "unrolled", "sinusoidal", "learned", "qk_per_head", "qk_full"])
 
 
 @LAYOUTS_AND_POSITIONS
-def test_cached_logits_equal_apply(scan, positions):
+def test_cached_logits_equal_apply(scan, positions, qk_norm):
     """Teacher-forced through the cache (prefill of ragged prompts, then one token at a time),
     every position's logits equal model.apply's on the whole sequence."""
-    cfg, params = small(scan, positions)
+    cfg, params = small(scan, positions, qk_norm)
     assert ("layers" in params) == scan
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 64, (2, 12)), jnp.int32)
     batch = {"inputs": tokens, "segment_ids": jnp.ones_like(tokens),
@@ -165,9 +168,9 @@ def greedy_without_cache(cfg, params, prompt, n):
 
 
 @LAYOUTS_AND_POSITIONS
-def test_greedy_with_cache_equals_without(scan, positions):
+def test_greedy_with_cache_equals_without(scan, positions, qk_norm):
     """Grouped-query attention, sharded (fsdp=4 x tensor=2), jitted, two ragged prompts in one batch."""
-    cfg, params = small(scan, positions)
+    cfg, params = small(scan, positions, qk_norm)
     rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
     params = jax.device_put(params, state_lib.param_shardings(cfg.model, mesh, rules))
     prompts = [[1, 10, 20, 30, 40], [1, 7, 8]]

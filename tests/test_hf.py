@@ -21,7 +21,7 @@ import pytest
 from maxlm import config as config_lib, model
 from maxlm.data import make_dataset
 from maxlm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer
-from maxlm.hf import files as hf, mapping as hf_mapping
+from maxlm.hf import architectures as hf_architectures, files as hf
 from maxlm.train import loop, mesh as mesh_lib, runs, state as state_lib
 from tests.helpers import ROOT, command_env, load_config, random_params, with_overrides
 
@@ -164,10 +164,10 @@ def test_mismatches_are_one_clear_error(tmp_path):
     scaled = dict(hf_cfg, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0},
                   attention_bias=True, model_type="mistral")
     with pytest.raises(config_lib.ConfigError, match="rope type 'llama3'.*attention_bias=true") as e:
-        hf_mapping.check_config(scaled, cfg.model, "X")
+        hf_architectures.check_config(scaled, cfg.model, "X")
     assert "mistral" in str(e.value)
     with pytest.raises(config_lib.ConfigError, match="config.json lacks num_hidden_layers"):
-        hf_mapping.check_config({"model_type": "llama"}, cfg.model, "X")
+        hf_architectures.check_config({"model_type": "llama"}, cfg.model, "X")
     # weights that do not fit the config they came with
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -187,10 +187,10 @@ def test_mismatches_are_one_clear_error(tmp_path):
 
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
 def test_non_rope_models_are_refused(tmp_path, positions):
-    """transformers' Llama has only RoPE: export and import refuse other position encodings with
+    """transformers' Llama, Qwen3 and Mixtral have only RoPE: export and import refuse other position encodings with
     one line, before writing or reading anything."""
     cfg = _cfg({"model.positions": positions, "checkpoint.init_from_hf": str(tmp_path / "hf")})
-    why = f"needs model.positions='rope', got '{positions}': transformers' Llama has only RoPE"
+    why = f"needs model.positions='rope', got '{positions}': transformers' Llama, Qwen3 and Mixtral have only RoPE"
     with pytest.raises(config_lib.ConfigError, match=f"^the Hugging Face export {why}"):
         hf.export(random_params(cfg.model), cfg, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
@@ -208,11 +208,14 @@ def test_export_cli_refuses_a_non_rope_run(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "maxlm: config error: the Hugging Face export needs model.positions='rope', got 'learned': "
-        "transformers' Llama has only RoPE, no sinusoidal or learned position embeddings"]
+        "transformers' Llama, Qwen3 and Mixtral have only RoPE, no sinusoidal or learned position embeddings"]
     assert not (tmp_path / "hf").exists()
 
 
-def test_sentencepiece_tokenizer_files_load_in_transformers(tmp_path):
+@pytest.mark.parametrize("model_type", [None, "mixtral"])
+def test_sentencepiece_tokenizer_files_load_in_transformers(tmp_path, model_type):
+    """Alone, and beside a Mixtral config.json (AutoTokenizer then takes another path: its fast
+    backend, converted from tokenizer.model)."""
     import sentencepiece as spm
 
     words = "the quick brown fox jumps over lazy dog def class return import 2024 naïve café".split()
@@ -227,6 +230,8 @@ def test_sentencepiece_tokenizer_files_load_in_transformers(tmp_path):
     out = tmp_path / "hf"
     out.mkdir()
     hf.write_tokenizer(ours, str(out), seq_len=64)
+    if model_type:
+        (out / "config.json").write_text(json.dumps({"model_type": model_type}))
     theirs = transformers.AutoTokenizer.from_pretrained(str(out))
     assert (theirs.pad_token_id, theirs.bos_token_id, theirs.eos_token_id) == (0, 2, 3)
     for text in ["the quick brown fox 12345", "naïve café ünïcödé 42\n\n", "def f(x):\n    return x  "]:

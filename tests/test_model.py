@@ -27,9 +27,9 @@ def tiny_model_cfg(**overrides):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-@pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_param_count_matches_formula(tie, kv_heads):
-    cfg = tiny_model_cfg(tie_embeddings=tie, num_kv_heads=kv_heads)
+@pytest.mark.parametrize("kv_heads, qk_norm", [(1, "none"), (2, "none"), (4, "none"), (2, "per_head"), (1, "full")])
+def test_param_count_matches_formula(tie, kv_heads, qk_norm):
+    cfg = tiny_model_cfg(tie_embeddings=tie, num_kv_heads=kv_heads, qk_norm=qk_norm)
     params = model.init_params(cfg, jax.random.key(0))
     assert sum(p.size for p in jax.tree.leaves(params)) == model.count_params(cfg)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
@@ -119,15 +119,20 @@ def test_initial_loss_is_near_uniform():
 def reference_logits(cfg, params, batch):
     """Logits [B, L, V] in float64 numpy, written out from the model's definition: token embeddings
     (plus the sinusoid or learned rows at each position); per layer a pre-norm residual attention
-    (RMSNorm, queries and keys rotated by RoPE pairing dims (i, i + Dh/2), query head h reading kv
+    (RMSNorm; queries and keys RMS-normed per head or whole with model.qk_norm, then rotated by
+    RoPE pairing dims (i, i + Dh/2); query head h reading kv
     head h // (H/K), softmax of q·k/sqrt(Dh) over the earlier tokens of the same document) and a
     pre-norm residual SwiGLU MLP; a final RMSNorm; the head (the embedding itself when tied)."""
     p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
     tokens, segments, positions = (np.asarray(batch[k]) for k in ("inputs", "segment_ids", "positions"))
     B, L = tokens.shape
 
-    def norm(x, scale):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * scale
+    def norm(x, scale, over=(-1,)):
+        return x / np.sqrt((x * x).mean(over, keepdims=True) + cfg.norm_eps) * scale
+
+    def qk_norm(x, norm_params):  # [B, L, heads, Dh]: each head's (per_head) or all heads' (full)
+        return {"none": lambda: x, "per_head": lambda: norm(x, norm_params["scale"]),
+                "full": lambda: norm(x, norm_params["scale"], over=(-2, -1))}[cfg.qk_norm]()
 
     def rope(x):  # [B, L, heads, Dh]
         half = x.shape[-1] // 2
@@ -147,8 +152,8 @@ def reference_logits(cfg, params, batch):
         layer = jax.tree.map(lambda w: w[i], p["layers"]) if "layers" in p else p[f"layer_{i}"]
         attn, mlp = layer["attn"], layer["mlp"]
         h = norm(x, layer["attn_norm"]["scale"])
-        q = np.einsum("bld,dhk->blhk", h, attn["wq"])
-        k = np.repeat(np.einsum("bld,dhk->blhk", h, attn["wk"]), group, axis=2)
+        q = qk_norm(np.einsum("bld,dhk->blhk", h, attn["wq"]), attn.get("q_norm"))
+        k = np.repeat(qk_norm(np.einsum("bld,dhk->blhk", h, attn["wk"]), attn.get("k_norm")), group, axis=2)
         v = np.repeat(np.einsum("bld,dhk->blhk", h, attn["wv"]), group, axis=2)
         if cfg.positions == "rope":
             q, k = rope(q), rope(k)
@@ -172,14 +177,16 @@ def reference_case(positions="rope", **overrides):
     cfg = tiny_model_cfg(positions=positions, **variant, **overrides)
     params = random_params(cfg, std=0.1)
     batch = packed_batch(2, 64, cfg.vocab_size)
-    return cfg, params, batch, reference_logits(tiny_model_cfg(positions=positions, **variant), params, batch)
+    reference_cfg = tiny_model_cfg(positions=positions, **variant, qk_norm=cfg.qk_norm)
+    return cfg, params, batch, reference_logits(reference_cfg, params, batch)
 
 
-@POSITIONS
-def test_logits_equal_a_reference_implementation(positions):
+@pytest.mark.parametrize("positions, qk_norm", [(p, "none") for p in config_lib.POSITIONS]
+                         + [("rope", "per_head"), ("rope", "full")])
+def test_logits_equal_a_reference_implementation(positions, qk_norm):
     """The forward pass (jitted, packed rows of 3 documents, 2 kv heads for 4 query heads) against
     the float64 transcription above: 1e-4 on logits of a few units (2e-6 measured)."""
-    cfg, params, batch, reference = reference_case(positions)
+    cfg, params, batch, reference = reference_case(positions, qk_norm=qk_norm)
     logits = np.asarray(jax.jit(functools.partial(model.apply, cfg))(params, batch))
     assert np.abs(reference).max() > 2.0  # far from zero: the comparison means something
     np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-4)

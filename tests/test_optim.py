@@ -136,13 +136,15 @@ def test_config_rejects(overrides, message):
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_weight_decay_skips_norms(scan):
+    """Also the qk-norms' scales, [heads, head_dim] with model.qk_norm=full."""
     cfg = config_lib.resolve(load_config("tiny"), 1)
-    cfg.model.scan_layers = scan
+    cfg.model.scan_layers, cfg.model.qk_norm = scan, "full"
     params = model.init_params(cfg.model, jax.random.key(0))
     mask = optim.weight_decay_mask(params)
     layer = mask["layers"] if scan else mask["layer_0"]
     assert layer["attn"]["wq"] and layer["mlp"]["w_down"] and mask["embed"] and mask["head"]
     assert not layer["attn_norm"]["scale"] and not mask["final_norm"]["scale"]
+    assert not layer["attn"]["q_norm"]["scale"] and not layer["attn"]["k_norm"]["scale"]
 
 
 @pytest.mark.parametrize("name", config_lib.OPTIMIZERS)

@@ -60,6 +60,7 @@ def check_expressible(cfg, target: str = "") -> None:
         "model.label_smoothing (MaxText's pre-training loss has none)": m.label_smoothing,
         "model.fp8": m.fp8,
         "model.num_experts > 0 (MaxText's MoE keys are not mapped yet)": m.num_experts,
+        f"model.qk_norm={m.qk_norm!r} (MaxText's llama2 block has no qk-norm)": m.qk_norm != "none",
         "model.logits_chunk_size on CPU (a TPU plan maps it to MaxText's vocabulary tiling)":
             on_cpu and m.logits_chunk_size,
         "model.dtype='float16' (maxlm's loss scaling has no MaxText counterpart)": m.dtype == "float16",

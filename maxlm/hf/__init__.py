@@ -1,2 +1,3 @@
-"""Interop with Hugging Face `transformers`: `mapping.py` (the Llama <-> maxlm weight and config
-mapping) and `files.py` (reading a HF folder to initialise from, writing one on export)."""
+"""Interop with Hugging Face `transformers`: `architectures.py` (which class holds a model: Llama,
+Qwen3, Mixtral, Qwen3-MoE; its config.json both ways), `mapping.py` (the weights' names and layouts) and `files.py`
+(reading a HF folder to initialise from, writing one on export)."""

@@ -1,10 +1,12 @@
-"""Hugging Face Llama files: export a run's parameters, import a Llama checkpoint's.
+"""Hugging Face files: export a run's parameters, import a Llama, Qwen3, Mixtral or Qwen3-MoE
+checkpoint's.
 
-Export (`export`, `python -m maxlm.export`) writes what `transformers.LlamaForCausalLM` and
-`AutoTokenizer` load with no custom code: config.json, generation_config.json, the safetensors
-weights (sharded past a size, with an index) and the tokenizer files. Each tensor is gathered to
-the host one layer at a time, converted (`hf_mapping.to_hf`) and written, so the host holds at most
-one file's worth.
+Export (`export`, `python -m maxlm.export`) writes what transformers' causal-LM class of the run
+(`maxlm/hf/architectures.py` picks it from the model config) and `AutoTokenizer` load with no
+custom code: config.json, generation_config.json, the safetensors weights (sharded past a size,
+with an index) and the tokenizer files. Each tensor is gathered to the host one at a time (a
+layer's, an expert's), converted (`hf_mapping.to_hf`) and written, so the host holds at most one
+file's worth.
 
 Import (`load_params`, the config key `checkpoint.init_from_hf`) checks the folder's config and
 tensors against the run (one exit-2 line listing every mismatch; process 0 checks, and every
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -32,7 +35,8 @@ import numpy as np
 from etils import epath
 
 from maxlm import config as config_lib, console, paths, processes
-from maxlm.hf.mapping import check_config, hf_config, hf_tensors, read_block, require_llama, sources, to_hf
+from maxlm.hf.architectures import architecture, check_config, hf_config
+from maxlm.hf.mapping import hf_index, hf_tensors, read_block, sources, to_hf
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -51,8 +55,9 @@ def read_dir(path: str) -> tuple[dict, dict[str, str]]:
     folder = epath.Path(path)
     if not (folder / "config.json").is_file():
         raise config_lib.ConfigError(
-            f"checkpoint.init_from_hf={path}: no config.json there (a Hugging Face Llama folder, "
-            "local or gs://, with config.json and model.safetensors or a safetensors index is needed)")
+            f"checkpoint.init_from_hf={path}: no config.json there (a Hugging Face Llama, Qwen3, Mixtral or "
+            "Qwen3-MoE folder, local or gs://, with config.json and model.safetensors or a safetensors index "
+            "is needed)")
     try:
         hf = json.loads((folder / "config.json").read_text())
     except ValueError as e:
@@ -187,7 +192,7 @@ def check_init_from_hf(cfg) -> None:
         raise config_lib.ConfigError(
             f"checkpoint.init_from_hf={ckpt.init_from_hf} and checkpoint.restore_from="
             f"{ckpt.restore_from} are both set; a run starts from one of them")
-    require_llama(cfg.model, f"checkpoint.init_from_hf={ckpt.init_from_hf}")
+    architecture(cfg.model, f"checkpoint.init_from_hf={ckpt.init_from_hf}")
     checked_dir(ckpt.init_from_hf, cfg.model)
 
 
@@ -202,29 +207,26 @@ def load_params(path: str, model_cfg, abstract_params):
 
     Raises ConfigError when the checkpoint does not match `model_cfg`.
     """
-    require_llama(model_cfg, f"checkpoint.init_from_hf={path}")
+    architecture(model_cfg, f"checkpoint.init_from_hf={path}")
     path = os.path.expanduser(path)
     weight_map = checked_dir(path, model_cfg)
     out: dict[str, Any] = {}
     with _open(path, weight_map) as slices:
-        for keys, name, tensor in sources(model_cfg, abstract_params):
-            target = functools.reduce(lambda t, k: t[k], keys, abstract_params)
-            if "{i}" in name:  # scanned: [layers, ...], each block one slice per layer
+        for source in sources(model_cfg, abstract_params):
+            target = functools.reduce(lambda t, k: t[k], source.keys, abstract_params)
 
-                def read(index, name=name, tensor=tensor):
-                    layers = range(*index[0].indices(model_cfg.num_layers))
-                    blocks = [read_block(slices[name.format(i=i)], tensor, index[1:]) for i in layers]
-                    return np.stack(blocks).astype(np.float32)
-            else:
-
-                def read(index, name=name, tensor=tensor):
-                    return read_block(slices[name], tensor, index).astype(np.float32)
+            def read(index, source=source):  # one HF tensor's block per layer and expert in `index`
+                n = len(source.leading)
+                ranges = [range(*s.indices(size)) for s, size in zip(index, source.leading)]
+                blocks = [read_block(slices[source.hf_name(at)], source.tensor, index[n:])
+                          for at in itertools.product(*ranges)]
+                return np.stack(blocks).reshape(*map(len, ranges), *blocks[0].shape).astype(np.float32)
 
             array = jax.make_array_from_callback(target.shape, target.sharding, read)
             node = out
-            for k in keys[:-1]:
+            for k in source.keys[:-1]:
                 node = node.setdefault(k, {})
-            node[keys[-1]] = array
+            node[source.keys[-1]] = array
     return out
 
 
@@ -241,23 +243,21 @@ def _to_host(x) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def _layer_as(stacked, i, dtype):
-    """Layer `i` of a scanned parameter in `dtype`, on the devices (nothing else is gathered)."""
-    return stacked[i].astype(dtype)
+def _slice_as(array, index: tuple, dtype):
+    """`array[index]` (a scanned parameter's layer, an MoE layer's expert) in `dtype`, on the
+    devices (nothing else is gathered)."""
+    return array[index].astype(dtype)
 
 
 def _arrays(model_cfg, params, dtype):
     """{HF name: (a thunk giving the host numpy tensor, Tensor, nbytes)}, in file order."""
     itemsize = jnp.dtype(dtype).itemsize
     found = {}
-    for keys, name, tensor in sources(model_cfg, params):
-        leaf = functools.reduce(lambda t, k: t[k], keys, params)
-        if "{i}" in name:
-            for i in range(model_cfg.num_layers):
-                found[name.format(i=i)] = (
-                    functools.partial(lambda a, i: _to_host(_layer_as(a, i, dtype)), leaf, i), tensor)
-        else:
-            found[name] = (functools.partial(lambda a: _to_host(a.astype(dtype)), leaf), tensor)
+    for source in sources(model_cfg, params):
+        leaf = functools.reduce(lambda t, k: t[k], source.keys, params)
+        for index, name in hf_index(source):
+            found[name] = (functools.partial(lambda a, at: _to_host(_slice_as(a, at, dtype)), leaf, index),
+                           source.tensor)
     order = hf_tensors(model_cfg)
     return {n: (*found[n], math.prod(t.hf_shape) * itemsize) for n, t in order.items()}
 
@@ -368,15 +368,19 @@ def generation_config(cfg, tokenizer) -> dict:
 
 def export(params, cfg, out: str, dtype: str = "float32",
            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer=None) -> list[str]:
-    """Writes a transformers-loadable Llama folder of the run `cfg`'s `params` into `out` (a
-    local directory, created; it must not already hold an export): config.json,
+    """Writes a transformers-loadable folder (of the class `architecture` picks) of the run `cfg`'s
+    `params` into `out` (a local directory, created; it must not already hold an export): config.json,
     generation_config.json, the safetensors weights in `dtype` and the tokenizer files. Every
     process calls it; process 0 checks `out` and writes. Returns the files' names."""
     from maxlm.data.tokenizer import load_tokenizer
 
     if dtype not in DTYPES:
         raise config_lib.ConfigError(f"--dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
-    require_llama(cfg.model, "the Hugging Face export")
+    architecture(cfg.model, "the Hugging Face export")
+    if cfg.model.num_experts and cfg.model.capacity_factor:
+        console.warn(f"model.capacity_factor={cfg.model.capacity_factor}: transformers' MoE classes run every "
+                     "token's experts (dropless); their logits are maxlm's with capacity_factor=0, which differ "
+                     "where maxlm's capacity drops token-slots")
     out = os.path.expanduser(out)
 
     def check_out() -> bytes:  # process 0's, which writes there

@@ -1,9 +1,9 @@
-"""Hugging Face Llama ↔ maxlm: the weight and config mapping (the files are read and written in
-`maxlm/hf/files.py`).
+"""Hugging Face ↔ maxlm: the weight mapping (the class and config.json are chosen in
+`maxlm/hf/architectures.py`, the files read and written in `maxlm/hf/files.py`).
 
-maxlm's model is the Llama architecture (pre-norm RMSNorm, RoPE, SwiGLU, grouped-query attention,
-no biases), so a run converts to `transformers.LlamaForCausalLM` without custom code; a run with
-other position encodings (`model.positions` sinusoidal or learned) does not (`require_llama`):
+maxlm's layers are Llama's (pre-norm RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases),
+so a run converts to the transformers class `architectures.architecture` picks (Llama, Qwen3,
+Mixtral, Qwen3-MoE) without custom code:
 
     maxlm parameter                      HF tensor (`model.layers.{i}.` prefix for a layer's)
     embed            [V, D]              model.embed_tokens.weight        [V, D]
@@ -13,32 +13,44 @@ other position encodings (`model.positions` sinusoidal or learned) does not (`re
     attn.wq          [D, H, Dh]          self_attn.q_proj.weight          [H·Dh, D]
     attn.wk, wv      [D, K, Dh]          self_attn.{k,v}_proj.weight      [K·Dh, D]
     attn.wo          [H, Dh, D]          self_attn.o_proj.weight          [D, H·Dh]
+    attn.q_norm.scale, k_norm.scale [Dh] self_attn.{q,k}_norm.weight      [Dh]  (Qwen3: qk_norm=per_head)
     mlp_norm.scale   [D]                 post_attention_layernorm.weight  [D]
     mlp.w_gate, w_up [D, F]              mlp.{gate,up}_proj.weight        [F, D]
     mlp.w_down       [F, D]              mlp.down_proj.weight             [D, F]
+  an MoE layer (Mixtral: B = block_sparse_moe, gate/up/down = w1/w3/w2; Qwen3-MoE: B = mlp,
+  gate/up/down = gate_proj/up_proj/down_proj; its dense layers, mlp_only_layers, are as above):
+    mlp.router       [D, E]              B.gate.weight                    [E, D]
+    mlp.w_gate, w_up [E, D, F]           B.experts.{e}.{gate,up}.weight   [F, D]  (one per expert)
+    mlp.w_down       [E, F, D]           B.experts.{e}.down.weight        [D, F]
 
-A layer's parameters are `layers` (scanned: a leading layer axis) or `layer_{i}` (unrolled). RoPE
-needs no permutation: maxlm rotates the pairs (i, i + Dh/2), which is what HF's `rotate_half` does
-(HF Llama checkpoints are stored in that layout; the tests compare logits with transformers').
+The experts are written one tensor each, the layout of published Mixtral and Qwen3-MoE checkpoints
+and of transformers 4.x; transformers 5 fuses them into `experts.gate_up_proj` as it loads (and splits
+them again when it saves). A layer's parameters are `layers` (scanned: a leading layer axis; an
+MoE model's dense layers below it are `dense_layers`) or `layer_{i}` (unrolled). RoPE needs no
+permutation: maxlm rotates the pairs (i, i + Dh/2), which is what HF's `rotate_half` does (HF
+checkpoints are stored in that layout; the tests compare logits with transformers').
 
 Each HF tensor is described as its maxlm array seen through a reshape: the HF tensor's axes are
 groups of maxlm dims (`q_proj`: [(H, Dh), (D,)]) and `perm` orders those dims as maxlm stores
-them. `to_hf` converts one layer's array for export; `read_block` reads only the rows and columns
-of an HF tensor that one device's shard needs, for import.
+them. A `Source` adds the leading axes of the maxlm array that index tensors (a scanned group's
+layers, an MoE layer's experts). `to_hf` converts one tensor's array for export; `read_block`
+reads only the rows and columns of an HF tensor that one device's shard needs, for import.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
 import numpy as np
 
-from maxlm import config as config_lib
+from maxlm.hf.architectures import Arch, architecture
+from maxlm.model import layer_groups, moe
 
 
 class Tensor(NamedTuple):
-    """How one HF tensor relates to a maxlm array (of one layer, for a layer's parameter)."""
+    """How one HF tensor relates to a maxlm array (of one layer and one expert, for those)."""
 
     groups: tuple[tuple[int, ...], ...]  # the HF tensor's axes, each a group of maxlm-sized dims
     perm: tuple[int, ...]  # maxlm's array = the grouped dims (flattened) transposed by `perm`
@@ -48,19 +60,59 @@ class Tensor(NamedTuple):
         return tuple(math.prod(g) for g in self.groups)
 
 
-def _layer_tensors(m) -> dict[tuple[str, str], tuple[str, Tensor]]:
-    """(maxlm module, parameter) in a block → (HF name within the layer, Tensor)."""
-    D, H, K, Dh, F = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
+class Source(NamedTuple):
+    """One maxlm parameter and the HF tensors it holds."""
+
+    keys: tuple[str, ...]  # its path in the params tree
+    name: str  # the HF name; `{e}` for the expert axis
+    tensor: Tensor
+    layers: range | None = None  # a scanned group's layers (its leading axis; `{i}` in `name`)
+    experts: int = 0  # the experts of an `{e}` axis (after the layer axis)
+
+    @property
+    def leading(self) -> tuple[int, ...]:
+        """The sizes of the array's axes that index HF tensors."""
+        layers = () if self.layers is None else (len(self.layers),)
+        return layers + ((self.experts,) if self.experts else ())
+
+    def hf_name(self, index: tuple[int, ...]) -> str:
+        """The HF tensor at `index` along `leading`."""
+        layer = (self.layers[index[0]],) if self.layers is not None else ()
+        expert = index[-1:] if self.experts else ()
+        return self.name.format(i=layer[0] if layer else None, e=expert[0] if expert else None)
+
+
+def _mlp_tensors(m, arch: Arch, experts: bool) -> dict[tuple[str, ...], tuple[str, Tensor]]:
+    """A layer's MLP: the dense SwiGLU, or the MoE layer's router and experts."""
+    D, F = m.d_model, m.mlp_dim
+    if not experts:
+        return {("mlp", "w_gate"): ("mlp.gate_proj.weight", Tensor(((F,), (D,)), (1, 0))),
+                ("mlp", "w_up"): ("mlp.up_proj.weight", Tensor(((F,), (D,)), (1, 0))),
+                ("mlp", "w_down"): ("mlp.down_proj.weight", Tensor(((D,), (F,)), (1, 0)))}
+    E, F = m.num_experts, m.expert_mlp_dim
+    gate, up, down = (f"{arch.moe_block}.experts.{{e}}.{w}.weight" for w in arch.expert_weights)
+    return {("mlp", "router"): (f"{arch.moe_block}.gate.weight", Tensor(((E,), (D,)), (1, 0))),
+            ("mlp", "w_gate"): (gate, Tensor(((F,), (D,)), (1, 0))),
+            ("mlp", "w_up"): (up, Tensor(((F,), (D,)), (1, 0))),
+            ("mlp", "w_down"): (down, Tensor(((D,), (F,)), (1, 0)))}
+
+
+def _layer_tensors(m, experts: bool) -> dict[tuple[str, ...], tuple[str, Tensor]]:
+    """A block's parameters (path within the block) → (HF name within the layer, Tensor);
+    `experts`: an MoE layer's."""
+    D, H, K, Dh = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
+    arch = architecture(m, "the Hugging Face mapping")
+    qk_norms = {("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", Tensor(((Dh,),), (0,))),
+                ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", Tensor(((Dh,),), (0,)))}
     return {
         ("attn_norm", "scale"): ("input_layernorm.weight", Tensor(((D,),), (0,))),
         ("attn", "wq"): ("self_attn.q_proj.weight", Tensor(((H, Dh), (D,)), (2, 0, 1))),
         ("attn", "wk"): ("self_attn.k_proj.weight", Tensor(((K, Dh), (D,)), (2, 0, 1))),
         ("attn", "wv"): ("self_attn.v_proj.weight", Tensor(((K, Dh), (D,)), (2, 0, 1))),
         ("attn", "wo"): ("self_attn.o_proj.weight", Tensor(((D,), (H, Dh)), (1, 2, 0))),
+        **(qk_norms if arch.qk_norm else {}),
         ("mlp_norm", "scale"): ("post_attention_layernorm.weight", Tensor(((D,),), (0,))),
-        ("mlp", "w_gate"): ("mlp.gate_proj.weight", Tensor(((F,), (D,)), (1, 0))),
-        ("mlp", "w_up"): ("mlp.up_proj.weight", Tensor(((F,), (D,)), (1, 0))),
-        ("mlp", "w_down"): ("mlp.down_proj.weight", Tensor(((D,), (F,)), (1, 0))),
+        **_mlp_tensors(m, arch, experts),
     }
 
 
@@ -74,33 +126,47 @@ def _top_tensors(m) -> dict[tuple[str, ...], tuple[str, Tensor]]:
     return out
 
 
+def _is_moe_layer(m, i: int) -> bool:
+    return bool(m.num_experts) and i >= moe.dense_layers(m)
+
+
 def hf_tensors(m) -> dict[str, Tensor]:
     """Every HF tensor name of a model config, in file order, with its Tensor."""
     top = _top_tensors(m)
     out = {top[("embed",)][0]: top[("embed",)][1]}
     for i in range(m.num_layers):
-        for name, tensor in _layer_tensors(m).values():
-            out[f"model.layers.{i}.{name}"] = tensor
+        for name, tensor in _layer_tensors(m, _is_moe_layer(m, i)).values():
+            for e in range(m.num_experts) if "{e}" in name else [None]:
+                out[f"model.layers.{i}." + name.format(e=e)] = tensor
     for key, (name, tensor) in top.items():
         if key != ("embed",):
             out[name] = tensor
     return out
 
 
-def sources(m, params) -> list[tuple[tuple[str, ...], str, Tensor]]:
-    """[(maxlm path, HF name, Tensor)] for the leaves of a params tree (scanned or unrolled).
+def sources(m, params) -> list[Source]:
+    """The `Source` of each leaf of a params tree (scanned or unrolled) that goes to HF."""
+    out = [Source(path, name, tensor) for path, (name, tensor) in _top_tensors(m).items()]
 
-    A scanned parameter (`layers/...`, a leading layer axis) has a name with `{i}` for its
-    layers; an unrolled one (`layer_{i}/...`) is one leaf per layer.
-    """
-    out = [(path, name, tensor) for path, (name, tensor) in _top_tensors(m).items()]
-    for (module, param), (name, tensor) in _layer_tensors(m).items():
-        if "layers" in params:
-            out.append((("layers", module, param), "model.layers.{i}." + name, tensor))
-        else:
-            out += [((f"layer_{i}", module, param), f"model.layers.{i}.{name}", tensor)
-                    for i in range(m.num_layers)]
+    def layer_sources(group: str, layers: range | None, experts: bool, prefix: str):
+        for path, (name, tensor) in _layer_tensors(m, experts).items():
+            per_expert = m.num_experts if "{e}" in name else 0
+            out.append(Source((group, *path), prefix + name, tensor, layers, per_expert))
+
+    if any(group in params for group, _, _ in layer_groups(m)):  # scanned
+        first = 0
+        for group, count, experts in layer_groups(m):
+            layer_sources(group, range(first, first + count), experts, "model.layers.{i}.")
+            first += count
+    else:
+        for i in range(m.num_layers):
+            layer_sources(f"layer_{i}", None, _is_moe_layer(m, i), f"model.layers.{i}.")
     return out
+
+
+def hf_index(source: Source) -> list[tuple[tuple[int, ...], str]]:
+    """[(index along `source.leading`, HF name)] of every HF tensor a source holds."""
+    return [(index, source.hf_name(index)) for index in itertools.product(*map(range, source.leading))]
 
 
 def to_hf(array, tensor: Tensor) -> np.ndarray:
@@ -136,129 +202,3 @@ def read_block(hf_slice, tensor: Tensor, index: tuple[slice, ...]) -> np.ndarray
         k += len(group)
     block = np.asarray(hf_slice[tuple(hf_index)]).reshape(block_shape)[tuple(within)]
     return block.transpose(tensor.perm)
-
-
-# ----------------------------------------------------------------------------- config mapping
-
-
-def require_llama(model_cfg, what: str) -> None:
-    """ConfigError unless the model is one transformers' Llama can hold, so that `what` (an
-    export, an import) can map it: positions by RoPE (`model.positions`; Llama has no other), and
-    a dense MLP (the MoE classes, Mixtral's and Qwen3-MoE's, are not mapped yet)."""
-    if model_cfg.num_experts:
-        raise config_lib.ConfigError(
-            f"{what} maps dense Llama models; this one has model.num_experts={model_cfg.num_experts} "
-            "(mixture-of-experts export and import are not built yet)")
-    if model_cfg.positions != "rope":
-        raise config_lib.ConfigError(
-            f"{what} needs model.positions='rope', got {model_cfg.positions!r}: transformers' Llama "
-            "has only RoPE, no sinusoidal or learned position embeddings")
-
-
-def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
-    """The `config.json` of a `LlamaForCausalLM` equal to the run's model.
-
-    RoPE's base is written both as `rope_theta` (transformers 4.x) and in `rope_parameters`
-    (5.x); the dtype as `torch_dtype` (4.x) and `dtype` (5.x).
-    """
-    m = cfg.model
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": m.d_model,
-        "intermediate_size": m.mlp_dim,
-        "num_attention_heads": m.num_heads,
-        "num_key_value_heads": m.num_kv_heads,
-        "head_dim": m.head_dim,
-        "num_hidden_layers": m.num_layers,
-        "vocab_size": m.vocab_size,
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "tie_word_embeddings": bool(m.tie_embeddings),
-        "max_position_embeddings": cfg.seq_len,
-        "torch_dtype": dtype,
-        "dtype": dtype,
-        "bos_token_id": tokenizer.bos_id,
-        "eos_token_id": tokenizer.eos_id,
-        "pad_token_id": tokenizer.pad_id,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": m.init_std,
-        "pretraining_tp": 1,
-        "use_cache": True,
-    }
-
-
-def _rope(hf: dict) -> tuple[float, str]:
-    """(theta, rope type) of an HF config, either layout (`rope_parameters` or `rope_theta` +
-    `rope_scaling`)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kinds = [params.get("rope_type"), scaling.get("rope_type"), scaling.get("type")]
-    return float(theta), next((k for k in kinds if k and k != "default"), "default")
-
-
-def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
-    """({maxlm model key: value}, [features maxlm's model cannot represent]) of an HF config."""
-    required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
-                "vocab_size")
-    if missing := [key for key in required if not isinstance(hf.get(key), int)]:
-        raise config_lib.ConfigError(f"config.json lacks {', '.join(missing)} "
-                                     "(is it a Llama model's config?)")
-    heads = hf["num_attention_heads"]
-    theta, rope_type = _rope(hf)
-    mapped = {
-        "num_layers": hf["num_hidden_layers"],
-        "d_model": hf["hidden_size"],
-        "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "mlp_dim": hf["intermediate_size"],
-        "vocab_size": hf["vocab_size"],
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "rope_theta": theta,
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-    }
-    unsupported = []
-    archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    if hf.get("model_type", "llama") != "llama" or "LlamaForCausalLM" not in archs:
-        unsupported.append(f"model_type={hf.get('model_type')!r} architectures={archs} "
-                           "(only Llama checkpoints: model_type 'llama', LlamaForCausalLM)")
-    if rope_type != "default":
-        unsupported.append(f"rope type {rope_type!r} (maxlm has plain RoPE only, no rope scaling)")
-    if hf.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act={hf['hidden_act']!r} (maxlm's MLP is SwiGLU: silu)")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key, False):
-            unsupported.append(f"{key}=true (maxlm's layers have no biases)")
-    return mapped, unsupported
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return bool(a) == bool(b)
-    if isinstance(a, float) or isinstance(b, float):
-        return math.isclose(float(a), float(b), rel_tol=1e-9)
-    return a == b
-
-
-def check_config(hf: dict, model_cfg, source: str) -> None:
-    """Raises ConfigError listing every model key where the run differs from the HF config (with
-    the value to set) and every HF feature maxlm cannot represent."""
-    try:
-        mapped, unsupported = model_config_from_hf(hf)
-    except config_lib.ConfigError as e:
-        raise config_lib.ConfigError(f"checkpoint.init_from_hf={source}: {e}") from None
-    diffs = [f"model.{key}={model_cfg[key]!r} but the checkpoint has {value!r}"
-             for key, value in mapped.items() if not _same(model_cfg[key], value)]
-    if diffs or unsupported:
-        fix = " ".join(f"--config.model.{k}={v}" for k, v in mapped.items()
-                       if not _same(model_cfg[k], v))
-        parts = diffs + [f"unsupported: {u}" for u in unsupported]
-        raise config_lib.ConfigError(
-            f"checkpoint.init_from_hf={source} does not match the run: " + "; ".join(parts)
-            + (f" (set {fix})" if fix and not unsupported else ""))

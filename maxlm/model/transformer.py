@@ -4,7 +4,8 @@
     logits_BLV = apply(model_cfg, params, batch)    # no hidden state
 
 Blocks are pre-norm: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)); attention is
-grouped-query. Positions are rotary embeddings in attention or an absolute encoding added to the
+grouped-query, its queries and keys optionally RMS-normed before RoPE (`model.qk_norm`).
+Positions are rotary embeddings in attention or an absolute encoding added to the
 token embeddings (`model.positions`: maxlm/model/positions.py). A batch is packed: `segment_ids` name
 the document each token belongs to (0 = padding) and `positions` restart at 0 for each document,
 so attention never crosses documents and every encoding sees per-document positions.
@@ -85,15 +86,25 @@ REMAT_POLICIES = {
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the trailing `len(axes)` dims of its input (their logical names: `axes`)."""
     eps: float
     dtype: Any
+    axes: tuple[str, ...] = ("embed",)
 
     @nn.compact
     def __call__(self, x_BLD):
-        scale_D = _param(self, "scale", nn.initializers.ones, (x_BLD.shape[-1],), ("embed",))
+        n = len(self.axes)
+        scale_D = _param(self, "scale", nn.initializers.ones, x_BLD.shape[-n:], self.axes)
         x = x_BLD.astype(jnp.float32)  # the mean square in float32 even for bfloat16 compute
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=tuple(range(-n, 0)), keepdims=True) + self.eps)
         return (x * scale_D).astype(self.dtype)
+
+
+def qk_norm_axes(cfg, heads: str) -> tuple[str, ...]:
+    """What `model.qk_norm` normalises a query's or key's projection over (`heads`: "heads" or
+    "kv_heads"): each head's head_dim (per_head: Qwen3, Gemma 3), or all heads' at once (full:
+    OLMo 2, whose norm sees the whole [H·Dh] projection)."""
+    return ("head_dim",) if cfg.qk_norm == "per_head" else (heads, "head_dim")
 
 
 def weight_matmul(cfg, spec: str, x, w, dtype):
@@ -120,6 +131,9 @@ class Attention(nn.Module):
         q_BLHDh = checkpoint_name(weight_matmul(cfg, "bld,dhk->blhk", x_BLD, wq_DHDh, dtype), "q_proj")
         k_BSKDh = checkpoint_name(weight_matmul(cfg, "bsd,dhk->bshk", x_BLD, wk_DKDh, dtype), "k_proj")
         v_BSKDh = checkpoint_name(weight_matmul(cfg, "bsd,dhk->bshk", x_BLD, wv_DKDh, dtype), "v_proj")
+        if cfg.qk_norm != "none":  # before RoPE, as Qwen3 and OLMo 2 do: bounds the attention logits
+            q_BLHDh = RMSNorm(cfg.norm_eps, dtype, qk_norm_axes(cfg, "heads"), name="q_norm")(q_BLHDh)
+            k_BSKDh = RMSNorm(cfg.norm_eps, dtype, qk_norm_axes(cfg, "kv_heads"), name="k_norm")(k_BSKDh)
         q_BLHDh = _constrain(positions.rotary(cfg, q_BLHDh, positions_BL), ("batch", "length", "heads", "head_dim"))
         # Sequence parallelism, the all-gather strategy: queries stay split along the length (mesh
         # axis `sequence`), keys and values are gathered whole (length None), so each device
@@ -465,7 +479,8 @@ def count_params(model_cfg) -> int:
     """Closed-form parameter count (checked against the real pytree in the tests)."""
     D, H, K, Dh, F, V = (model_cfg.d_model, model_cfg.num_heads, model_cfg.num_kv_heads,
                          model_cfg.head_dim, model_cfg.mlp_dim, model_cfg.vocab_size)
-    attention_and_norms = D * H * Dh + 2 * D * K * Dh + H * Dh * D + 2 * D
+    qk_norms = {"none": 0, "per_head": 2 * Dh, "full": (H + K) * Dh}[model_cfg.qk_norm]
+    attention_and_norms = D * H * Dh + 2 * D * K * Dh + H * Dh * D + 2 * D + qk_norms
     dense = moe.dense_layers(model_cfg)
     layers = (dense * (attention_and_norms + 3 * D * F)
               + (model_cfg.num_layers - dense) * (attention_and_norms + moe.expert_params(model_cfg)))

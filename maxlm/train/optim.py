@@ -104,7 +104,8 @@ _AFTER_WARMUP = {"linear": _linear, "polynomial": _polynomial, "step": _step, "w
 
 
 def weight_decay_mask(params):
-    """True for parameters that take weight decay: matrices, not vectors (norm scales).
+    """True for parameters that take weight decay: matrices, not vectors nor norm scales (a
+    `scale`, which is [heads, head_dim] for model.qk_norm=full).
 
     Scanned layers (`params["layers"]`, an MoE model's `params["dense_layers"]`) carry a leading
     layer axis that does not count.
@@ -112,7 +113,7 @@ def weight_decay_mask(params):
 
     def is_matrix(path, p):
         scanned = getattr(path[0], "key", None) in ("layers", "dense_layers")
-        return p.ndim - scanned >= 2
+        return p.ndim - scanned >= 2 and getattr(path[-1], "key", None) != "scale"
 
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 

@@ -1,0 +1,254 @@
+"""Which transformers class holds a maxlm model, and its `config.json` both ways.
+
+    arch = architecture(model_cfg, "the Hugging Face export")   # or one ConfigError line
+    hf_config(cfg, tokenizer, dtype)      # the export's config.json
+    check_config(hf, model_cfg, source)   # an import's config.json against the run
+
+The class follows from the model config:
+
+                          model.qk_norm = none     model.qk_norm = per_head
+    model.num_experts = 0   LlamaForCausalLM         Qwen3ForCausalLM
+    model.num_experts > 0   MixtralForCausalLM       Qwen3MoeForCausalLM
+
+A key the class cannot hold is refused with one line naming it (`architecture`). The weights'
+names are in `maxlm/hf/mapping.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from maxlm import config as config_lib
+
+
+class Arch(NamedTuple):
+    """A transformers causal-LM class that holds maxlm models, as the mapping needs it."""
+
+    hf_class: str  # config.json's `architectures`
+    model_type: str
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys: self_attn.{q,k}_norm
+    moe_block: str = ""  # an MoE layer's module name (its router is `{moe_block}.gate`); "" for a dense class
+    expert_weights: tuple[str, str, str] = ()  # an expert's gate, up and down projections
+
+    @property
+    def name(self) -> str:
+        return self.hf_class.removesuffix("ForCausalLM")
+
+
+LLAMA = Arch("LlamaForCausalLM", "llama")
+QWEN3 = Arch("Qwen3ForCausalLM", "qwen3", qk_norm=True)
+MIXTRAL = Arch("MixtralForCausalLM", "mixtral", moe_block="block_sparse_moe", expert_weights=("w1", "w3", "w2"))
+QWEN3_MOE = Arch("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, moe_block="mlp",
+                 expert_weights=("gate_proj", "up_proj", "down_proj"))
+ARCHITECTURES = {a.model_type: a for a in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)}
+
+
+def _moe_refusals(arch: Arch, m) -> list[str]:
+    """The MoE keys the class has no place for, each with why."""
+    name = arch.name
+    checks = [
+        (m.shared_experts, f"model.shared_experts={m.shared_experts} ({name} has no shared experts)"),
+        (m.router != "softmax", f"model.router={m.router!r} ({name}'s router is a softmax over all experts)"),
+        (m.router_groups, f"model.router_groups={m.router_groups} ({name} has no group-limited routing)"),
+        (m.router_scale != 1, f"model.router_scale={m.router_scale} ({name} does not scale the gates)"),
+        (m.load_balance == "bias", f"model.load_balance='bias' (the selection bias has no place in "
+                                   f"{name}'s router)"),
+    ]
+    if arch is MIXTRAL:  # Qwen3-MoE has both: mlp_only_layers, norm_topk_prob
+        checks += [
+            (m.first_dense_layers, f"model.first_dense_layers={m.first_dense_layers} (every Mixtral layer is "
+                                   "an MoE layer)"),
+            (not m.router_renormalize, "model.router_renormalize=False (Mixtral renormalises the top-k "
+                                       "gates to sum 1)"),
+        ]
+    return [why for refused, why in checks if refused]
+
+
+def architecture(m, what: str) -> Arch:
+    """The class that holds the model `m`, or ConfigError naming every key it cannot hold (`what`
+    is the export or the import, for the message)."""
+    if m.positions != "rope":
+        raise config_lib.ConfigError(
+            f"{what} needs model.positions='rope', got {m.positions!r}: transformers' Llama, Qwen3 "
+            "and Mixtral have only RoPE, no sinusoidal or learned position embeddings")
+    if m.qk_norm == "full":
+        raise config_lib.ConfigError(
+            f"{what} maps model.qk_norm 'none' (Llama, Mixtral) and 'per_head' (Qwen3, Qwen3-MoE), "
+            "not 'full' (OLMo 2's, whose post-norm blocks maxlm does not have)")
+    per_head = m.qk_norm == "per_head"
+    if not m.num_experts:
+        return QWEN3 if per_head else LLAMA
+    arch = QWEN3_MOE if per_head else MIXTRAL
+    if refused := _moe_refusals(arch, m):
+        raise config_lib.ConfigError(
+            f"{what} maps a mixture-of-experts model to transformers' {arch.hf_class}, which cannot "
+            f"hold " + "; ".join(refused))
+    return arch
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
+    """The `config.json` of the class `architecture` picks, equal to the run's model.
+
+    RoPE's base is written both as `rope_theta` (transformers 4.x) and in `rope_parameters`
+    (5.x); the dtype as `torch_dtype` (4.x) and `dtype` (5.x).
+    """
+    m = cfg.model
+    arch = architecture(m, "the Hugging Face export")
+    config = {
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
+        "hidden_size": m.d_model,
+        "intermediate_size": m.mlp_dim,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "num_hidden_layers": m.num_layers,
+        "vocab_size": m.vocab_size,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "tie_word_embeddings": bool(m.tie_embeddings),
+        "max_position_embeddings": cfg.seq_len,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "initializer_range": m.init_std,
+        "use_cache": True,
+    }
+    # read by transformers' training only, with output_router_logits=True
+    aux_loss = m.load_balance_weight if m.load_balance == "aux_loss" else 0.0
+    if arch is LLAMA:
+        config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    if arch in (QWEN3, QWEN3_MOE):
+        config.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
+                      max_window_layers=m.num_layers)
+    if arch is MIXTRAL:
+        config.update(intermediate_size=m.expert_mlp_dim,  # Mixtral's only MLPs are its experts
+                      num_local_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
+                      sliding_window=None, router_jitter_noise=0.0, router_aux_loss_coef=aux_loss,
+                      output_router_logits=False)
+    if arch is QWEN3_MOE:  # intermediate_size: the dense layers' (mlp_only_layers)
+        config.update(moe_intermediate_size=m.expert_mlp_dim, num_experts=m.num_experts,
+                      num_experts_per_tok=m.experts_per_token, norm_topk_prob=bool(m.router_renormalize),
+                      decoder_sparse_step=1, mlp_only_layers=list(range(m.first_dense_layers)),
+                      router_aux_loss_coef=aux_loss, output_router_logits=False)
+    return config
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def _rope(hf: dict) -> tuple[float, str]:
+    """(theta, rope type) of an HF config, either layout (`rope_parameters` or `rope_theta` +
+    `rope_scaling`)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kinds = [params.get("rope_type"), scaling.get("rope_type"), scaling.get("type")]
+    return float(theta), next((k for k in kinds if k and k != "default"), "default")
+
+
+def _moe_keys(arch: Arch, hf: dict) -> tuple[dict, list[str]]:
+    """An MoE class's keys as maxlm's (with the routing the class implies), and what maxlm cannot
+    represent. Defaults: transformers' MixtralConfig's and Qwen3MoeConfig's."""
+    implied = {"shared_experts": 0, "router": "softmax", "router_scale": 1.0, "router_groups": 0}
+    if arch is MIXTRAL:  # its intermediate_size is its experts'; it has no dense MLP
+        return {"num_experts": hf.get("num_local_experts", 8), "experts_per_token": hf.get("num_experts_per_tok", 2),
+                "expert_mlp_dim": hf["intermediate_size"], "first_dense_layers": 0, "router_renormalize": True,
+                **implied}, []
+    # Qwen3-MoE: layer i is dense when in mlp_only_layers or off every decoder_sparse_step-th
+    step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    dense = [i for i in range(hf["num_hidden_layers"]) if i in only or (i + 1) % step]
+    experts = hf.get("num_experts", hf.get("num_local_experts", 128))  # transformers 5 saves the latter
+    mapped = {"num_experts": experts, "experts_per_token": hf.get("num_experts_per_tok", 8),
+              "expert_mlp_dim": hf.get("moe_intermediate_size", 768), "first_dense_layers": len(dense),
+              "router_renormalize": bool(hf.get("norm_topk_prob", False)), **implied}
+    if dense:  # intermediate_size is the dense layers'
+        mapped["mlp_dim"] = hf["intermediate_size"]
+    if dense != list(range(len(dense))):
+        return mapped, [f"dense layers {dense} (maxlm's dense layers are the first ones: mlp_only_layers="
+                        "[0, ..., k-1], decoder_sparse_step=1)"]
+    return mapped, []
+
+
+def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
+    """({maxlm model key: value}, [features maxlm's model cannot represent]) of an HF config."""
+    required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                "vocab_size")
+    if missing := [key for key in required if not isinstance(hf.get(key), int)]:
+        raise config_lib.ConfigError(f"config.json lacks {', '.join(missing)} "
+                                     f"(is it a {' or '.join(a.hf_class for a in ARCHITECTURES.values())} config?)")
+    heads = hf["num_attention_heads"]
+    theta, rope_type = _rope(hf)
+    mapped = {
+        "num_layers": hf["num_hidden_layers"],
+        "d_model": hf["hidden_size"],
+        "num_heads": heads,
+        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "mlp_dim": hf["intermediate_size"],
+        "vocab_size": hf["vocab_size"],
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "rope_theta": theta,
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+    }
+    unsupported = []
+    model_type = hf.get("model_type", "llama")
+    arch = ARCHITECTURES.get(model_type)
+    archs = hf.get("architectures") or [arch.hf_class if arch else "?"]
+    if arch is None or arch.hf_class not in archs:
+        known = ", ".join(f"{a.model_type!r} ({a.hf_class})" for a in ARCHITECTURES.values())
+        unsupported.append(f"model_type={model_type!r} architectures={archs} (maxlm reads {known})")
+    else:
+        mapped["qk_norm"] = "per_head" if arch.qk_norm else "none"
+        if arch.moe_block:
+            moe_keys, moe_unsupported = _moe_keys(arch, hf)
+            del mapped["mlp_dim"]  # back in moe_keys when the model has dense layers
+            mapped.update(moe_keys)
+            unsupported += moe_unsupported
+        else:
+            mapped["num_experts"] = 0
+    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", arch is MIXTRAL):
+        unsupported.append(f"sliding_window={hf['sliding_window']} (maxlm's attention is full causal)")
+    if rope_type != "default":
+        unsupported.append(f"rope type {rope_type!r} (maxlm has plain RoPE only, no rope scaling)")
+    if hf.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={hf['hidden_act']!r} (maxlm's MLP is SwiGLU: silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key, False):
+            unsupported.append(f"{key}=true (maxlm's layers have no biases)")
+    return mapped, unsupported
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return bool(a) == bool(b)
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(float(a), float(b), rel_tol=1e-9)
+    return a == b
+
+
+def check_config(hf: dict, model_cfg, source: str) -> None:
+    """Raises ConfigError listing every model key where the run differs from the HF config (with
+    the value to set) and every HF feature maxlm cannot represent."""
+    try:
+        mapped, unsupported = model_config_from_hf(hf)
+    except config_lib.ConfigError as e:
+        raise config_lib.ConfigError(f"checkpoint.init_from_hf={source}: {e}") from None
+    diffs = [f"model.{key}={model_cfg[key]!r} but the checkpoint has {value!r}"
+             for key, value in mapped.items() if not _same(model_cfg[key], value)]
+    if diffs or unsupported:
+        fix = " ".join(f"--config.model.{k}={v}" for k, v in mapped.items()
+                       if not _same(model_cfg[k], v))
+        parts = diffs + [f"unsupported: {u}" for u in unsupported]
+        raise config_lib.ConfigError(
+            f"checkpoint.init_from_hf={source} does not match the run: " + "; ".join(parts)
+            + (f" (set {fix})" if fix and not unsupported else ""))

@@ -1,0 +1,259 @@
+"""Hugging Face export and import of the classes past Llama (maxlm/hf/architectures.py): an MoE
+run exports as transformers' MixtralForCausalLM, or Qwen3MoeForCausalLM with model.qk_norm=per_head
+(dense first layers, unrenormalised gates), a dense qk-norm run as Qwen3ForCausalLM; each gives
+maxlm's logits and greedy tokens in transformers. A model of each class built and saved by
+transformers imports with its logits, and exports back to the same tensors, scanned or unrolled,
+on a sharded mesh. What a class cannot hold is refused with one line naming the key (exit 2
+through the CLI)."""
+
+import functools
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from maxlm import config as config_lib, model
+from maxlm.hf import architectures, files as hf
+from tests.helpers import random_params
+from tests.test_hf import _abstract, _assert_bitwise_equal, _bits, _cfg, _cli, _sequence
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# 4 experts, top-2, an expert hidden size unlike mlp_dim's 128 (a mix-up shows as a shape error)
+MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.expert_mlp_dim": 48}
+# configs/tiny.py's shape in transformers' words, RoPE base 1e6 (Mixtral's and Qwen3's default)
+SHAPE = dict(vocab_size=264, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+# class → (maxlm overrides, the transformers config of the same model)
+FAMILIES = {
+    "MixtralForCausalLM": ({**MOE}, dict(num_hidden_layers=2, intermediate_size=48, num_local_experts=4,
+                                         num_experts_per_tok=2)),
+    "Qwen3MoeForCausalLM": (  # a dense first layer, gates not renormalised
+        {**MOE, "model.qk_norm": "per_head", "model.num_layers": 3, "model.first_dense_layers": 1,
+         "model.router_renormalize": False},
+        dict(num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=48, num_experts=4,
+             num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=False)),
+    "Qwen3ForCausalLM": ({"model.qk_norm": "per_head"}, dict(num_hidden_layers=2, intermediate_size=128)),
+}
+
+
+def _family_cfg(hf_class, overrides=None):
+    return _cfg({**FAMILIES[hf_class][0], "model.rope_theta": 1e6, **(overrides or {})})
+
+
+def _moe_cfg(overrides=None):
+    return _family_cfg("MixtralForCausalLM", overrides)
+
+
+def _hf_model(directory):
+    """The exported folder as transformers loads it: the class from its config.json."""
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def _logits(hf_model, tokens_1L):
+    with torch.no_grad():
+        return hf_model(torch.from_numpy(tokens_1L.astype(np.int64))).logits.numpy()
+
+
+def _greedy(logits_of, prompt, new_tokens: int, allowed: int, length: int = 48) -> list[int]:
+    """maxlm's greedy continuation (argmax over the first `allowed` ids) with `logits_of(batch)`,
+    the whole prefix recomputed at each step in one `length`-token buffer (causal: the padding
+    after it is unseen; the export test's batch shape, so nothing compiles again)."""
+    batch = {"inputs": np.zeros((1, length), np.int32), "segment_ids": np.ones((1, length), np.int32),
+             "positions": np.arange(length, dtype=np.int32)[None]}
+    batch["inputs"][0, :len(prompt)] = prompt
+    for t in range(len(prompt), len(prompt) + new_tokens):
+        batch["inputs"][0, t] = int(np.argmax(np.asarray(logits_of(batch))[0, t - 1, :allowed]))
+    return batch["inputs"][0, :len(prompt) + new_tokens].tolist()
+
+
+def _hf_greedy(hf_model, prompt, new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` (its KV cache; the export's generation_config suppresses the
+    ids past the byte tokenizer's 259)."""
+    with torch.no_grad():
+        return hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=new_tokens, do_sample=False)[0].tolist()
+
+
+# ----------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("hf_class, scanned", [("MixtralForCausalLM", True), ("Qwen3MoeForCausalLM", False),
+                                               ("Qwen3ForCausalLM", True)])
+def test_export_is_the_class_with_maxlm_logits_and_greedy_tokens(tmp_path, hf_class, scanned):
+    cfg = _family_cfg(hf_class, {"model.scan_layers": scanned})
+    params = random_params(cfg.model, seed=1)
+    hf.export(params, cfg, str(tmp_path))
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["architectures"] == [hf_class]
+    hf_model = _hf_model(str(tmp_path))
+    assert type(hf_model).__name__ == hf_class
+    logits_of = functools.partial(jax.jit(functools.partial(model.apply, cfg.model)), params)
+    batch = _sequence(48, 259, seed=2)
+    np.testing.assert_allclose(_logits(hf_model, batch["inputs"]), logits_of(batch), atol=1e-4, rtol=0)
+    prompt = _sequence(6, 259, seed=3)["inputs"][0].tolist()
+    assert _hf_greedy(hf_model, prompt, 10) == _greedy(logits_of, prompt, 10, allowed=259)
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def _random_hf(directory, hf_class: str, tied: bool):
+    """A tiny model of transformers' own class `hf_class`, random weights (norm scales 1 + noise,
+    so a swapped norm shows), saved as transformers saves it."""
+    config_class = getattr(transformers, hf_class.replace("ForCausalLM", "Config"))
+    config = config_class(**SHAPE, **FAMILIES[hf_class][1], tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    hf_model = getattr(transformers, hf_class)(config).eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    hf_model.save_pretrained(directory)
+    return hf_model
+
+
+@pytest.mark.parametrize("hf_class, tied", [("MixtralForCausalLM", False), ("Qwen3MoeForCausalLM", True),
+                                            ("Qwen3ForCausalLM", False)])
+def test_import_gives_transformers_logits_and_exports_back_the_same(tmp_path, hf_class, tied):
+    theirs = _random_hf(tmp_path / "hf", hf_class, tied)
+    cfg = _family_cfg(hf_class, {"model.tie_embeddings": tied, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    params = hf.load_params(str(tmp_path / "hf"), cfg.model, _abstract(cfg))
+    batch = _sequence(48, 264, seed=4)
+    ours = np.asarray(jax.jit(functools.partial(model.apply, cfg.model))(params, batch))
+    np.testing.assert_allclose(ours, _logits(theirs, batch["inputs"]), atol=1e-5, rtol=0)
+    # unrolled: the same parameters
+    unrolled = _family_cfg(hf_class, {"model.tie_embeddings": tied, "model.scan_layers": False})
+    _assert_bitwise_equal(hf.load_params(str(tmp_path / "hf"), unrolled.model, _abstract(unrolled)),
+                          model.unstack_layers(jax.device_get(params)))
+    # maxlm → HF again: transformers' tensors, bit for bit
+    hf.export(params, cfg, str(tmp_path / "back"))
+    from safetensors.numpy import load_file
+
+    saved, back = load_file(str(tmp_path / "hf" / hf.WEIGHTS)), load_file(str(tmp_path / "back" / hf.WEIGHTS))
+    assert sorted(back) == sorted(saved)
+    for name in saved:
+        np.testing.assert_array_equal(_bits(back[name]), _bits(saved[name]), err_msg=name)
+
+
+def test_import_mismatches_name_the_keys(tmp_path):
+    _random_hf(tmp_path, "MixtralForCausalLM", tied=False)
+    dense = _cfg({"model.rope_theta": 1e6})
+    with pytest.raises(config_lib.ConfigError) as e:
+        hf.load_params(str(tmp_path), dense.model, _abstract(dense))
+    assert str(e.value).endswith(
+        "does not match the run: model.num_experts=0 but the checkpoint has 4; model.expert_mlp_dim=0 but the "
+        "checkpoint has 48 (set --config.model.num_experts=4 --config.model.expert_mlp_dim=48)")
+    other = _moe_cfg({"model.num_experts": 8, "model.mlp_dim": 96})
+    with pytest.raises(config_lib.ConfigError) as e:  # mlp_dim: Mixtral has no dense MLP to compare
+        hf.load_params(str(tmp_path), other.model, _abstract(other))
+    assert "model.num_experts=8 but the checkpoint has 4 (set --config.model.num_experts=4)" in str(e.value)
+    hf_cfg = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(config_lib.ConfigError, match=r"unsupported: sliding_window=4096"):
+        architectures.check_config(dict(hf_cfg, sliding_window=4096), _moe_cfg().model, "X")
+    # a Mixtral is no Qwen3-MoE: the qk-norm differs
+    with pytest.raises(config_lib.ConfigError, match=r"model.qk_norm='per_head' but the checkpoint has 'none'"):
+        architectures.check_config(hf_cfg, _moe_cfg({"model.qk_norm": "per_head"}).model, "X")
+
+
+def test_qwen3_moe_dense_layers_are_read_from_mlp_only_layers_and_the_sparse_step():
+    qwen = dict(SHAPE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=4,
+                intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
+    mapped, unsupported = architectures.model_config_from_hf(dict(qwen, mlp_only_layers=[0, 1]))
+    assert unsupported == [] and (mapped["first_dense_layers"], mapped["mlp_dim"]) == (2, 96)
+    assert mapped["router_renormalize"] is False and mapped["qk_norm"] == "per_head"
+    mapped, _ = architectures.model_config_from_hf(qwen)  # every layer MoE: no dense MLP to compare
+    assert mapped["first_dense_layers"] == 0 and "mlp_dim" not in mapped
+    for odd in (dict(mlp_only_layers=[1]), dict(decoder_sparse_step=2)):
+        assert architectures.model_config_from_hf(dict(qwen, **odd))[1][0].startswith("dense layers [")
+
+
+# ----------------------------------------------------------------------------- refused
+
+
+REFUSED = [  # (the class the rest of the config picks, key, value, why)
+    ("MixtralForCausalLM", "model.shared_experts", 1, "model.shared_experts=1 (Mixtral has no shared experts)"),
+    ("MixtralForCausalLM", "model.router", "sigmoid",
+     "model.router='sigmoid' (Mixtral's router is a softmax over all experts)"),
+    ("MixtralForCausalLM", "model.first_dense_layers", 1,
+     "model.first_dense_layers=1 (every Mixtral layer is an MoE layer)"),
+    ("MixtralForCausalLM", "model.router_renormalize", False,
+     "model.router_renormalize=False (Mixtral renormalises the top-k gates"),
+    ("MixtralForCausalLM", "model.router_scale", 2.5, "model.router_scale=2.5 (Mixtral does not scale the gates)"),
+    ("MixtralForCausalLM", "model.load_balance", "bias",
+     "model.load_balance='bias' (the selection bias has no place in Mixtral's router)"),
+    ("Qwen3MoeForCausalLM", "model.shared_experts", 1, "model.shared_experts=1 (Qwen3Moe has no shared experts)"),
+    ("Qwen3MoeForCausalLM", "model.router_scale", 2.5, "model.router_scale=2.5 (Qwen3Moe does not scale the gates)"),
+]
+
+
+@pytest.mark.parametrize("hf_class, key, value, why", REFUSED, ids=[f"{c[:5]}-{k[6:]}" for c, k, _, _ in REFUSED])
+def test_what_a_class_cannot_hold_is_refused_naming_the_key(tmp_path, hf_class, key, value, why):
+    cfg = _family_cfg(hf_class, {"checkpoint.init_from_hf": str(tmp_path / "hf")})
+    params = random_params(cfg.model)  # refused before they are read
+    cfg.model[key.split(".")[1]] = value  # after resolve: load_balance='bias' may not be in this tree's domain yet
+    prefix = f"maps a mixture-of-experts model to transformers' {hf_class}, which cannot hold "
+    with pytest.raises(config_lib.ConfigError) as e:
+        hf.export(params, cfg, str(tmp_path / "out"))
+    assert str(e.value).startswith(f"the Hugging Face export {prefix}{why}")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(config_lib.ConfigError, match=f"^checkpoint.init_from_hf=.* {prefix}"):
+        hf.check_init_from_hf(cfg)  # before reading the folder (there is none)
+
+
+def test_full_qk_norm_is_refused():
+    """OLMo 2's norm of the whole projection comes with post-norm blocks maxlm does not have."""
+    for overrides in ({}, MOE):
+        with pytest.raises(config_lib.ConfigError, match="^X maps model.qk_norm 'none' .* not 'full'"):
+            architectures.architecture(_cfg({**overrides, "model.qk_norm": "full"}).model, "X")
+
+
+def test_group_limited_routing_is_refused_and_every_refusal_is_listed():
+    cfg = _moe_cfg({"model.router": "sigmoid", "model.router_groups": 2, "model.router_topk_groups": 1,
+                    "model.shared_experts": 1})
+    with pytest.raises(config_lib.ConfigError) as e:
+        architectures.architecture(cfg.model, "X")
+    assert str(e.value).count("model.") == 3 and "model.router_groups=2 (Mixtral has no group-limited" in str(e.value)
+
+
+def test_capacity_is_exported_with_a_warning(tmp_path, capsys):
+    """Capacity is how maxlm computes, not a weight: the export is the dropless model of the same
+    weights, said so in one warning."""
+    cfg = _moe_cfg({"model.capacity_factor": 1.25})
+    hf.export(random_params(cfg.model), cfg, str(tmp_path))
+    assert "model.capacity_factor=1.25: transformers' MoE classes run every token's experts" in capsys.readouterr().err
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+
+
+def test_export_cli_refuses_a_shared_expert_run_in_one_line(tmp_path):
+    cfg = _moe_cfg({"model.shared_experts": 2})
+    (tmp_path / "config.json").write_text(config_lib.to_json(cfg))
+    result = _cli("maxlm.export", f"--workdir={tmp_path}", f"--out={tmp_path / 'hf'}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "maxlm: config error: the Hugging Face export maps a mixture-of-experts model to transformers' "
+        "MixtralForCausalLM, which cannot hold model.shared_experts=2 (Mixtral has no shared experts)"]
+    assert not (tmp_path / "hf").exists()
+
+
+# ----------------------------------------------------------------------------- through the CLI
+
+
+@pytest.mark.ci
+def test_a_trained_moe_run_exports_through_the_cli(tmp_path, data_dirs):
+    """As a user would: train a tiny MoE run, `python -m maxlm.export`, load it in transformers
+    by its config.json alone, decode greedily: maxlm's tokens."""
+    from maxlm.train import loop, runs
+
+    cfg = _moe_cfg({**data_dirs, "steps": 2, "optim.warmup_steps": 1, "checkpoint.every_steps": 2})
+    loop.train_and_evaluate(cfg, str(tmp_path / "run"))
+    result = _cli("maxlm.export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'hf'}")
+    assert result.returncode == 0, result.stderr
+    hf_model = _hf_model(str(tmp_path / "hf"))
+    assert type(hf_model).__name__ == "MixtralForCausalLM"
+    run = runs.load_run(str(tmp_path / "run"))
+    tokenizer = transformers.ByT5Tokenizer.from_pretrained(str(tmp_path / "hf"))
+    prompt = [tokenizer.bos_token_id, *tokenizer("The quick", add_special_tokens=False).input_ids]
+    logits_of = functools.partial(jax.jit(functools.partial(model.apply, run["config"].model)), run["params"])
+    assert _hf_greedy(hf_model, prompt, 8) == _greedy(logits_of, prompt, 8, allowed=259)
