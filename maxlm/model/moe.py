@@ -220,7 +220,9 @@ class MoE(nn.Module):
         if cfg.capacity_factor:
             out_TD, dropped = with_capacity(*weights, capacity(cfg, B * L), dtype)
         else:
-            out_TD, dropped = dropless(*weights, dtype, cfg.grouped_matmul), jnp.zeros((), jnp.float32)
+            # init only needs the parameters' shapes, and may run off the target (a plan from a CPU)
+            backend = "ragged_dot" if self.is_initializing() else cfg.grouped_matmul
+            out_TD, dropped = dropless(*weights, dtype, backend), jnp.zeros((), jnp.float32)
         if S:
             w_gate_DS = _param(self, "shared_gate", cfg.init_std, (D, S), ("embed", "mlp"))
             w_up_DS = _param(self, "shared_up", cfg.init_std, (D, S), ("embed", "mlp"))
