@@ -25,6 +25,8 @@ device (gathered as FSDP gathers a dense layer's).
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -92,9 +94,7 @@ def _sharded_megablox(x_ND, w_EDF, sizes_E, interpret: bool):
     mesh = jax.sharding.get_abstract_mesh()
     batch = nn.logical_to_mesh_axes(("batch",))[0]
     axes = () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
-    num_shards = 1
-    for axis in axes:
-        num_shards *= mesh.shape[axis]
+    num_shards = math.prod(mesh.shape[axis] for axis in axes)
     if x_ND.shape[0] % num_shards:
         axes, num_shards = (), 1  # rows that do not split evenly: every device computes them all
     rows = PartitionSpec(axes or None)
