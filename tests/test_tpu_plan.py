@@ -133,7 +133,7 @@ def test_the_tpu_presets_fit_their_slices_with_splash_compiled(tmp_path, config,
     assert result["attention"] == "splash" and "tpu_custom_call" in result["kernels"]
 
 
-@pytest.mark.ci  # about 60 s of CPU
+@pytest.mark.ci  # about 95 s on a loaded 2-core machine
 @pytest.mark.slow
 @needs_libtpu
 def test_an_moe_plan_compiles_megablox_natively(tmp_path):
@@ -165,7 +165,7 @@ def test_tpu_kernels_are_named_by_their_pallas_function_or_op():
     assert plan_lib.tpu_kernels(hlo) == ["gmm", "ragged-dot-none", "tgmm"]
 
 
-@pytest.mark.ci  # a 46.7B-parameter MoE compiled for v5p-64: 3 minutes of CPU, 8 on a loaded 2-core machine
+@pytest.mark.ci  # a 46.7B-parameter MoE compiled for v5p-64: 5 to 8 minutes on a loaded 2-core machine
 @needs_libtpu
 def test_the_mixtral_preset_fits_v5p64_with_megablox_and_splash_compiled(tmp_path):
     result = plan(tmp_path, "configs/mixtral_8x7b_v5p64.py", "v5p-64", "--noestimate")
