@@ -27,6 +27,7 @@ POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/mode
 QK_NORMS = ("none", "per_head", "full")  # model.qk_norm: see maxlm/model/transformer.py Attention
 ROUTERS = ("softmax", "sigmoid")  # model.router: see maxlm/model/moe.py
 LOAD_BALANCE = ("aux_loss", "bias", "none")  # model.load_balance: see maxlm/model/balance.py for bias
+GROUPED_MATMUL = ("auto", "ragged_dot", "megablox")  # see grouped_matmul.grouped_matmul_backend
 SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/model/attention.py)
 
 
@@ -93,6 +94,9 @@ def check_platform(c, num_devices: int, platform: str | None) -> None:
             "this environment (a CUDA build for gpu, jax[tpu] for tpu) and the accelerator visible?")
     if c.num_devices and c.num_devices != num_devices:
         raise ConfigError(f"num_devices={c.num_devices} but JAX sees {num_devices} devices here")
+    if c.model.grouped_matmul == "megablox" and platform not in (None, "tpu"):
+        raise ConfigError(f"model.grouped_matmul='megablox' is a TPU kernel, and this runs on {platform!r}; "
+                          "use 'auto' or 'ragged_dot'")
 
 
 def _check_experts(c) -> None:

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from maxlm import config as config_lib, model
+from maxlm.bench import plan as plan_lib
 from maxlm.bench.targets import tpu
 from maxlm.train import flops
 from tests.helpers import ROOT, command_env, load_config
@@ -129,6 +131,47 @@ def test_the_tpu_presets_fit_their_slices_with_splash_compiled(tmp_path, config,
     result = plan(tmp_path, config, target, "--noestimate")
     assert result["fits"] and result["bytes_per_device"]["peak"] < 95 * 2**30, result["bytes_per_device"]
     assert result["attention"] == "splash" and "tpu_custom_call" in result["kernels"]
+
+
+@pytest.mark.ci  # about 95 s on a loaded 2-core machine
+@pytest.mark.slow
+@needs_libtpu
+def test_an_moe_plan_compiles_megablox_natively(tmp_path):
+    """model.grouped_matmul=auto is the Pallas megablox kernel on a TPU, compiled by Mosaic: its
+    forward and backward kernels (gmm, tgmm) in the step, libtpu's own ragged_dot kernel not."""
+    result = plan(tmp_path, "configs/moe_tiny.py", "v5p-8", "--noestimate", "--config.model.dtype=bfloat16",
+                  "--config.model.attention=xla")
+    assert result["grouped_matmul"] == "megablox" and result["fits"]
+    assert {"gmm", "tgmm"} <= set(result["tpu_kernels"]) and "ragged-dot-none" not in result["tpu_kernels"]
+    assert result["params"] > result["active_params"] > 0
+
+
+@pytest.mark.parametrize("config, devices, total, active", [
+    ("mixtral_8x7b_v5p64", 32, 46_702_792_704, 12_879_925_248),  # Mixtral 8x7B: 46.7B, 12.9B active
+    ("qwen3_30b_a3b_h100x16", 16, 30_532_110_336, 3_353_020_416),  # Qwen3-30B-A3B: 30.5B, 3.3B (no qk-norm)
+])
+def test_the_moe_presets_have_their_models_sizes(config, devices, total, active):
+    cfg = config_lib.resolve(load_config(config), devices)
+    assert (model.count_params(cfg.model), model.active_params(cfg.model)) == (total, active)
+
+
+def test_tpu_kernels_are_named_by_their_pallas_function_or_op():
+    hlo = "\n".join(f'%x{i} = custom-call(), custom_call_target="{target}", metadata={{op_name="{op}"}}'
+                    for i, (target, op) in enumerate([
+                        ("tpu_custom_call", "jit(train_step)/layers/mlp/shard_map/jit(gmm)/pallas_call"),
+                        ("tpu_custom_call", "jit(train_step)/transpose(jvp(Transformer))/jit(tgmm)/pallas_call"),
+                        ("tpu_custom_call", "jit(train_step)/layers/mlp/ragged_dot_general/ragged-dot-none"),
+                        ("__cublas$lt$matmul", "jit(train_step)/dot_general")]))
+    assert plan_lib.tpu_kernels(hlo) == ["gmm", "ragged-dot-none", "tgmm"]
+
+
+@pytest.mark.ci  # a 46.7B-parameter MoE compiled for v5p-64: 5 to 8 minutes on a loaded 2-core machine
+@needs_libtpu
+def test_the_mixtral_preset_fits_v5p64_with_megablox_and_splash_compiled(tmp_path):
+    result = plan(tmp_path, "configs/mixtral_8x7b_v5p64.py", "v5p-64", "--noestimate")
+    assert result["fits"] and result["bytes_per_device"]["peak"] < 95 * 2**30, result["bytes_per_device"]
+    assert result["grouped_matmul"] == "megablox" and {"gmm", "tgmm"} <= set(result["tpu_kernels"])
+    assert result["attention"] == "splash"
 
 
 @pytest.mark.ci

@@ -122,6 +122,7 @@ def bench_train(cfg, warmup_steps: int, timed_steps: int, profile_dir: str = "")
         "pipeline_microbatches": cfg.model.pipeline_microbatches,
         "pipeline_bubble_fraction": model.bubble_fraction(cfg.mesh.stage, cfg.model.pipeline_microbatches),
         "params": model.count_params(cfg.model),
+        "active_params": model.active_params(cfg.model),
         "training_flops_per_token": flops_per_token,
         "batch_size": cfg.batch_size,
         "seq_len": cfg.seq_len,

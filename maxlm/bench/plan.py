@@ -20,7 +20,7 @@ import numpy as np
 
 from maxlm import config as config_lib, model
 from maxlm.bench.targets import Target
-from maxlm.model import attention
+from maxlm.model import attention, grouped_matmul
 from maxlm.train import flops, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ESTIMATE_MODEL = ("step_sec = max(hardware FLOPs / peak FLOP/s, bytes accessed / memory bandwidth) per "
@@ -62,6 +62,17 @@ def _attention(cfg, platform: str) -> dict:
             "splash_blocks": list(attention.splash_tiles(cfg.seq_len, m.splash_block_q, m.splash_block_kv))}
 
 
+def _model_size(cfg, platform: str) -> dict:
+    """Total parameters and those one token uses (fewer in an MoE model); an MoE model's
+    grouped-matmul backend on `platform`."""
+    m = cfg.model
+    sizes = {"params": model.count_params(m), "active_params": model.active_params(m)}
+    if m.num_experts and not m.capacity_factor:
+        sizes["grouped_matmul"] = grouped_matmul.grouped_matmul_backend(m.grouped_matmul, model.compute_dtype(m),
+                                                                        platform)
+    return sizes
+
+
 def _out_of_memory(error: Exception) -> str | None:
     """XLA's message when compiling failed for want of memory (TPU compilers refuse such a step;
     GPU ones only warn), else None."""
@@ -81,7 +92,7 @@ def plan(cfg, target: Target | None = None, estimate: bool = True) -> dict:
         "dtype": cfg.model.dtype, "remat": cfg.model.remat, "scan_layers": cfg.model.scan_layers,
         **_attention(cfg, devices[0].platform), "grad_accum_steps": cfg.optim.grad_accum_steps,
         "shard_state_over_data": cfg.optim.shard_state_over_data, "mu_dtype": cfg.optim.mu_dtype,
-        "params": model.count_params(cfg.model), "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+        **_model_size(cfg, devices[0].platform), "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
     }
     if target:  # what JAX may allocate there
         limit = target.usable_bytes
@@ -121,6 +132,7 @@ def plan(cfg, target: Target | None = None, estimate: bool = True) -> dict:
         # XLA's calls into libraries and kernels: __cudnn$fmha* (fused attention),
         # __cublas$lt$matmul$f8, tpu_custom_call (Pallas/Mosaic kernels such as splash attention)
         "kernels": sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))),
+        "tpu_kernels": tpu_kernels(compiled.as_text()),
         "compile_sec": compile_sec,
         "xla_cost": xla_cost(compiled),
     })
@@ -128,6 +140,19 @@ def plan(cfg, target: Target | None = None, estimate: bool = True) -> dict:
         result["estimate"] = estimate_step(cfg, target, compiled)
     result["jax_version"] = jax.__version__
     return result
+
+
+def tpu_kernels(hlo_text: str) -> list[str]:
+    """The kernels behind a TPU step's tpu_custom_calls, by name: a Pallas kernel by the jitted
+    function that calls it (megablox's `gmm` and `tgmm`), one of libtpu's own by its op
+    (`ragged-dot-none`, what XLA makes of jax.lax.ragged_dot on a TPU)."""
+    names = set()
+    for line in hlo_text.splitlines():
+        if 'custom_call_target="tpu_custom_call"' in line and (op := re.search(r'op_name="([^"]+)"', line)):
+            parts = op.group(1).split("/")
+            name = parts[parts.index("pallas_call") - 1] if "pallas_call" in parts[1:] else parts[-1]
+            names.add(re.sub(r"^jit\((.*)\)$", r"\1", name))
+    return sorted(names)
 
 
 def xla_cost(compiled) -> dict:

@@ -6,7 +6,7 @@ always-on shared experts); it replaces the dense SwiGLU in MoE layers.
 `route` turns router logits into each token's experts and gates (softmax: Mixtral/Qwen3;
 sigmoid with a selection-only bias and group-limited routing: DeepSeek-V3). The experts then run
 one of three ways, all the same numbers where nothing is dropped:
-`dropless` (tokens sorted by expert, grouped matmuls: jax.lax.ragged_dot), `with_capacity` (the
+`dropless` (tokens sorted by expert, grouped matmuls: maxlm/model/grouped_matmul.py), `with_capacity` (the
 GShard/Switch dense dispatch, each expert takes at most C tokens and drops the rest) and
 `reference` (every expert on every token: the ground truth for the tests).
 
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.config_rules import LOAD_BALANCE, ROUTERS  # noqa: F401  (the choices, as moe.ROUTERS)
+from maxlm.model.grouped_matmul import grouped_matmul
 
 
 def _dtype(model_cfg):
@@ -114,20 +115,20 @@ def _swiglu(x, w_gate, w_up, w_down, spec_in: str, spec_out: str):
     return jnp.einsum(spec_out, hidden, w_down)
 
 
-def dropless(x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
+def dropless(x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, backend: str = "auto"):
     """Every token-slot computed, [T, D] in `dtype`: the T·K slots sorted by expert (a stable sort,
     so within an expert tokens keep their order), each expert's contiguous rows multiplied by its
-    weights (ragged_dot: no padding, no [E, T, ...] intermediate), unsorted and summed with the
-    gates (accumulated in float32)."""
+    weights (grouped matmuls on `backend`, model.grouped_matmul: no [E, T, ...] intermediate),
+    unsorted and summed with the gates (accumulated in float32)."""
     T, K = experts_TK.shape
     E = w_gate_EDF.shape[0]
     experts_N = experts_TK.reshape(-1)
     order_N = jnp.argsort(experts_N, stable=True)
     sizes_E = jnp.bincount(experts_N, length=E).astype(jnp.int32)
     x_ND = x_TD.astype(dtype)[order_N // K]
-    gate_NF = jax.lax.ragged_dot(x_ND, w_gate_EDF.astype(dtype), sizes_E)
-    up_NF = jax.lax.ragged_dot(x_ND, w_up_EDF.astype(dtype), sizes_E)
-    y_ND = jax.lax.ragged_dot(nn.silu(gate_NF) * up_NF, w_down_EFD.astype(dtype), sizes_E)
+    gate_NF = grouped_matmul(x_ND, w_gate_EDF.astype(dtype), sizes_E, backend)
+    up_NF = grouped_matmul(x_ND, w_up_EDF.astype(dtype), sizes_E, backend)
+    y_ND = grouped_matmul(nn.silu(gate_NF) * up_NF, w_down_EFD.astype(dtype), sizes_E, backend)
     # unsort with the inverse permutation: a gather, then a plain weighted sum over the K slots
     y_TKD = y_ND[jnp.argsort(order_N)].reshape(T, K, -1)
     out_TD = jnp.einsum("tkd,tk->td", y_TKD, gates_TK.astype(dtype), preferred_element_type=jnp.float32)
@@ -221,7 +222,9 @@ class MoE(nn.Module):
         if cfg.capacity_factor:
             out_TD, dropped = with_capacity(*weights, capacity(cfg, B * L), dtype)
         else:
-            out_TD, dropped = dropless(*weights, dtype), jnp.zeros((), jnp.float32)
+            # init only needs the parameters' shapes, and may run off the target (a plan from a CPU)
+            backend = "ragged_dot" if self.is_initializing() else cfg.grouped_matmul
+            out_TD, dropped = dropless(*weights, dtype, backend), jnp.zeros((), jnp.float32)
         if S:
             w_gate_DS = _param(self, "shared_gate", cfg.init_std, (D, S), ("embed", "mlp"))
             w_up_DS = _param(self, "shared_up", cfg.init_std, (D, S), ("embed", "mlp"))

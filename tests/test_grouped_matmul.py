@@ -1,0 +1,89 @@
+"""The dropless MoE's grouped matmul (maxlm/model/grouped_matmul.py): the megablox kernel, run by
+the Pallas interpreter on CPU, gives ragged_dot's outputs and gradients (alone, with rows padded to
+its tile and an empty group, and as the MoE layer's backend on an 8-device mesh, where each device
+multiplies its share of the sorted rows); "auto" picks it on TPUs only, and megablox off a TPU is
+a one-line config error. The TPU compile itself: tests/test_tpu_plan.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from maxlm import config as config_lib
+from maxlm.errors import ConfigError
+from maxlm.model import grouped_matmul as gm, moe
+from maxlm.train import mesh as mesh_lib
+from tests.test_moe import D, E, assert_close, moe_cfg
+
+INTERPRET = gm.MEGABLOX_INTERPRET
+
+
+def test_megablox_equals_ragged_dot_outputs_and_gradients():
+    N, F = 200, 96  # 200 rows: padded to the 256-row tile
+    keys = jax.random.split(jax.random.key(0), 3)
+    x_ND = jax.random.normal(keys[0], (N, 64))
+    w_EDF = jax.random.normal(keys[1], (4, 64, F))
+    sizes_E = jnp.array([50, 0, 120, 30], jnp.int32)  # an empty group, groups across tile edges
+    probe_NF = jax.random.normal(keys[2], (N, F))
+
+    def loss(backend, x_ND, w_EDF):
+        return jnp.sum(gm.grouped_matmul(x_ND, w_EDF, sizes_E, backend) * probe_NF)
+
+    assert_close(gm.grouped_matmul(x_ND, w_EDF, sizes_E, INTERPRET), jax.lax.ragged_dot(x_ND, w_EDF, sizes_E), 1e-5)
+    got = jax.grad(loss, (1, 2))(INTERPRET, x_ND, w_EDF)
+    want = jax.grad(loss, (1, 2))("ragged_dot", x_ND, w_EDF)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, 1e-5)
+    assert np.abs(got[1][1]).max() == 0  # the empty group's weights get no gradient
+
+
+def test_local_sizes_split_the_groups_at_the_shard_edges():
+    sizes_E = jnp.array([5, 0, 7, 4], jnp.int32)
+    np.testing.assert_array_equal(gm.local_sizes(sizes_E, 4, 16), [[4, 0, 0, 0], [1, 0, 3, 0], [0, 0, 4, 0],
+                                                                   [0, 0, 0, 4]])
+
+
+def test_the_moe_layer_on_megablox_over_a_mesh_equals_ragged_dot():
+    """fsdp 4 x data 2: the sorted rows split 8 ways, groups straddling devices."""
+    cfg = config_lib.defaults()
+    cfg.mesh.fsdp, cfg.mesh.data = 4, 2
+    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
+    x_BLD = jax.random.normal(jax.random.key(1), (8, 4, D))
+    layer_cfg = moe_cfg(init_std=0.5)
+    params = nn.unbox(moe.MoE(layer_cfg).init(jax.random.key(0), x_BLD))["params"]
+
+    def loss(backend, params, x_BLD):
+        layer_cfg.grouped_matmul = backend
+        out_BLD, _ = moe.MoE(layer_cfg).apply({"params": params}, x_BLD)
+        return jnp.sum(jnp.square(out_BLD)), out_BLD
+
+    with mesh_lib.activate(mesh, rules):
+        (_, got), grads = jax.jit(jax.value_and_grad(lambda p, x: loss(INTERPRET, p, x), (0, 1), has_aux=True))(
+            params, x_BLD)
+        (_, want), want_grads = jax.jit(jax.value_and_grad(lambda p, x: loss("ragged_dot", p, x), (0, 1),
+                                                           has_aux=True))(params, x_BLD)
+    assert np.abs(want).max() > 0.5
+    assert_close(got, want, 1e-5)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        assert_close(g, w, 1e-5)
+
+
+def test_auto_is_megablox_on_tpus_only(monkeypatch):
+    assert gm.grouped_matmul_backend("auto", jnp.bfloat16) == "ragged_dot"  # CPU
+    assert gm.grouped_matmul_backend("auto", jnp.bfloat16, "gpu") == "ragged_dot"
+    assert gm.grouped_matmul_backend("auto", jnp.bfloat16, "tpu") == "megablox"
+    assert gm.grouped_matmul_backend("auto", jnp.float16, "tpu") == "ragged_dot"  # not the kernel's dtype
+    assert gm.grouped_matmul_backend("ragged_dot", jnp.bfloat16, "tpu") == "ragged_dot"
+    with pytest.raises(ConfigError, match="model.grouped_matmul='megablox' needs a TPU, not cpu"):
+        gm.grouped_matmul(jnp.zeros((8, 4)), jnp.zeros((2, 4, 4)), jnp.array([4, 4], jnp.int32), "megablox")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert gm.grouped_matmul_backend("auto", jnp.float32) == "megablox"
+
+
+def test_megablox_off_a_tpu_is_a_config_error():
+    cfg = config_lib.defaults()
+    cfg.model.num_experts, cfg.model.grouped_matmul = 8, "megablox"
+    with pytest.raises(ConfigError, match="model.grouped_matmul='megablox' is a TPU kernel, and this runs on 'cpu'"):
+        config_lib.resolve(cfg, 8, platform="cpu")
+    assert config_lib.resolve(cfg, 8, platform="tpu").model.grouped_matmul == "megablox"
