@@ -55,6 +55,25 @@ def test_maxtext_args_for_the_issue_model():
     }
 
 
+MOE = {"model.num_experts": 8, "model.experts_per_token": 2}
+
+
+@pytest.mark.parametrize("capacity_factor, dropless", [(0.0, True), (1.25, False)])
+def test_an_moe_model_maps_to_maxtexts_mixtral_block(capacity_factor, dropless):
+    """maxlm's softmax router with renormalised gates is the mixtral block's softmax over the top-k
+    logits; dropless is its sparse_matmul (ragged_dot on the CPU), capacity its dense dispatch."""
+    cfg = issue_config(**MOE, **{"model.expert_mlp_dim": 512, "model.capacity_factor": capacity_factor})
+    args = as_dict(maxtext_peer.maxtext_args(cfg, 12, "/tmp/out"))
+    assert {k: args[k] for k in ("decoder_block", "num_experts", "num_experts_per_tok", "base_moe_mlp_dim",
+                                 "base_mlp_dim", "sparse_matmul", "megablox", "capacity_factor",
+                                 "load_balance_loss_weight")} == {
+        "decoder_block": "mixtral", "num_experts": "8", "num_experts_per_tok": "2", "base_moe_mlp_dim": "512",
+        "base_mlp_dim": "512", "sparse_matmul": str(dropless), "megablox": "False",
+        "capacity_factor": "-1" if dropless else "1.25", "load_balance_loss_weight": "0.01"}
+    none = as_dict(maxtext_peer.maxtext_args(issue_config(**MOE, **{"model.load_balance": "none"}), 12, "/tmp/out"))
+    assert none["load_balance_loss_weight"] == "0"
+
+
 def test_head_dim_zero_is_d_model_over_heads_and_tied_embeddings_map():
     args = as_dict(maxtext_peer.maxtext_args(issue_config(**{"model.head_dim": 0, "model.tie_embeddings": True}),
                                              12, "/tmp/out"))
@@ -78,7 +97,11 @@ def test_remat_policies_map_to_the_same_saved_tensors(remat, scan, expected):
     ({"model.label_smoothing": 0.1}, "model.label_smoothing"),
     ({"optim.name": "lion"}, "optim.name='lion'"),
     ({"model.remat": "none"}, "model.remat='none' with model.scan_layers"),
-    ({"model.num_experts": 4}, "model.num_experts > 0"),
+    ({**MOE, "model.shared_experts": 1}, "model.shared_experts > 0"),
+    ({**MOE, "model.router": "sigmoid"}, "model.router='sigmoid'"),
+    ({**MOE, "model.router_renormalize": False}, "model.router_renormalize=False"),
+    ({**MOE, "model.load_balance": "bias"}, "model.load_balance='bias'"),
+    ({**MOE, "model.router_z_loss": 1e-3}, "model.router_z_loss"),
 ])
 def test_what_maxtext_cannot_run_the_same_way_is_refused(overrides, named):
     with pytest.raises(ConfigError, match=re.escape(named)):

@@ -20,7 +20,7 @@ import sys
 
 from maxlm import config as config_lib, model
 from maxlm.errors import ConfigError
-from maxlm.model import attention
+from maxlm.model import attention, grouped_matmul
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # maxlm/bench/ is two below
 LOCK = os.path.join(REPO, "launch", "peers", "maxtext.lock")
@@ -59,8 +59,8 @@ def check_expressible(cfg, target: str = "") -> None:
         f"model.positions={m.positions!r} (MaxText's llama2 block has RoPE only)": m.positions != "rope",
         "model.label_smoothing (MaxText's pre-training loss has none)": m.label_smoothing,
         "model.fp8": m.fp8,
-        "model.num_experts > 0 (MaxText's MoE keys are not mapped yet)": m.num_experts,
-        f"model.qk_norm={m.qk_norm!r} (MaxText's llama2 block has no qk-norm)": m.qk_norm != "none",
+        f"model.qk_norm={m.qk_norm!r} (MaxText's llama2 and mixtral blocks have no qk-norm)": m.qk_norm != "none",
+        **moe_problems(m),
         "model.logits_chunk_size on CPU (a TPU plan maps it to MaxText's vocabulary tiling)":
             on_cpu and m.logits_chunk_size,
         "model.dtype='float16' (maxlm's loss scaling has no MaxText counterpart)": m.dtype == "float16",
@@ -73,6 +73,40 @@ def check_expressible(cfg, target: str = "") -> None:
     found = [what for what, bad in problems.items() if bad]
     if found:
         raise ConfigError("MaxText cannot run this config the same way: " + "; ".join(found))
+
+
+def moe_problems(m) -> dict[str, bool]:
+    """What of an MoE model MaxText's `mixtral` block cannot run the same way (problem: found?)."""
+    if not m.num_experts:
+        return {}
+    return {
+        "model.shared_experts > 0 (MaxText's mixtral block has none)": m.shared_experts,
+        "model.first_dense_layers > 0 (MaxText's mixtral block has every layer MoE)": m.first_dense_layers,
+        f"model.router={m.router!r} (the mixtral block: softmax)": m.router != "softmax",
+        "model.router_renormalize=False (the mixtral block's softmax over the top-k logits renormalises)":
+            not m.router_renormalize,
+        "model.router_groups > 0 or model.router_scale != 1": m.router_groups or m.router_scale != 1,
+        f"model.load_balance={m.load_balance!r} (aux_loss or none)": m.load_balance not in ("aux_loss", "none"),
+        "model.router_z_loss (MaxText's MoE has no router z-loss)": m.router_z_loss,
+    }
+
+
+def moe_args(cfg, target: str) -> dict:
+    """MaxText's MoE overrides: its `mixtral` block, a llama block whose MLP is the routed MoE with
+    gates softmax(top-k logits), which is maxlm's softmax router with renormalised gates. Dropless is
+    its `sparse_matmul` (grouped matmuls: jax.lax.ragged_dot, or megablox where maxlm runs megablox);
+    capacity its dense dispatch (both queue per sequence; the order slots drop in differs)."""
+    m = cfg.model
+    if not m.num_experts:
+        return {}
+    megablox = bool(target) and grouped_matmul.grouped_matmul_backend(
+        m.grouped_matmul, model.compute_dtype(m), platform="tpu") == "megablox"
+    return {"decoder_block": "mixtral", "num_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
+            "base_moe_mlp_dim": m.expert_mlp_dim, "base_mlp_dim": m.expert_mlp_dim,  # every layer MoE: equal
+            "sparse_matmul": not m.capacity_factor, "megablox": megablox,
+            "capacity_factor": m.capacity_factor or -1.0,  # -1: no dropping
+            "load_balance_loss_weight": m.load_balance_weight if m.load_balance == "aux_loss" else 0.0,
+            **({"ici_expert_parallelism": cfg.mesh.expert} if target else {})}
 
 
 def attention_of(cfg, platform: str) -> str:
@@ -113,6 +147,7 @@ def maxtext_args(cfg, steps: int, workdir: str, target: str = "") -> list[str]:
         "opt_type": "adamw", "learning_rate": o.lr, "adam_b1": o.b1, "adam_b2": o.b2, "adam_eps": o.eps,
         "adam_weight_decay": o.weight_decay, "gradient_clipping_threshold": o.clip_norm, "mu_dtype": o.mu_dtype,
         **REMAT[m.remat],
+        **moe_args(cfg, target),
     }
     return [f"{key}={override_value(value)}" for key, value in args.items()]
 
