@@ -60,6 +60,7 @@ TENSORBOARD_TAGS = {
     "moe_z_loss": "moe/z_loss",
     "moe_load_max": "moe/load_max",
     "moe_dropped": "moe/dropped",
+    "mtp_loss": "mtp/loss",  # and each depth's mtp/loss_k, named so in metrics.jsonl too
     "eval_loss": "eval/loss",
     "eval_perplexity": "eval/perplexity",
     "tokens_per_sec": "perf/tokens_per_sec",
