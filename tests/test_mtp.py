@@ -176,3 +176,10 @@ def test_an_mtp_model_trains_with_grad_accumulation_and_resumes_exactly(tmp_path
 def test_bad_mtp_configs_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         mtp_config(**overrides)
+
+
+def test_the_maxtext_comparison_refuses_mtp():
+    from maxlm.bench import maxtext_peer
+
+    with pytest.raises(ConfigError, match=r"model.mtp_depth > 0 \(MaxText's mtp_num_layers is not mapped"):
+        maxtext_peer.check_expressible(mtp_config())
