@@ -30,7 +30,8 @@ def reference_depth_1(cfg, p, batch):
     the model's own Block (checked against its own reference in tests/test_model.py): h^0 the
     trunk before the final norm, h^1 = Block([RMSNorm(h^0); RMSNorm(Emb(t_{i+1}))] @ M), logits =
     FinalNorm(h^1) @ head, target t_{i+2}; counted where t_{i+2} is in token i's document."""
-    inputs, targets, segments, positions = (np.asarray(batch[k]) for k in ("inputs", "targets", "segment_ids", "positions"))
+    inputs, targets, segments, positions = (np.asarray(batch[k])
+                                            for k in ("inputs", "targets", "segment_ids", "positions"))
     B, L = inputs.shape
     mask = attention.attention_mask(jnp.asarray(segments))
     block = lambda params, x: np.asarray(model.Block(cfg).apply({"params": params}, jnp.asarray(x, jnp.float32),
@@ -127,20 +128,31 @@ def test_the_main_model_and_its_eval_are_unchanged_by_the_modules():
     loss_of = lambda cfg, p: jax.jit(functools.partial(model.loss_fn, cfg))(p, batch)
     (objective, aux), (plain_objective, plain_aux) = loss_of(with_mtp, params), loss_of(plain, main)
     assert float(aux["cross_entropy"]) == float(plain_aux["cross_entropy"]) and "mtp" not in plain_aux
-    assert float(objective) == pytest.approx(float(plain_objective) + 0.3 * float(aux["mtp"].mean()), rel=1e-6)
+    assert float(objective) == pytest.approx(float(plain_objective) + 0.3 * float(aux["mtp"].mean()),
+                                             rel=1e-6)
 
 
 def test_parameters_and_flops_count_the_modules():
+    """Each depth: one dense layer, its projection and two norms; in FLOPs its layer, projection and
+    one more LM head. An MoE model's modules are dense layers too, all of them active."""
     cfg, plain = mtp_config(**{"model.mtp_depth": 2}).model, mtp_config(**{"model.mtp_depth": 0}).model
-    D, F, V, T = cfg.d_model, cfg.mlp_dim, cfg.vocab_size, 64
-    layer = model.count_params(mtp_config(**{"model.mtp_depth": 0, "model.num_layers": 3}).model) - model.count_params(plain)
+    deeper = mtp_config(**{"model.mtp_depth": 0, "model.num_layers": 3}).model
+    D, V, T = cfg.d_model, cfg.vocab_size, 64
+    layer = model.count_params(deeper) - model.count_params(plain)
     assert model.count_params(cfg) - model.count_params(plain) == 2 * (layer + 2 * D * D + 2 * D)
     assert model.active_params(cfg) == model.count_params(cfg)
     parts, base = flops.forward_flops_breakdown(cfg, T), flops.forward_flops_breakdown(plain, T)
-    one_layer = sum(flops.forward_flops_breakdown(mtp_config(**{"model.mtp_depth": 0, "model.num_layers": 3}).model, T)[p]
-                    - base[p] for p in ("q_proj", "kv_proj", "out_proj", "mlp", "attention"))
+    one_layer = sum(flops.forward_flops_breakdown(deeper, T)[p] - base[p]
+                    for p in ("q_proj", "kv_proj", "out_proj", "mlp", "attention"))
     assert parts["total"] - base["total"] == 2 * (one_layer + 2 * 2 * D * D + 2 * D * V)
     assert parts["mtp_proj"] == 2 * 4 * D * D and base["mtp_proj"] == 0
+    moe = {"model.num_experts": 4, "model.experts_per_token": 1, "model.first_dense_layers": 1}
+    moe_mtp, moe_plain = mtp_config(**moe).model, mtp_config(**moe, **{"model.mtp_depth": 0}).model
+    shapes = jax.eval_shape(functools.partial(model.init_params, moe_mtp), jax.random.key(0))
+    assert "router" not in shapes["mtp_0"]["block"]["mlp"]
+    assert sum(x.size for x in jax.tree.leaves(shapes)) == model.count_params(moe_mtp)
+    added = model.count_params(moe_mtp) - model.count_params(moe_plain)
+    assert model.active_params(moe_mtp) - model.active_params(moe_plain) == added == (layer + 2 * D * D + 2 * D)
 
 
 @pytest.mark.slow

@@ -77,6 +77,13 @@ def depth_batch(batch, k: int) -> dict:
     return {"targets": ahead(batch["targets"], k), "segment_ids": jnp.where(same_document_BL, segment_ids_BL, 0)}
 
 
+def mean_cross_entropy(per_token):
+    """A depth's mean cross-entropy over the tokens it counts, of `transformer.token_losses` on its
+    `depth_batch` (the plain cross-entropy: z-loss and label smoothing are the main head's)."""
+    weights_BL = per_token["weights"]
+    return (per_token["cross_entropy"] * weights_BL).sum() / jnp.maximum(weights_BL.sum(), 1.0)
+
+
 def mtp_loss(cfg, cross_entropy_K):
     """What the modules add to the objective: λ × the mean of the depths' mean cross-entropies."""
     return cfg.mtp_loss_weight * cross_entropy_K.mean()

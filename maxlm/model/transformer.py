@@ -480,10 +480,9 @@ def loss_fn(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict]:
         aux["router"] = {name: router_stats["load_E"].max() if name == "load_max" else layers_mean[name]
                          for name in moe.ROUTER_METRICS}
     if "mtp" in sown:  # multi-token prediction: each depth's plain cross-entropy over the tokens it counts
-        depths = [token_losses(model_cfg, params, mtp.depth_batch(batch, k), x_kBLD)
-                  for k, x_kBLD in enumerate(sown["mtp"], start=1)]
-        aux["mtp"] = jnp.stack([(d["cross_entropy"] * d["weights"]).sum() / jnp.maximum(d["weights"].sum(), 1.0)
-                                for d in depths])
+        aux["mtp"] = jnp.stack([
+            mtp.mean_cross_entropy(token_losses(model_cfg, params, mtp.depth_batch(batch, k), x_kBLD))
+            for k, x_kBLD in enumerate(sown["mtp"], start=1)])
         objective = objective + mtp.mtp_loss(model_cfg, aux["mtp"])
     return objective, aux
 
