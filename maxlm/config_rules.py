@@ -125,6 +125,17 @@ def _check_experts(c) -> None:
         m.expert_mlp_dim = m.mlp_dim
 
 
+def _check_mtp(c) -> None:
+    """Multi-token prediction against the pipeline and the rows' length."""
+    depth = c.model.mtp_depth
+    if depth and c.mesh.stage > 1:
+        raise ConfigError(f"model.mtp_depth={depth} with mesh.stage={c.mesh.stage}: the pipeline does not run "
+                          "the multi-token prediction modules; use mesh.stage=1 or model.mtp_depth=0")
+    if depth >= c.seq_len:
+        raise ConfigError(f"model.mtp_depth={depth} must be less than seq_len={c.seq_len}: depth k predicts the "
+                          "token k + 1 ahead, which must be in the row")
+
+
 def check_model_and_optim(c) -> None:
     """Cross-field rules within the model and optimizer; fills model.head_dim, optim.decay_steps."""
     m = c.model
@@ -162,6 +173,7 @@ def check_model_and_optim(c) -> None:
         m.head_dim = m.d_model // m.num_heads
     _check_positions(c)
     _check_experts(c)
+    _check_mtp(c)
     if c.optim.warmup_steps > c.steps:
         raise ConfigError(f"optim.warmup_steps={c.optim.warmup_steps} is longer than steps={c.steps}")
     if c.optim.decay_steps == 0:

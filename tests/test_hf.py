@@ -90,6 +90,19 @@ def test_export_logits_equal_transformers(tmp_path, tied):
     assert np.abs(ours).max() > 0.5  # logits far from zero: the comparison means something
 
 
+def test_export_leaves_out_the_mtp_modules_with_one_line_and_import_refuses_them(tmp_path, capsys):
+    """The multi-token prediction modules have no place in transformers' Llama: the export is the
+    main model's, said once; starting an MTP run from a Llama checkpoint is refused (exit 2)."""
+    cfg, plain = _cfg({"model.mtp_depth": 2}), _cfg()
+    params = random_params(cfg.model)
+    hf.export(params, cfg, str(tmp_path))
+    assert capsys.readouterr().err.count("leaves out the 2 multi-token prediction module(s)") == 1
+    main = {k: v for k, v in params.items() if not k.startswith("mtp_")}
+    _assert_bitwise_equal(hf.load_params(str(tmp_path), plain.model, _abstract(plain)), main)
+    with pytest.raises(config_lib.ConfigError, match=r"init_from_hf=.* with model.mtp_depth=2: .* model.mtp_depth=0"):
+        hf.check_init_from_hf(with_overrides(cfg, {"checkpoint.init_from_hf": str(tmp_path)}))
+
+
 # ----------------------------------------------------------------------------- import
 
 

@@ -64,6 +64,8 @@ def check_expressible(cfg, target: str = "") -> None:
         "model.logits_chunk_size on CPU (a TPU plan maps it to MaxText's vocabulary tiling)":
             on_cpu and m.logits_chunk_size,
         "model.dtype='float16' (maxlm's loss scaling has no MaxText counterpart)": m.dtype == "float16",
+        "model.mtp_depth > 0 (MaxText's mtp_num_layers is not mapped: its MTP layers are the decoder's own type)":
+            m.mtp_depth,
         f"model.attention={m.attention!r} (on CPU: xla)": on_cpu and m.attention not in ("auto", "xla"),
         f"optim.name={o.name!r} (adamw only)": o.name != "adamw",
         "optim.grad_accum_steps > 1": o.grad_accum_steps != 1,

@@ -193,6 +193,10 @@ def check_init_from_hf(cfg) -> None:
             f"checkpoint.init_from_hf={ckpt.init_from_hf} and checkpoint.restore_from="
             f"{ckpt.restore_from} are both set; a run starts from one of them")
     architecture(cfg.model, f"checkpoint.init_from_hf={ckpt.init_from_hf}")
+    if cfg.model.mtp_depth:
+        raise config_lib.ConfigError(
+            f"checkpoint.init_from_hf={ckpt.init_from_hf} with model.mtp_depth={cfg.model.mtp_depth}: a Llama "
+            "checkpoint holds no multi-token prediction modules to start them from; set model.mtp_depth=0")
     checked_dir(ckpt.init_from_hf, cfg.model)
 
 
@@ -396,6 +400,9 @@ def export(params, cfg, out: str, dtype: str = "float32",
     if m.d_model % m.num_heads:
         console.warn(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}: "
                  "the weights are right, but transformers' LlamaConfig rejects such a config")
+    if m.mtp_depth:  # as DeepSeek-V3's own HF model does, which runs without its MTP module
+        console.warn(f"the export leaves out the {m.mtp_depth} multi-token prediction module(s) (mtp_*): "
+                     "transformers' Llama has none; the main model is exported whole")
     if jax.process_index() == 0:
         os.makedirs(out, exist_ok=True)
     files = write_weights(params, m, out, dtype, max_shard_bytes)

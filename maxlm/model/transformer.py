@@ -29,7 +29,7 @@ import ml_collections
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm.model import attention, backward_order, fp8, head, moe, positions
+from maxlm.model import attention, backward_order, fp8, head, moe, mtp, positions
 
 Batch = dict[str, jax.Array]
 
@@ -203,7 +203,10 @@ class Transformer(nn.Module):
     cfg: Any
 
     @nn.compact
-    def __call__(self, tokens_BL, segment_ids_BL, positions_BL):
+    def __call__(self, tokens_BL, segment_ids_BL, positions_BL, targets_BL=None):
+        """The final-normed hidden states; given the batch's `targets_BL`, a model with
+        `model.mtp_depth` also runs its multi-token prediction modules and sows their final-normed
+        states as "mtp", depth 1 first (maxlm/model/mtp.py)."""
         cfg = self.cfg
         dtype = compute_dtype(cfg)
         embed_VD = _param(self, "embed", _normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
@@ -242,12 +245,20 @@ class Transformer(nn.Module):
             self.sow("intermediates", "router_stats", jax.tree.map(lambda *a: jnp.concatenate(a), *router_stats))
         if not cfg.tie_embeddings:  # declared here so init creates it; used by `head_weights`
             _param(self, "head", _normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
-        return RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BLD)
+        final_norm = RMSNorm(cfg.norm_eps, dtype, name="final_norm")  # shared by the MTP modules' heads
+        if targets_BL is not None:  # multi-token prediction, h^0 the trunk's output before the final norm
+            h_BLD = x_BLD
+            for k in range(1, cfg.mtp_depth + 1):
+                h_BLD = mtp.Depth(cfg, block, RMSNorm, name=f"mtp_{k - 1}")(
+                    h_BLD, embed(embed_VD, mtp.input_tokens(targets_BL, k), dtype), positions_BL, mask_B1LS,
+                    segment_ids_BL)
+                self.sow("intermediates", "mtp", final_norm(h_BLD))
+        return final_norm(x_BLD)
 
 
 def _dummy_inputs(length: int = 8):
     ids = jnp.zeros((1, length), jnp.int32)
-    return ids, jnp.ones_like(ids), jnp.arange(length, dtype=jnp.int32)[None]
+    return ids, jnp.ones_like(ids), jnp.arange(length, dtype=jnp.int32)[None], ids  # targets: MTP's params too
 
 
 def _scanned(model_cfg):
@@ -287,13 +298,23 @@ def forward(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict | None]:
     """(the final-normed hidden states [B, L, D] (compute dtype) of a packed batch, the router
     statistics of an MoE model stacked over its MoE layers (maxlm/model/moe.py), else None);
     pipelined over the mesh's `stage` axis when it has one of size > 1 (same numbers)."""
+    x_BLD, sown = forward_intermediates(model_cfg, params, batch, with_mtp=False)
+    return x_BLD, sown.get("router_stats")
+
+
+def forward_intermediates(model_cfg, params, batch: Batch, with_mtp: bool) -> tuple[jax.Array, dict]:
+    """`forward`'s hidden states, and what the network sowed: "router_stats" (`forward`'s) and,
+    `with_mtp`, the multi-token prediction modules' final-normed states "mtp" (a tuple, depth 1
+    first; none without `model.mtp_depth`)."""
     if pipeline_stages() > 1:
-        return pipelined_hidden_states(model_cfg, params, batch, pipeline_stages()), None
+        return pipelined_hidden_states(model_cfg, params, batch, pipeline_stages()), {}
     x_BLD, sown = Transformer(model_cfg).apply(
-        {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"], mutable=["intermediates"]
-    )
-    router_stats = sown.get("intermediates", {}).get("router_stats")
-    return x_BLD, (router_stats[0] if router_stats else None)
+        {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"],
+        batch["targets"] if with_mtp else None, mutable=["intermediates"])
+    sown = dict(sown.get("intermediates", {}))
+    if "router_stats" in sown:  # sown once
+        sown["router_stats"] = sown["router_stats"][0]
+    return x_BLD, sown
 
 
 def hidden_states(model_cfg, params, batch: Batch) -> jax.Array:
@@ -457,8 +478,10 @@ def loss_fn(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict]:
     {"num_tokens", "cross_entropy"} (the plain next-token loss, what `loss` reports), with an MoE
     model's "router" statistics (`aux_loss`, `z_loss`, `dropped` averaged over its MoE layers,
     `load_max`: the busiest expert's tokens over the mean, in any layer; `layers`: `forward`'s
-    per-layer ones, [MoE layers, ...], for the per-layer metrics and the balancing bias)."""
-    x_BLD, router_stats = forward(model_cfg, params, batch)
+    per-layer ones, [MoE layers, ...], for the per-layer metrics and the balancing bias) and with
+    `model.mtp_depth` "mtp": each depth's mean cross-entropy [D] (maxlm/model/mtp.py)."""
+    x_BLD, sown = forward_intermediates(model_cfg, params, batch, with_mtp=True)
+    router_stats = sown.get("router_stats")
     per_token = token_losses(model_cfg, params, batch, x_BLD)
     weights_BL = per_token["weights"]
     num_tokens = weights_BL.sum()
@@ -472,6 +495,11 @@ def loss_fn(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict]:
         aux["router"] = {name: router_stats["load_E"].max() if name == "load_max" else layers_mean[name]
                          for name in moe.ROUTER_METRICS}
         aux["router"]["layers"] = router_stats
+    if "mtp" in sown:  # multi-token prediction: each depth's plain cross-entropy over the tokens it counts
+        aux["mtp"] = jnp.stack([
+            mtp.mean_cross_entropy(token_losses(model_cfg, params, mtp.depth_batch(batch, k), x_kBLD))
+            for k, x_kBLD in enumerate(sown["mtp"], start=1)])
+        objective = objective + mtp.mtp_loss(model_cfg, aux["mtp"])
     return objective, aux
 
 
@@ -486,7 +514,8 @@ def count_params(model_cfg) -> int:
               + (model_cfg.num_layers - dense) * (attention_and_norms + moe.expert_params(model_cfg)))
     head = 0 if model_cfg.tie_embeddings else D * V
     position_table = model_cfg.max_positions * D if model_cfg.positions == "learned" else 0
-    return V * D + position_table + layers + D + head
+    mtp_modules = model_cfg.mtp_depth * (attention_and_norms + 3 * D * F) + mtp.module_params(model_cfg)  # dense blocks
+    return V * D + position_table + layers + D + head + mtp_modules
 
 
 def active_params(model_cfg) -> int:

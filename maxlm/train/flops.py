@@ -18,6 +18,10 @@ FLOPs convention (read this before comparing MFU numbers):
   MFU numbers for the same run come out higher than ours.
 * The LM head (2*d*V per token) is counted whether or not it shares its
   weights with the embedding table: tying saves parameters, not FLOPs.
+* Multi-token prediction (`model.mtp_depth` = D, maxlm/model/mtp.py) adds per
+  depth its [2d, d] projection ("mtp_proj"), one dense layer (in the layer
+  parts: the remat policy recomputes it as it does the trunk's) and one more
+  LM head.
 
 With those rules the non-attention part of a training step is exactly
 6 x (matmul parameters), where matmul parameters are every parameter except
@@ -56,24 +60,27 @@ def _head_dim(model_cfg) -> int:
 
 
 def _mlp_flops(model_cfg) -> int:
-    """Forward MLP FLOPs per token over the layers: gate, up and down of the dense SwiGLUs; in
-    MoE layers those of the *active* experts (the K routed ones, the shared ones) and the router."""
+    """Forward MLP FLOPs per token over the layers: gate, up and down of the dense SwiGLUs (the
+    multi-token prediction modules' too); in MoE layers those of the *active* experts (the K
+    routed ones, the shared ones) and the router."""
     m = model_cfg
     dense = moe.dense_layers(m)
     per_moe_layer = 2 * (m.d_model * m.num_experts + 3 * m.d_model * m.expert_mlp_dim * (m.experts_per_token + m.shared_experts))
-    return dense * 3 * 2 * m.d_model * m.mlp_dim + (m.num_layers - dense) * per_moe_layer
+    return (dense + m.mtp_depth) * 3 * 2 * m.d_model * m.mlp_dim + (m.num_layers - dense) * per_moe_layer
 
 
 def forward_flops_breakdown(model_cfg, seq_len: int) -> dict[str, float]:
     """Forward-pass FLOPs per token, summed over layers, by component.
 
     Keys: q_proj, kv_proj, out_proj, mlp, attention (causal, halved), lm_head,
-    total. See the module docstring for what is and is not counted.
+    mtp_proj, total. The layer parts and lm_head include the multi-token prediction
+    modules' (`model.mtp_depth`). See the module docstring for what is and is not counted.
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    d, V = model_cfg.d_model, model_cfg.vocab_size
-    H, K, L = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.num_layers
+    d, V, depth = model_cfg.d_model, model_cfg.vocab_size, model_cfg.mtp_depth
+    H, K = model_cfg.num_heads, model_cfg.num_kv_heads
+    L = model_cfg.num_layers + depth  # each MTP module runs one layer
     if H % K:
         raise ValueError(f"num_heads ({H}) must be a multiple of num_kv_heads ({K})")
     Dh, T = _head_dim(model_cfg), int(seq_len)
@@ -85,7 +92,8 @@ def forward_flops_breakdown(model_cfg, seq_len: int) -> dict[str, float]:
         "mlp": _mlp_flops(model_cfg),
         # QK^T and AV: 2*2*T*H*Dh per token, halved for the causal mask.
         "attention": L * (2 * 2 * T * H * Dh) // 2,
-        "lm_head": 2 * d * V,
+        "lm_head": (1 + depth) * 2 * d * V,
+        "mtp_proj": depth * 2 * 2 * d * d,
     }
     parts["total"] = sum(parts.values())
     return {name: float(flops) for name, flops in parts.items()}

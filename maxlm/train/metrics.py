@@ -61,6 +61,7 @@ TENSORBOARD_TAGS = {
     "moe_load_max": "moe/load_max",
     "moe_dropped": "moe/dropped",
     "moe_bias_spread": "moe/bias_spread",
+    "mtp_loss": "mtp/loss",  # and each depth's mtp/loss_k, named so in metrics.jsonl too
     "eval_loss": "eval/loss",
     "eval_perplexity": "eval/perplexity",
     "tokens_per_sec": "perf/tokens_per_sec",

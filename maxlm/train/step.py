@@ -30,7 +30,9 @@ def loss_and_grads(cfg, params, batch, scale=None):
     (B/n rows, `model.microbatches`) at a time, so activations scale with the microbatch. The loss
     is a mean over the batch's non-padding tokens, so each microbatch's mean loss and gradients are
     weighted by its token count and the sums divided by the batch's: the result equals the
-    large-batch step (up to float summation order), however unevenly padding falls.
+    large-batch step (up to float summation order), however unevenly padding falls. (The router's
+    and the multi-token prediction's terms, means over their own counts, are weighted alike: the
+    large-batch values where those counts split as the tokens do, close to them otherwise.)
 
     With a loss `scale` (float16 compute, see maxlm/train/loss_scale.py) each microbatch's objective is
     multiplied by it before differentiating and the summed gradients divided by it in float32: the
@@ -52,6 +54,7 @@ def loss_and_grads(cfg, params, batch, scale=None):
         w = aux_i["num_tokens"]  # the microbatch's mean × its tokens = its loss sum
         sums = {"loss": loss_i * w, "cross_entropy": aux_i["cross_entropy"] * w, "num_tokens": w,
                 "router": jax.tree.map(lambda v: v * w, aux_i.get("router", {})),
+                "mtp": aux_i.get("mtp", mtp_zeros) * w,
                 "grads": jax.tree.map(lambda g: g * w, grads_i)}
         return jax.tree.map(jnp.add, carry, sums), None
 
@@ -61,7 +64,8 @@ def loss_and_grads(cfg, params, batch, scale=None):
     # the router statistics' shapes (scalars, and per MoE layer) as one microbatch's aux has them
     aux_shapes = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], micro))[1]
     router = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes.get("router", {}))
-    init = {"loss": zero, "cross_entropy": zero, "num_tokens": zero, "router": router,
+    mtp_zeros = jnp.zeros((cfg.model.mtp_depth,), jnp.float32)  # each depth's cross-entropy
+    init = {"loss": zero, "cross_entropy": zero, "num_tokens": zero, "router": router, "mtp": mtp_zeros,
             "grads": jax.tree.map(jnp.zeros_like, params)}
     sums, _ = jax.lax.scan(body, init, micro)
     denom = jnp.maximum(sums["num_tokens"], 1.0)
@@ -69,6 +73,8 @@ def loss_and_grads(cfg, params, batch, scale=None):
     aux = {"num_tokens": sums["num_tokens"], "cross_entropy": sums["cross_entropy"] / denom}
     if router:  # the microbatches' router statistics, weighted by their tokens
         aux["router"] = jax.tree.map(lambda v: v / denom, sums["router"])
+    if cfg.model.mtp_depth:  # and the multi-token prediction losses, alike
+        aux["mtp"] = sums["mtp"] / denom
     return (sums["loss"] / denom, aux), unscale(grads)
 
 
@@ -138,6 +144,7 @@ def train_step(cfg, tx, schedule, state: State, batch, lr_scale, inject_nan=None
         "applied": ok.astype(jnp.int32),  # 0: skipped (non-finite, or a float16 overflow)
         # an MoE model's router: moe_aux_loss, moe_load_max, ..., and per layer moe/layer_NN/...
         **router_metrics.of_step(cfg.model, aux.get("router"), params),
+        **(model.mtp.metrics(aux["mtp"]) if "mtp" in aux else {}),  # mtp_loss (and mtp/loss_k) with model.mtp_depth
     }
     if scale is not None:
         new_state.update(loss_scale.update(cfg.optim, state, grads_finite, applied=ok))
