@@ -48,9 +48,9 @@ def reference():
     "overrides, message",
     [
         ({"optim.grad_accum_steps": 3},
-         "batch_size=8 must be divisible by optim.grad_accum_steps x mesh.data x mesh.fsdp = 3 x 2 x 2 = 12"),
+         "batch_size=8 must be divisible by optim.grad_accum_steps x mesh.data x mesh.fsdp x mesh.expert = 3 x 2 x 2 x 1 = 12"),
         ({"optim.grad_accum_steps": 4},
-         "batch_size=8 must be divisible by optim.grad_accum_steps x mesh.data x mesh.fsdp = 4 x 2 x 2 = 16"),
+         "batch_size=8 must be divisible by optim.grad_accum_steps x mesh.data x mesh.fsdp x mesh.expert = 4 x 2 x 2 x 1 = 16"),
         ({"optim.grad_accum_steps": 0}, "optim.grad_accum_steps must be a positive int, got 0"),
         ({"optim.mu_dtype": "float16"}, "optim.mu_dtype must be one of"),
     ],
