@@ -109,7 +109,7 @@ def test_to_json_round_trips():
 @pytest.mark.parametrize(
     "flag, expected",
     [
-        ("--config.mesh.data=3", "mesh stage=1 x data=3 x fsdp=1 x sequence=1 x tensor=1 has 3 devices"),
+        ("--config.mesh.data=3", "mesh stage=1 x data=3 x fsdp=1 x expert=1 x sequence=1 x tensor=1 has 3 devices"),
         ("--config.optim.lr=-1", "optim.lr must be a positive finite number, got -1"),
         ("--config.model.num_kv_heads=3", "model.num_heads=4 must be divisible by model.num_kv_heads=3"),
         ("--config.model.nope=3", "unknown config key 'nope'"),

@@ -164,7 +164,7 @@ def test_plan_reports_memory():
     none, full, zero1 = plan("none"), plan("full"), plan("none", shard_state_over_data=True)
     assert {"params", "opt_state", "batch", "temp", "peak"} <= set(none["bytes_per_device"])
     assert {"remat", "mesh", "dtype", "fits", "device_memory_bytes"} <= set(none)
-    assert none["remat"] == "none" and none["mesh"] == {"stage": 1, "data": 8, "fsdp": 1, "sequence": 1, "tensor": 1}
+    assert none["remat"] == "none" and none["mesh"] == {"stage": 1, "data": 8, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
     cfg = config_lib.resolve(load_config("tiny"), 8)
     n_params = loop.model.count_params(cfg.model)
     assert none["bytes_per_device"]["params"] == 4 * n_params  # replicated over data

@@ -1,7 +1,12 @@
 """Expert parallelism: an MoE layer's experts split over the mesh's `expert` axis, n devices each
 holding E/n of them, and the tokens taken to their experts' devices and back.
 
-    out_BLD, dropped = experts(x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, capacity, dtype)
+    out_BLD = dropless(moe.dropless, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
+    out_BLD = with_capacity(moe.dispatch_masks, moe.buffered_experts, x_BLD, experts_BLK, gates_BLK,
+                            position_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, capacity, dtype)
+
+moe.py's layer calls these with its own functions for the local compute (this module imports
+nothing of moe.py's), so a change to the single-device compute reaches both paths.
 
 The routing (router matmul, top-k, the aux and z statistics, the capacity queue positions) stays
 in the layer's ordinary GSPMD code, so its statistics are global: the 1-device numbers. Only the
@@ -37,7 +42,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from maxlm.model import moe
 
 
 def _axes(logical: str, split_only: bool = False) -> tuple[str, ...]:
@@ -68,32 +72,39 @@ def active(x_BLD) -> bool:
     return B % _devices(_axes("batch")) == 0 and L % _devices(_axes("length")) == 0
 
 
-def experts(x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, capacity: int, dtype):
-    """`moe.dropless` (capacity 0) or `moe.with_capacity` with the experts split over the mesh's
-    expert axes: ([B, L, D] in `dtype`, the dropped fraction)."""
-    ep, batch, length = _axes("experts", split_only=True), _axes("batch"), _axes("length")
+def _specs():
+    """(expert axes, tensor axes, the tokens' spec, w_gate/w_up's spec, w_down's spec) under the
+    active rules."""
+    ep, batch, tensor = _axes("experts", split_only=True), _axes("batch"), _axes("mlp", split_only=True)
     if not set(ep) <= set(batch):
         raise ValueError(f"mesh.rules: the batch must be split over the experts' mesh axes {ep} (it is over "
                          f"{batch}): each device sends its own tokens to the experts")
-    tensor = _axes("mlp", split_only=True)
-    tokens = PartitionSpec(_entry(batch), _entry(length), None)
-    w_in, w_out = PartitionSpec(_entry(ep), None, _entry(tensor)), PartitionSpec(_entry(ep), _entry(tensor), None)
-    weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
-    if not capacity:
-        local = functools.partial(_dropless_local, ep=ep, tensor=tensor, dtype=dtype)
-        out_BLD = jax.shard_map(local, in_specs=(tokens,) * 3 + (w_in, w_in, w_out), out_specs=tokens)(
-            x_BLD, experts_BLK, gates_BLK, *weights)
-        return out_BLD, jnp.zeros((), jnp.float32)
-    E = w_gate_EDF.shape[0]
-    position_BLK = moe.dispatch_positions(experts_BLK, E)  # each sequence's whole queue: GSPMD, global
-    local = functools.partial(_capacity_local, num_experts=E, capacity=capacity, ep=ep, tensor=tensor,
-                              length=_axes("length", split_only=True), dtype=dtype)
-    out_BLD = jax.shard_map(local, in_specs=(tokens,) * 4 + (w_in, w_in, w_out), out_specs=tokens)(
-        x_BLD, experts_BLK, gates_BLK, position_BLK, *weights)
-    return out_BLD, moe.dropped_fraction(position_BLK, capacity)
+    tokens = PartitionSpec(_entry(batch), _entry(_axes("length")), None)
+    return ep, tensor, tokens, PartitionSpec(_entry(ep), None, _entry(tensor)), PartitionSpec(_entry(ep), _entry(tensor), None)
 
 
-def _dropless_local(x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, *, ep, tensor, dtype):
+def dropless(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
+    """`compute` (`moe.dropless`) with the experts split over the mesh's expert axes: [B, L, D]."""
+    ep, tensor, tokens, w_in, w_out = _specs()
+    local = functools.partial(_dropless_local, compute, ep=ep, tensor=tensor, dtype=dtype)
+    return jax.shard_map(local, in_specs=(tokens,) * 3 + (w_in, w_in, w_out), out_specs=tokens)(
+        x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
+
+
+def with_capacity(dispatch_masks, compute, x_BLD, experts_BLK, gates_BLK, position_BLK, w_gate_EDF, w_up_EDF,
+                  w_down_EFD, capacity: int, dtype):
+    """`moe.with_capacity` with the experts split over the mesh's expert axes: [B, L, D].
+    `position_BLK`: each slot's place in its sequence's queue (GSPMD code, over whole rows);
+    `dispatch_masks`, `compute`: `moe.dispatch_masks` and `moe.buffered_experts`."""
+    ep, tensor, tokens, w_in, w_out = _specs()
+    local = functools.partial(_capacity_local, dispatch_masks, compute, num_experts=w_gate_EDF.shape[0],
+                              capacity=capacity, ep=ep, tensor=tensor, length=_axes("length", split_only=True),
+                              dtype=dtype)
+    return jax.shard_map(local, in_specs=(tokens,) * 4 + (w_in, w_in, w_out), out_specs=tokens)(
+        x_BLD, experts_BLK, gates_BLK, position_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
+
+
+def _dropless_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, *, ep, tensor, dtype):
     """One device: its E/n experts (the weights' shards) on every slot routed to them among the
     tokens of its `ep` group; returns its own tokens' outputs, summed over the group."""
     B, L, D = x_BLD.shape
@@ -110,7 +121,7 @@ def _dropless_local(x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_
     order_M = order_N[:M]
     mine_M = local_N[order_M] < E_local
     gates_M = jnp.where(mine_M, gates_TK.reshape(-1)[order_M], 0.0)
-    y_MD = moe.dropless(x_TD[order_M // K], local_N[order_M][:, None], gates_M[:, None],
+    y_MD = compute(x_TD[order_M // K], local_N[order_M][:, None], gates_M[:, None],
                         w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
     y_MD = jnp.where(mine_M[:, None], y_MD, 0)  # rows past the local slots: whatever the matmul left
     # each slot's row is its rank in the sort; a rank of M or more is another device's slot: 0
@@ -122,11 +133,11 @@ def _dropless_local(x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_
     return out_TD.astype(dtype).reshape(B, L, D)
 
 
-def _capacity_local(x_BLD, experts_BLK, gates_BLK, position_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
+def _capacity_local(dispatch_masks, compute, x_BLD, experts_BLK, gates_BLK, position_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
                     num_experts, capacity, ep, tensor, length, dtype):
     """One device: its tokens' buffers to the experts' devices (all-to-all), its E/n experts on
     the buffers it receives, and the outputs back (all-to-all); returns its own tokens' outputs."""
-    dispatch_BLEC, combine_BLEC = moe.dispatch_masks(experts_BLK, gates_BLK, position_BLK, num_experts,
+    dispatch_BLEC, combine_BLEC = dispatch_masks(experts_BLK, gates_BLK, position_BLK, num_experts,
                                                      capacity, dtype)
     x_BECD = jnp.einsum("blec,bld->becd", dispatch_BLEC, x_BLD.astype(dtype))
     if length:  # this device filled its own tokens' slots of its rows: join the rows' shards, C/s each
@@ -135,7 +146,7 @@ def _capacity_local(x_BLD, experts_BLK, gates_BLK, position_BLK, w_gate_EDF, w_u
         x_BECD = jnp.pad(x_BECD, ((0, 0), (0, 0), (0, padded - capacity), (0, 0)))
         x_BECD = jax.lax.psum_scatter(x_BECD, length, scatter_dimension=2, tiled=True)
     x_BECD = jax.lax.all_to_all(x_BECD, ep, split_axis=1, concat_axis=0, tiled=True)  # [n·B, E/n, C, D]
-    y_BECD = moe.buffered_experts(x_BECD, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
+    y_BECD = compute(x_BECD, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
     if tensor:  # each device computed its slice of the hidden units
         y_BECD = jax.lax.psum(y_BECD, tensor)
     y_BECD = jax.lax.all_to_all(y_BECD, ep, split_axis=0, concat_axis=1, tiled=True)  # [B, E, C, D]

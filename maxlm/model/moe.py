@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.config_rules import LOAD_BALANCE, ROUTERS  # noqa: F401  (the choices, as moe.ROUTERS)
+from maxlm.model import expert_parallel
 
 
 def _dtype(model_cfg):
@@ -191,6 +192,18 @@ def with_capacity(x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EF
     return out_BLD.astype(dtype), dropped_fraction(position_BLK, capacity)
 
 
+def _expert_parallel(x_BLD, experts_BLK, gates_BLK, weights, capacity: int, dtype):
+    """`dropless` (capacity 0) or `with_capacity` with the experts split over the mesh's expert
+    axis (maxlm/model/expert_parallel.py), the same numbers: ([B, L, D] in `dtype`, dropped)."""
+    if not capacity:
+        return expert_parallel.dropless(dropless, x_BLD, experts_BLK, gates_BLK, *weights, dtype), \
+            jnp.zeros((), jnp.float32)
+    position_BLK = dispatch_positions(experts_BLK, weights[0].shape[0])  # whole sequences' queues: GSPMD
+    out_BLD = expert_parallel.with_capacity(dispatch_masks, buffered_experts, x_BLD, experts_BLK, gates_BLK,
+                                            position_BLK, *weights, capacity, dtype)
+    return out_BLD, dropped_fraction(position_BLK, capacity)
+
+
 def reference(x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
     """Every expert on every token ([E, T, F]), weighted by the chosen experts' gates (0 for the
     others): E/K times the work, no sorting or dispatch to get wrong. The tests' ground truth."""
@@ -239,9 +252,8 @@ class MoE(nn.Module):
         experts_BLK, gates_BLK = experts_TK.reshape(B, L, -1), gates_TK.reshape(B, L, -1)
         weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
         C = capacity(cfg, L) if cfg.capacity_factor else 0
-        from maxlm.model import expert_parallel  # built on this module's functions: imported here, no cycle
         if expert_parallel.active(x_BLD):  # experts split over the mesh's expert axis: tokens travel to them
-            out_BLD, dropped = expert_parallel.experts(x_BLD, experts_BLK, gates_BLK, *weights, C, dtype)
+            out_BLD, dropped = _expert_parallel(x_BLD, experts_BLK, gates_BLK, weights, C, dtype)
             out_TD = out_BLD.reshape(B * L, D)
         elif C:
             out_BLD, dropped = with_capacity(x_BLD, experts_BLK, gates_BLK, *weights, C, dtype)
