@@ -3,6 +3,10 @@ fake CPU devices with its experts split over the expert axis gives the 1-device 
 and with capacity, alone and with fsdp, tensor, sequence, accumulation and remat; the compiled
 step really exchanges the tokens; each device holds its share of the experts; the config errors."""
 
+import shutil
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -10,7 +14,8 @@ import pytest
 from maxlm import config as config_lib, model
 from maxlm.errors import ConfigError
 from maxlm.train import mesh as mesh_lib
-from tests.helpers import load_config, packed_batch, synthetic_batch, train_metrics, with_overrides
+from tests.helpers import (ROOT, command_env, load_config, metrics_rows, packed_batch, saved_state, synthetic_batch,
+                           train_metrics, train_rows, with_overrides)
 
 STEPS = 20
 E = 8
@@ -98,6 +103,34 @@ def test_the_compiled_layer_sends_the_tokens_to_their_experts(factor):
     else:  # the 4 devices' tokens gathered, [4·16, D], and their outputs reduce-scattered back
         assert collective(hlo, "all-gather", f"f32[{4 * tokens},{D}]")
         assert collective(hlo, "reduce-scatter", f"f32[{tokens},{D}]")
+
+
+@pytest.mark.ci  # three CLI runs
+def test_the_cli_trains_with_expert_parallelism_and_resumes_bitwise(tmp_path, data_dirs):
+    """Issue 31's command on 8 CPU devices, eval, checkpoints and TensorBoard on; a copy of the run
+    without its last checkpoint resumes from the one before to the same losses and state."""
+    flags = ["--config=configs/tiny.py", "--config.model.num_experts=8", "--config.mesh.expert=4",
+             "--config.mesh.data=2", "--config.steps=10", "--config.checkpoint.every_steps=5",
+             "--config.eval.every_steps=5", "--config.log_every_steps=1", "--config.optim.warmup_steps=2",
+             *(f"--config.{k}={v}" for k, v in data_dirs.items())]
+
+    def train(workdir):
+        result = subprocess.run([sys.executable, "-m", "maxlm.train", f"--workdir={workdir}", *flags], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300, env=command_env(tmp_path))
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train(whole)
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "10")
+    train(resumed)
+    got, want = train_rows(resumed), train_rows(whole)
+    assert [got[s]["loss"] for s in range(1, 11)] == [want[s]["loss"] for s in range(1, 11)]
+    assert want[10]["loss"] < want[1]["loss"]
+    assert [r["step"] for r in metrics_rows(whole) if "eval_loss" in r] == [5, 10]
+    assert list(whole.glob("events.out.tfevents.*"))
+    same = jax.tree.map(np.array_equal, saved_state(whole, 10), saved_state(resumed, 10))
+    assert jax.tree.all(same)
 
 
 # ----------------------------------------------------------------------------- config errors
