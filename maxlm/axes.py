@@ -167,9 +167,9 @@ def _check_pipeline(c, mesh):
     m.attention = "xla"  # what "auto" means in the pipeline
     shards = c.optim.grad_accum_steps * micro * math.prod(mesh[a] for a in BATCH_AXES)
     if c.batch_size % shards:
+        factors = {"optim.grad_accum_steps": c.optim.grad_accum_steps, "model.pipeline_microbatches": micro}
         raise ConfigError(
-            f"batch_size={c.batch_size} must be divisible by "
-            f"{_product(mesh, {"optim.grad_accum_steps": c.optim.grad_accum_steps, "model.pipeline_microbatches": micro})} "
+            f"batch_size={c.batch_size} must be divisible by {_product(mesh, factors)} "
             "(each pipeline microbatch is split evenly over the data-parallel devices)"
         )
 

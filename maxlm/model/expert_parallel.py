@@ -43,7 +43,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 
-
 def _axes(logical: str, split_only: bool = False) -> tuple[str, ...]:
     """The mesh axes the active rules give `logical` (`split_only`: those of more than one device)."""
     axes = nn.logical_to_mesh_axes((logical,))[0]
@@ -62,7 +61,7 @@ def _devices(axes: tuple[str, ...]) -> int:
 
 
 def active(x_BLD) -> bool:
-    """Whether `experts` runs here: a mesh is active, the `experts` rule maps onto axes of more
+    """Whether the split path runs here: a mesh is active, the `experts` rule maps onto axes of more
     than one device, and the tokens split evenly over the `batch` and `length` rules' axes. (Not
     so for init's one dummy row or a small generation batch: GSPMD's unsplit path then runs the
     layer, the same numbers.)"""
@@ -80,7 +79,8 @@ def _specs():
         raise ValueError(f"mesh.rules: the batch must be split over the experts' mesh axes {ep} (it is over "
                          f"{batch}): each device sends its own tokens to the experts")
     tokens = PartitionSpec(_entry(batch), _entry(_axes("length")), None)
-    return ep, tensor, tokens, PartitionSpec(_entry(ep), None, _entry(tensor)), PartitionSpec(_entry(ep), _entry(tensor), None)
+    w_in, w_out = PartitionSpec(_entry(ep), None, _entry(tensor)), PartitionSpec(_entry(ep), _entry(tensor), None)
+    return ep, tensor, tokens, w_in, w_out
 
 
 def dropless(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
@@ -104,7 +104,8 @@ def with_capacity(dispatch_masks, compute, x_BLD, experts_BLK, gates_BLK, positi
         x_BLD, experts_BLK, gates_BLK, position_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
-def _dropless_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, *, ep, tensor, dtype):
+def _dropless_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, *, ep, tensor,
+                    dtype):
     """One device: its E/n experts (the weights' shards) on every slot routed to them among the
     tokens of its `ep` group; returns its own tokens' outputs, summed over the group."""
     B, L, D = x_BLD.shape
@@ -122,7 +123,7 @@ def _dropless_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF
     mine_M = local_N[order_M] < E_local
     gates_M = jnp.where(mine_M, gates_TK.reshape(-1)[order_M], 0.0)
     y_MD = compute(x_TD[order_M // K], local_N[order_M][:, None], gates_M[:, None],
-                        w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
+                   w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
     y_MD = jnp.where(mine_M[:, None], y_MD, 0)  # rows past the local slots: whatever the matmul left
     # each slot's row is its rank in the sort; a rank of M or more is another device's slot: 0
     y_ND = y_MD.astype(jnp.float32).at[jnp.argsort(order_N)].get(mode="fill", fill_value=0.0)
@@ -133,12 +134,11 @@ def _dropless_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF
     return out_TD.astype(dtype).reshape(B, L, D)
 
 
-def _capacity_local(dispatch_masks, compute, x_BLD, experts_BLK, gates_BLK, position_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
-                    num_experts, capacity, ep, tensor, length, dtype):
+def _capacity_local(dispatch_masks, compute, x_BLD, experts_BLK, gates_BLK, position_BLK, w_gate_EDF, w_up_EDF,
+                    w_down_EFD, *, num_experts, capacity, ep, tensor, length, dtype):
     """One device: its tokens' buffers to the experts' devices (all-to-all), its E/n experts on
     the buffers it receives, and the outputs back (all-to-all); returns its own tokens' outputs."""
-    dispatch_BLEC, combine_BLEC = dispatch_masks(experts_BLK, gates_BLK, position_BLK, num_experts,
-                                                     capacity, dtype)
+    dispatch_BLEC, combine_BLEC = dispatch_masks(experts_BLK, gates_BLK, position_BLK, num_experts, capacity, dtype)
     x_BECD = jnp.einsum("blec,bld->becd", dispatch_BLEC, x_BLD.astype(dtype))
     if length:  # this device filled its own tokens' slots of its rows: join the rows' shards, C/s each
         shards = _devices(length)
