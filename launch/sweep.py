@@ -75,15 +75,16 @@ def load_base(path: str):
 def expand(grid) -> list[dict]:
     """Every combination of the grid's values, with "mesh" split into its axes: a 3-tuple is
     (data, fsdp, tensor), a 4-tuple (data, fsdp, sequence, tensor), a 5-tuple (stage, data, fsdp,
-    sequence, tensor); "mesh.sequence", "mesh.stage" may also be grid keys of their own."""
+    sequence, tensor), a 6-tuple all axes (stage, data, fsdp, expert, sequence, tensor);
+    "mesh.sequence", "mesh.stage", "mesh.expert" may also be grid keys of their own."""
     keys = list(grid)
     points = []
     for values in itertools.product(*(grid[k] for k in keys)):
         point = {}
         for key, value in zip(keys, values):
             if key == "mesh":
-                axes = {3: SWEEP_MESH_AXES, 4: ("data", "fsdp", "sequence", "tensor")}.get(
-                    len(value), config_lib.MESH_AXES)
+                axes = {3: SWEEP_MESH_AXES, 4: ("data", "fsdp", "sequence", "tensor"),
+                        5: ("stage", "data", "fsdp", "sequence", "tensor")}.get(len(value), config_lib.MESH_AXES)
                 point.update(zip((f"mesh.{a}" for a in axes), value))
             else:
                 point[key] = value

@@ -1,4 +1,4 @@
-"""The mesh's five axes, the logical-axis rules that map onto them, and the checks a config's
+"""The mesh's six axes, the logical-axis rules that map onto them, and the checks a config's
 mesh must pass (part of `config.resolve`) before anything is compiled.
 
 Plain data and arithmetic, no JAX: `maxlm/train/mesh.py` builds the jax Mesh from the resolved sizes.
@@ -13,7 +13,10 @@ from maxlm.errors import ConfigError
 # Logical axis names → mesh axes. Parameters and activations are annotated with the logical names
 # on the left; a mesh sweep edits this table (or the mesh sizes), never the model.
 DEFAULT_RULES = (
-    ("batch", ("data", "fsdp")),  # activations' batch dim: data parallel and fully-sharded DP
+    # activations' batch dim: data parallel, fully-sharded DP, and the expert axis, which outside the
+    # MoE layers is data parallelism too (MaxText's rule)
+    ("batch", ("data", "fsdp", "expert")),
+    ("experts", "expert"),  # MoE weights' experts dim: expert parallelism (maxlm/model/expert_parallel.py)
     ("embed", "fsdp"),  # weights' d_model dim: ZeRO-3 (weights, grads and Adam state sharded)
     ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),  # Megatron
     ("head_dim", None),
@@ -23,12 +26,17 @@ DEFAULT_RULES = (
     ("act_embed", None),  # activations' d_model dim stays whole: sharding it would add collectives
 )
 
-MESH_AXES = ("stage", "data", "fsdp", "sequence", "tensor")  # outermost (slowest links) first
-DCN_AXES = ("data", "fsdp")  # axes that may span granules: mesh.dcn_data, mesh.dcn_fsdp
+# Outermost (slowest links) first. `expert` sits inside data and fsdp: its all-gathers/all-to-alls
+# carry every MoE layer's tokens, forward and backward, on the critical path (fsdp's weight gathers
+# can overlap compute), so it belongs on ICI/NVLink within a slice or node; `sequence` and `tensor`,
+# whose collectives come with every attention block or matmul, stay innermost.
+MESH_AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
+DCN_AXES = ("data", "fsdp", "expert")  # axes that may span granules: mesh.dcn_data, dcn_fsdp, dcn_expert
+BATCH_AXES = ("data", "fsdp", "expert")  # the default rules' batch split: what batch_size must divide by
 
 
 def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
-    """Fills the one optional -1 so that stage × data × fsdp × sequence × tensor == num_devices
+    """Fills the one optional -1 so that stage × data × fsdp × expert × sequence × tensor == num_devices
     (each size already in its domain, a positive int or -1: `config.resolve` checks that first)."""
     sizes = {axis: mesh_cfg[axis] for axis in MESH_AXES}
     fill = [axis for axis, size in sizes.items() if size == -1]
@@ -55,7 +63,7 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
 
 
 def check_dcn(mesh_cfg, num_granules: int | None = None) -> None:
-    """`mesh.dcn_data` / `mesh.dcn_fsdp` against the resolved mesh and, when known, the number of
+    """`mesh.dcn_data` / `dcn_fsdp` / `dcn_expert` against the resolved mesh and, when known, the number of
     granules (TPU slices; processes on GPU/CPU) the devices come in. The sizes are positive ints
     (their domain, checked by `config.resolve`)."""
     dcn = {axis: mesh_cfg[f"dcn_{axis}"] for axis in DCN_AXES}
@@ -67,8 +75,8 @@ def check_dcn(mesh_cfg, num_granules: int | None = None) -> None:
             )
     if num_granules is not None and (product := math.prod(dcn.values())) > 1 and product != num_granules:
         raise ConfigError(
-            f"mesh.dcn_data x mesh.dcn_fsdp = {dcn['data']} x {dcn['fsdp']} = {product} must equal "
-            f"the number of granules, {num_granules} (TPU slices; processes on GPU/CPU)"
+            f"{' x '.join('mesh.dcn_' + a for a in dcn)} = {' x '.join(map(str, dcn.values()))} = {product} "
+            f"must equal the number of granules, {num_granules} (TPU slices; processes on GPU/CPU)"
         )
 
 
@@ -79,18 +87,15 @@ def check_mesh(c, num_devices: int, num_granules: int | None) -> None:
     mesh = resolve_mesh_shape(c.mesh, num_devices)
     c.mesh.update(mesh)
     check_dcn(c.mesh, num_granules)
-    batch_shards = mesh["data"] * mesh["fsdp"]
+    batch_shards = math.prod(mesh[a] for a in BATCH_AXES)
     if c.batch_size % batch_shards:
-        raise ConfigError(
-            f"batch_size={c.batch_size} must be divisible by mesh.data x mesh.fsdp = "
-            f"{mesh['data']} x {mesh['fsdp']} = {batch_shards}"
-        )
+        raise ConfigError(f"batch_size={c.batch_size} must be divisible by {_product(mesh)}")
     if c.batch_size % (accum * batch_shards):
         raise ConfigError(
-            f"batch_size={c.batch_size} must be divisible by optim.grad_accum_steps x mesh.data x "
-            f"mesh.fsdp = {accum} x {mesh['data']} x {mesh['fsdp']} = {accum * batch_shards} "
+            f"batch_size={c.batch_size} must be divisible by {_product(mesh, {'optim.grad_accum_steps': accum})} "
             "(each microbatch is split evenly over the data-parallel devices)"
         )
+    _check_expert(c, mesh["expert"])
     _check_sequence(c, mesh["sequence"])
     _check_pipeline(c, mesh)
     tensor = mesh["tensor"]
@@ -100,6 +105,26 @@ def check_mesh(c, num_devices: int, num_granules: int | None) -> None:
     if m.d_model % mesh["fsdp"]:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']}")
     check_rules(c.mesh.rules)
+
+
+def _product(mesh, factors: dict | None = None) -> str:
+    """"optim.grad_accum_steps x mesh.data x mesh.fsdp x mesh.expert = 2 x 1 x 4 x 2 = 16": the batch's
+    split spelled out, `factors` ({key: size}) before the mesh axes."""
+    named = {**(factors or {}), **{f"mesh.{a}": mesh[a] for a in BATCH_AXES}}
+    return f"{' x '.join(named)} = {' x '.join(map(str, named.values()))} = {math.prod(named.values())}"
+
+
+def _check_expert(c, expert: int):
+    """Expert parallelism (`mesh.expert` > 1): each device holds num_experts / expert experts."""
+    m = c.model
+    if expert == 1:
+        return
+    if not m.num_experts:
+        raise ConfigError(f"mesh.expert={expert} > 1 needs a mixture-of-experts model (model.num_experts > 0); "
+                          "for a dense model put these devices on mesh.data or mesh.fsdp")
+    if m.num_experts % expert:
+        raise ConfigError(f"model.num_experts={m.num_experts} must be divisible by mesh.expert={expert} "
+                          "(each device holds the same number of experts)")
 
 
 def _check_sequence(c, sequence: int):
@@ -140,13 +165,12 @@ def _check_pipeline(c, mesh):
             "pipeline runs the stages under vmap); use model.attention='xla' or 'auto'"
         )
     m.attention = "xla"  # what "auto" means in the pipeline
-    shards = c.optim.grad_accum_steps * micro * mesh["data"] * mesh["fsdp"]
+    shards = c.optim.grad_accum_steps * micro * math.prod(mesh[a] for a in BATCH_AXES)
     if c.batch_size % shards:
+        factors = {"optim.grad_accum_steps": c.optim.grad_accum_steps, "model.pipeline_microbatches": micro}
         raise ConfigError(
-            f"batch_size={c.batch_size} must be divisible by optim.grad_accum_steps x "
-            f"model.pipeline_microbatches x mesh.data x mesh.fsdp = {c.optim.grad_accum_steps} x "
-            f"{micro} x {mesh['data']} x {mesh['fsdp']} = {shards} (each pipeline microbatch is "
-            "split evenly over the data-parallel devices)"
+            f"batch_size={c.batch_size} must be divisible by {_product(mesh, factors)} "
+            "(each pipeline microbatch is split evenly over the data-parallel devices)"
         )
 
 

@@ -163,12 +163,14 @@ def _mesh_defaults() -> _Section:
     s.stage = 1, MESH_SIZE  # pipeline parallelism: layers split over this many stages (GPipe)
     s.data = 1, MESH_SIZE
     s.fsdp = -1, MESH_SIZE
+    s.expert = 1, MESH_SIZE  # expert parallelism: MoE experts split over it (data parallelism outside them)
     s.sequence = 1, MESH_SIZE  # sequence parallelism: activations split along the length dimension
     s.tensor = 1, MESH_SIZE
-    # Multi-slice / multi-node: how many granules (TPU slices; GPU/CPU processes) the data and
-    # fsdp axes are split across, over DCN/the network; the rest of each axis is within a granule.
+    # Multi-slice / multi-node: how many granules (TPU slices; GPU/CPU processes) the data, fsdp
+    # and expert axes are split across, over DCN/the network; the rest of each axis is within a granule.
     s.dcn_data = 1, POSITIVE_INT
     s.dcn_fsdp = 1, POSITIVE_INT
+    s.dcn_expert = 1, POSITIVE_INT
     s.rules = DEFAULT_RULES
     return s
 

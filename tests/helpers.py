@@ -44,27 +44,37 @@ def with_overrides(cfg, overrides: dict):
     return config_lib.apply_overrides(cfg, overrides)
 
 
-def train_losses(cfg, steps: int, batch_for_step):
-    """Losses of `steps` jitted train steps on `batch_for_step(step)`, and the final state."""
+def train_metrics(cfg, steps: int, batch_for_step, devices=None):
+    """The metrics ({name: number}) of `steps` jitted train steps on `batch_for_step(step)`, on
+    `devices` (default: all; `cfg` resolved for as many), and the final state."""
     rules = mesh_lib.rules_of(cfg.mesh)
-    mesh = mesh_lib.make_mesh(cfg.mesh)
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     tx = optim.make_optimizer(cfg)
     state, shardings = state_lib.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(cfg.seed))
     train_fn = step_lib.make_train_step(cfg, tx, mesh, rules, shardings)
-    losses = []
+    rows = []
     with mesh_lib.activate(mesh, rules):
         for step in range(steps):
             state, step_metrics = train_fn(state, mesh_lib.global_batch(batch_for_step(step), mesh, rules),
                                            np.float32(1.0))
-            losses.append(float(step_metrics["loss"]))
-    return np.array(losses), state
+            rows.append(jax.device_get(step_metrics))
+    return rows, state
+
+
+def train_losses(cfg, steps: int, batch_for_step, devices=None):
+    """Losses of `steps` jitted train steps on `batch_for_step(step)`, and the final state."""
+    rows, state = train_metrics(cfg, steps, batch_for_step, devices)
+    return np.array([float(row["loss"]) for row in rows]), state
+
+
+def synthetic_batch(cfg):
+    """`batch_for_step` of the fixed synthetic packed batches `packed_batch(..., seed=step)`."""
+    return lambda step: packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, seed=step)
 
 
 def synthetic_losses(cfg, steps: int):
-    """`train_losses` on the fixed synthetic packed batches `packed_batch(..., seed=step)`."""
-    return train_losses(
-        cfg, steps, lambda step: packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, seed=step)
-    )
+    """`train_losses` on the fixed synthetic packed batches `synthetic_batch`."""
+    return train_losses(cfg, steps, synthetic_batch(cfg))
 
 
 def packed_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int = 0, docs_per_row: int = 3):

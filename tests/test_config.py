@@ -29,7 +29,7 @@ def test_mesh_fill():
         ({"mesh.data": -1, "mesh.fsdp": -1}, "only one mesh axis may be -1"),
         ({"mesh.data": 3, "mesh.fsdp": -1}, "other axes multiply to 3"),
         ({"mesh.tensor": 0}, "mesh.tensor must be a positive int or -1"),
-        ({"batch_size": 6, "mesh.data": 4, "mesh.fsdp": -1}, "batch_size=6 must be divisible by mesh.data x mesh.fsdp = 4 x 2 = 8"),
+        ({"batch_size": 6, "mesh.data": 4, "mesh.fsdp": -1}, "batch_size=6 must be divisible by mesh.data x mesh.fsdp x mesh.expert = 4 x 2 x 1 = 8"),
         ({"model.num_heads": 6, "model.num_kv_heads": 4}, "model.num_heads=6 must be divisible by model.num_kv_heads=4"),
         ({"model.d_model": 66, "model.num_heads": 4}, "model.d_model=66 must be divisible by model.num_heads=4"),
         ({"optim.lr": 0.0}, "optim.lr must be a positive finite number, got 0.0"),
@@ -92,7 +92,7 @@ def test_dcn_factors_must_multiply_to_the_granule_count():
     cfg.mesh.update(data=2, fsdp=-1, dcn_data=2, dcn_fsdp=2)
     resolved = config_lib.resolve(cfg, 8, num_granules=4)  # 4 processes (or slices) of 2 devices
     assert (resolved.mesh.fsdp, resolved.mesh.dcn_data, resolved.mesh.dcn_fsdp) == (4, 2, 2)
-    with pytest.raises(config_lib.ConfigError, match=r"mesh.dcn_data x mesh.dcn_fsdp = 2 x 2 = 4 "
+    with pytest.raises(config_lib.ConfigError, match=r"mesh.dcn_data x mesh.dcn_fsdp x mesh.dcn_expert = 2 x 2 x 1 = 4 "
                        r"must equal the number of granules, 2 \(TPU slices; processes on GPU/CPU\)"):
         config_lib.resolve(cfg, 8, num_granules=2)
     assert resolve().mesh.dcn_data == 1
@@ -109,7 +109,7 @@ def test_to_json_round_trips():
 @pytest.mark.parametrize(
     "flag, expected",
     [
-        ("--config.mesh.data=3", "mesh stage=1 x data=3 x fsdp=1 x sequence=1 x tensor=1 has 3 devices"),
+        ("--config.mesh.data=3", "mesh stage=1 x data=3 x fsdp=1 x expert=1 x sequence=1 x tensor=1 has 3 devices"),
         ("--config.optim.lr=-1", "optim.lr must be a positive finite number, got -1"),
         ("--config.model.num_kv_heads=3", "model.num_heads=4 must be divisible by model.num_kv_heads=3"),
         ("--config.model.nope=3", "unknown config key 'nope'"),
@@ -140,7 +140,7 @@ def test_cli_dcn_split_without_the_granules_exits_2(tmp_path):
         env=command_env(tmp_path, devices=2),
     )
     assert result.returncode == 2, result.stderr
-    assert "mesh.dcn_data x mesh.dcn_fsdp = 2 x 1 = 2 must equal the number of granules, 1" in result.stderr
+    assert "mesh.dcn_data x mesh.dcn_fsdp x mesh.dcn_expert = 2 x 1 x 1 = 2 must equal the number of granules, 1" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 

@@ -93,14 +93,16 @@ def np_moe(x, experts, gates, weights, kept=None):
     return out
 
 
-def np_kept(experts, num_experts, capacity):
-    """Which slots fit: the queue is every token's first choice in token order, then the second..."""
-    taken = np.zeros(num_experts, np.int64)
-    kept = np.zeros(experts.shape, bool)
-    for k in range(experts.shape[1]):
-        for t in range(experts.shape[0]):
-            kept[t, k] = taken[experts[t, k]] < capacity
-            taken[experts[t, k]] += 1
+def np_kept(experts_BLK, num_experts, capacity):
+    """Which slots fit: each sequence has its own queues, every token's first choice in token
+    order, then the second..."""
+    kept = np.zeros(experts_BLK.shape, bool)
+    for b, experts in enumerate(experts_BLK):
+        taken = np.zeros(num_experts, np.int64)
+        for k in range(experts.shape[1]):
+            for t in range(experts.shape[0]):
+                kept[b, t, k] = taken[experts[t, k]] < capacity
+                taken[experts[t, k]] += 1
     return kept
 
 
@@ -239,24 +241,33 @@ def test_dropless_in_bfloat16_is_close_to_float32():
     np.testing.assert_allclose(out.astype(F32), want, atol=0.05 * float(jnp.abs(want).max()))
 
 
+def as_rows(*arrays, rows=2):
+    """[T, ...] arrays as [rows, T/rows, ...]: sequences, each with its own capacity queues."""
+    return tuple(a.reshape(rows, -1, *a.shape[1:]) for a in arrays)
+
+
 def test_with_capacity_large_enough_equals_reference():
     x_TD, router_DE, weights = random_inputs(seed=3)
     experts, gates = routed(moe_cfg(), x_TD, router_DE, jnp.zeros(E))
-    out, dropped = moe.with_capacity(x_TD, experts, gates, *weights, T * K, F32)
-    assert_close(out, moe.reference(x_TD, experts, gates, *weights, F32))
+    out, dropped = moe.with_capacity(*as_rows(x_TD, experts, gates), *weights, T * K // 2, F32)
+    assert_close(out.reshape(T, D), moe.reference(x_TD, experts, gates, *weights, F32))
     assert float(dropped) == 0.0
 
 
-def test_with_capacity_drops_the_slots_beyond_capacity_in_queue_order():
+def test_with_capacity_drops_the_slots_beyond_capacity_in_each_sequences_queue_order():
     x_TD, router_DE, weights = random_inputs(seed=4)
     bias = jnp.zeros(E).at[0].set(1.0)  # everyone's first choice: expert 0 overflows
     experts, gates = routed(moe_cfg(), x_TD, router_DE, bias)
-    capacity = 3
-    kept = np_kept(np.asarray(experts), E, capacity)
-    assert 0 < (~kept).sum() and (~kept[:, 1]).any() and (~kept[:, 0]).any()
-    positions = moe.dispatch_positions(experts, E)
+    capacity = 2
+    x_BLD, experts_BLK, gates_BLK = as_rows(x_TD, experts, gates)
+    kept = np_kept(np.asarray(experts_BLK), E, capacity)
+    assert 0 < (~kept).sum() and (~kept[..., 1]).any() and (~kept[..., 0]).any()
+    # one queue over both rows (twice the capacity) would keep other slots: the row decides alone
+    assert (np_kept(np.asarray(experts)[None], E, 2 * capacity)[0] != kept.reshape(T, K)).any()
+    positions = moe.dispatch_positions(experts_BLK, E)
     np.testing.assert_array_equal(np.asarray(positions) < capacity, kept)
-    out, dropped = moe.with_capacity(x_TD, experts, gates, *weights, capacity, F32)
+    out, dropped = moe.with_capacity(x_BLD, experts_BLK, gates_BLK, *weights, capacity, F32)
+    out, kept = out.reshape(T, D), kept.reshape(T, K)
     np.testing.assert_allclose(dropped, (~kept).mean(), rtol=1e-6)
     np.testing.assert_allclose(out, np_moe(x_TD, np.asarray(experts), np.asarray(gates), weights, kept), atol=1e-5)
     ungated = np.where(kept, np.asarray(gates), 0.0)  # dropping = gating to 0, checked the other way

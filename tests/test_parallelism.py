@@ -168,7 +168,7 @@ def test_pipeline_config_errors():
         config_lib.resolve(cfg, 8)
     cfg.mesh.update(stage=2, data=4)
     cfg.model.pipeline_microbatches = 4
-    with pytest.raises(config_lib.ConfigError, match="= 1 x 4 x 4 x 1 = 16"):
+    with pytest.raises(config_lib.ConfigError, match="= 1 x 4 x 4 x 1 x 1 = 16"):
         config_lib.resolve(cfg, 8)
     cfg.model.pipeline_microbatches = 0
     with pytest.raises(config_lib.ConfigError, match="model.pipeline_microbatches must be a positive int"):
@@ -194,17 +194,17 @@ class FakeDevice:
 
 def test_sequence_axis_must_lie_within_a_process():
     devices = np.array([FakeDevice(i, i // 4) for i in range(8)], dtype=object)
-    # (stage, data, fsdp, sequence, tensor) = (1, 2, 1, 4, 1): each process holds one data row, whole
-    grid = devices.reshape(1, 2, 1, 4, 1)
+    # (stage, data, fsdp, expert, sequence, tensor) = (1, 2, 1, 1, 4, 1): each process holds one data row, whole
+    grid = devices.reshape(1, 2, 1, 1, 4, 1)
     mesh_lib.check_sequence_local(grid, config_lib.MESH_AXES)
     parts = [mesh_lib.grid_batch_parts(grid, config_lib.MESH_AXES, ("data", "fsdp"), p) for p in (0, 1)]
     assert parts == [((0,), 2), ((1,), 2)]
     # (1, 1, 8, 1): one sequence split over both processes
     with pytest.raises(config_lib.ConfigError, match="mesh.sequence=8 spans processes"):
-        mesh_lib.check_sequence_local(devices.reshape(1, 1, 1, 8, 1), config_lib.MESH_AXES)
+        mesh_lib.check_sequence_local(devices.reshape(1, 1, 1, 1, 8, 1), config_lib.MESH_AXES)
     # (4, 1, 2, 1) laid out with the sequence axis across processes
     with pytest.raises(config_lib.ConfigError, match="mesh.sequence=2 spans processes"):
-        mesh_lib.check_sequence_local(devices.reshape(2, 4).T.reshape(1, 4, 1, 2, 1), config_lib.MESH_AXES)
+        mesh_lib.check_sequence_local(devices.reshape(2, 4).T.reshape(1, 4, 1, 1, 2, 1), config_lib.MESH_AXES)
 
 
 # (stage, data, fsdp, sequence, tensor): every axis above 1, each in a mix with others.

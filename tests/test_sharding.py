@@ -152,20 +152,31 @@ def hybrid(devices, **mesh):
 def test_hybrid_mesh_puts_each_process_in_one_contiguous_block_of_data():
     # 2 processes x 4 devices, data=2 across them (dcn_data=2), fsdp=4 inside each
     owner, parts = hybrid(fake_devices(2, 4), data=2, dcn_data=2, fsdp=4)
-    assert owner.shape == (1, 2, 4, 1, 1)  # (stage, data, fsdp, sequence, tensor)
+    assert owner.shape == (1, 2, 4, 1, 1, 1)  # (stage, data, fsdp, expert, sequence, tensor)
     assert (owner[0, 0] == 0).all() and (owner[0, 1] == 1).all()  # process p = data row p, whole
     assert parts == [((0,), 2), ((1,), 2)]  # so it reads rows [p*B/2, (p+1)*B/2)
     # 4 processes x 2 devices on a 2 x 2 grid of granules: each a contiguous [1, 2] block
     owner, parts = hybrid(fake_devices(4, 2), data=2, dcn_data=2, fsdp=4, dcn_fsdp=2)
-    np.testing.assert_array_equal(owner[0, ..., 0, 0], [[0, 0, 1, 1], [2, 2, 3, 3]])
+    np.testing.assert_array_equal(owner[0, ..., 0, 0, 0], [[0, 0, 1, 1], [2, 2, 3, 3]])
     assert parts == [((p,), 4) for p in range(4)]
     # fsdp split across processes under an in-process data axis: each process holds two
     # separate quarters of the batch, and reads exactly those
     owner, parts = hybrid(fake_devices(2, 4), data=2, fsdp=4, dcn_fsdp=2)
-    np.testing.assert_array_equal(owner[0, ..., 0, 0], [[0, 0, 1, 1], [0, 0, 1, 1]])
+    np.testing.assert_array_equal(owner[0, ..., 0, 0, 0], [[0, 0, 1, 1], [0, 0, 1, 1]])
     assert parts == [((0, 2), 4), ((1, 3), 4)]
+    # expert split across 2 processes (dcn_expert=2), fsdp=4 inside each: the batch is split over
+    # (data, fsdp, expert), expert minor, so each process holds (and reads) every other eighth of it
+    devices = fake_devices(2, 4)
+    owner, _ = hybrid(devices, fsdp=4, expert=2, dcn_expert=2)
+    assert owner.shape == (1, 1, 4, 2, 1, 1)
+    np.testing.assert_array_equal(owner[0, 0, :, :, 0, 0], [[0, 1]] * 4)
+    cfg = config_lib.defaults().mesh
+    cfg.update(data=1, fsdp=4, expert=2, dcn_expert=2, tensor=1)
+    grid = mesh_lib.hybrid_device_grid(cfg, devices)
+    assert [mesh_lib.grid_batch_parts(grid, config_lib.MESH_AXES, ("data", "fsdp", "expert"), p) for p in (0, 1)] \
+        == [((0, 2, 4, 6), 8), ((1, 3, 5, 7), 8)]
     # a plain mesh with tensor across both processes: each holds (and reads) every row
-    grid = np.array(fake_devices(2, 4), dtype=object).reshape(1, 1, 1, 1, 8)
+    grid = np.array(fake_devices(2, 4), dtype=object).reshape(1, 1, 1, 1, 1, 8)
     assert mesh_lib.grid_batch_parts(grid, config_lib.MESH_AXES, ("data", "fsdp"), 1) == ((0,), 1)
 
 

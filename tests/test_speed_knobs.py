@@ -48,9 +48,9 @@ def reference():
     "overrides, message",
     [
         ({"optim.grad_accum_steps": 3},
-         "batch_size=8 must be divisible by optim.grad_accum_steps x mesh.data x mesh.fsdp = 3 x 2 x 2 = 12"),
+         "batch_size=8 must be divisible by optim.grad_accum_steps x mesh.data x mesh.fsdp x mesh.expert = 3 x 2 x 2 x 1 = 12"),
         ({"optim.grad_accum_steps": 4},
-         "batch_size=8 must be divisible by optim.grad_accum_steps x mesh.data x mesh.fsdp = 4 x 2 x 2 = 16"),
+         "batch_size=8 must be divisible by optim.grad_accum_steps x mesh.data x mesh.fsdp x mesh.expert = 4 x 2 x 2 x 1 = 16"),
         ({"optim.grad_accum_steps": 0}, "optim.grad_accum_steps must be a positive int, got 0"),
         ({"optim.mu_dtype": "float16"}, "optim.mu_dtype must be one of"),
     ],
@@ -164,7 +164,7 @@ def test_plan_reports_memory():
     none, full, zero1 = plan("none"), plan("full"), plan("none", shard_state_over_data=True)
     assert {"params", "opt_state", "batch", "temp", "peak"} <= set(none["bytes_per_device"])
     assert {"remat", "mesh", "dtype", "fits", "device_memory_bytes"} <= set(none)
-    assert none["remat"] == "none" and none["mesh"] == {"stage": 1, "data": 8, "fsdp": 1, "sequence": 1, "tensor": 1}
+    assert none["remat"] == "none" and none["mesh"] == {"stage": 1, "data": 8, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
     cfg = config_lib.resolve(load_config("tiny"), 8)
     n_params = loop.model.count_params(cfg.model)
     assert none["bytes_per_device"]["params"] == 4 * n_params  # replicated over data

@@ -18,6 +18,10 @@ def test_expand_splits_mesh_and_crosses_every_key():
     points = sweep.expand({"mesh": [(8, 1, 1), (2, 2, 2)], "batch_size": [8, 16]})
     assert len(points) == 4
     assert points[1] == {"mesh.data": 8, "mesh.fsdp": 1, "mesh.tensor": 1, "batch_size": 16}
+    five, six = sweep.expand({"mesh": [(2, 1, 2, 2, 1), (1, 1, 2, 4, 1, 1)]})
+    assert five == {"mesh.stage": 2, "mesh.data": 1, "mesh.fsdp": 2, "mesh.sequence": 2, "mesh.tensor": 1}
+    assert six == {"mesh.stage": 1, "mesh.data": 1, "mesh.fsdp": 2, "mesh.expert": 4, "mesh.sequence": 1,
+                   "mesh.tensor": 1}
 
 
 def test_validate_gives_the_config_errors_reason():

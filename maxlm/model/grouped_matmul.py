@@ -114,7 +114,8 @@ def grouped_matmul(x_ND, w_EDF, sizes_E, backend: str = "auto"):
     backend = grouped_matmul_backend(backend, x_ND.dtype)
     if backend in MEGABLOX:
         interpret = backend == MEGABLOX_INTERPRET
-        if jax.sharding.get_abstract_mesh().empty:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or mesh.are_all_axes_manual:  # one device's rows already (in shard_map: expert parallelism)
             return megablox_matmul(x_ND, w_EDF, sizes_E, interpret)
         return _sharded_megablox(x_ND, w_EDF, sizes_E, interpret)
     return jax.lax.ragged_dot(x_ND, w_EDF, sizes_E)

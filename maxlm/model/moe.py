@@ -7,16 +7,18 @@ always-on shared experts); it replaces the dense SwiGLU in MoE layers.
 sigmoid with a selection-only bias and group-limited routing: DeepSeek-V3). The experts then run
 one of three ways, all the same numbers where nothing is dropped:
 `dropless` (tokens sorted by expert, grouped matmuls: maxlm/model/grouped_matmul.py), `with_capacity` (the
-GShard/Switch dense dispatch, each expert takes at most C tokens and drops the rest) and
-`reference` (every expert on every token: the ground truth for the tests).
+GShard/Switch dense dispatch, each expert takes at most C tokens of each sequence and drops the
+rest) and `reference` (every expert on every token: the ground truth for the tests). With the
+mesh's `expert` axis > 1 the first two run split over it (maxlm/model/expert_parallel.py).
 
 Shape suffixes: B batch, L length, D d_model, E experts, K experts per token (top-k),
 F expert mlp hidden, S shared-expert hidden (shared_experts·F), T tokens (B·L), N token-slots (T·K),
-C capacity (tokens per expert), G router groups.
+C capacity (token-slots per expert and sequence), G router groups.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.config_rules import LOAD_BALANCE, ROUTERS  # noqa: F401  (the choices, as moe.ROUTERS)
+from maxlm.model import expert_parallel
 from maxlm.model.grouped_matmul import grouped_matmul
 
 
@@ -135,40 +138,73 @@ def dropless(x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype
     return out_TD.astype(dtype)
 
 
-def capacity(cfg, num_tokens: int) -> int:
-    """C = ceil(capacity_factor·T·K/E): the most token-slots one expert takes (capacity_factor > 0)."""
-    return math.ceil(cfg.capacity_factor * num_tokens * cfg.experts_per_token / cfg.num_experts)
+def capacity(cfg, seq_len: int) -> int:
+    """C = ceil(capacity_factor·L·K/E): the most token-slots one expert takes from one sequence
+    (capacity_factor > 0). Per sequence, as MaxText: which tokens drop depends on their own row
+    alone, never on how the batch is split over devices or microbatches."""
+    return math.ceil(cfg.capacity_factor * seq_len * cfg.experts_per_token / cfg.num_experts)
 
 
-def dispatch_positions(experts_TK, num_experts: int):
-    """Each slot's place in its expert's queue, [T, K] int32. The queue is in priority order:
-    every token's first choice (k=0) in token order, then every second choice, ... (GShard,
-    MaxText), so a token loses its lower-ranked experts to capacity before anyone's top choice."""
-    T, K = experts_TK.shape
-    onehot_NE = jax.nn.one_hot(experts_TK.T.reshape(-1), num_experts, dtype=jnp.int32)  # k-major
-    position_N = (jnp.cumsum(onehot_NE, axis=0) * onehot_NE).sum(axis=-1) - 1
-    return position_N.reshape(K, T).T
+def dispatch_positions(experts_BLK, num_experts: int):
+    """Each slot's place in its expert's queue for its sequence, [B, L, K] int32. Each row's queue
+    is in priority order: every token's first choice (k=0) in token order, then every second
+    choice, ... (GShard, MaxText), so a token loses its lower-ranked experts to capacity before
+    anyone's top choice."""
+    B, L, K = experts_BLK.shape
+    experts_BN = experts_BLK.transpose(0, 2, 1).reshape(B, K * L)  # k-major within each row
+    onehot_BNE = jax.nn.one_hot(experts_BN, num_experts, dtype=jnp.int32)
+    position_BN = (jnp.cumsum(onehot_BNE, axis=1) * onehot_BNE).sum(axis=-1) - 1
+    return position_BN.reshape(B, K, L).transpose(0, 2, 1)
 
 
-def with_capacity(x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, capacity: int, dtype):
-    """([T, D] in `dtype`, dropped fraction): the dense dispatch/combine formulation (GShard).
-    Each expert takes its first `capacity` slots in queue order (`dispatch_positions`); a slot
-    beyond that is dropped, its expert output 0 (the residual stream carries the token on)."""
-    E = w_gate_EDF.shape[0]
-    position_TK = dispatch_positions(experts_TK, E)
-    kept_TK = position_TK < capacity
+def dropped_fraction(position_BLK, capacity: int):
+    """The share of token-slots past their expert's capacity."""
+    return (1.0 - (position_BLK < capacity).sum() / position_BLK.size).astype(jnp.float32)
+
+
+def dispatch_masks(experts_BLK, gates_BLK, position_BLK, num_experts: int, capacity: int, dtype):
+    """(dispatch_BLEC, combine_BLEC): the 0/1 mask putting each kept slot in its expert's buffer
+    row, and the same times the slot's gate; a slot past `capacity` dispatches nowhere."""
     # one_hot of an out-of-range position is all zeros: a dropped slot dispatches nowhere
-    slot_TKC = jax.nn.one_hot(jnp.where(kept_TK, position_TK, capacity), capacity, dtype=dtype)
-    expert_TKE = jax.nn.one_hot(experts_TK, E, dtype=dtype)
+    slot_BLKC = jax.nn.one_hot(jnp.where(position_BLK < capacity, position_BLK, capacity), capacity, dtype=dtype)
+    expert_BLKE = jax.nn.one_hot(experts_BLK, num_experts, dtype=dtype)
     # a token chooses an expert at most once, so summing its K slots keeps the mask 0/1
-    dispatch_TEC = jnp.einsum("tke,tkc->tec", expert_TKE, slot_TKC)
-    combine_TEC = jnp.einsum("tke,tkc,tk->tec", expert_TKE, slot_TKC, gates_TK.astype(dtype))
-    x_ECD = jnp.einsum("tec,td->ecd", dispatch_TEC, x_TD.astype(dtype))
-    y_ECD = _swiglu(x_ECD, w_gate_EDF.astype(dtype), w_up_EDF.astype(dtype), w_down_EFD.astype(dtype),
-                    "ecd,edf->ecf", "ecf,efd->ecd")
-    out_TD = jnp.einsum("tec,ecd->td", combine_TEC, y_ECD, preferred_element_type=jnp.float32)
-    dropped = 1.0 - kept_TK.sum() / kept_TK.size
-    return out_TD.astype(dtype), dropped.astype(jnp.float32)
+    dispatch_BLEC = jnp.einsum("blke,blkc->blec", expert_BLKE, slot_BLKC)
+    combine_BLEC = jnp.einsum("blke,blkc,blk->blec", expert_BLKE, slot_BLKC, gates_BLK.astype(dtype))
+    return dispatch_BLEC, combine_BLEC
+
+
+def buffered_experts(x_BECD, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
+    """Each expert's SwiGLU on its buffer rows: [B, E, C, D] → [B, E, C, D] in `dtype`."""
+    return _swiglu(x_BECD, w_gate_EDF.astype(dtype), w_up_EDF.astype(dtype), w_down_EFD.astype(dtype),
+                   "becd,edf->becf", "becf,efd->becd")
+
+
+def with_capacity(x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, capacity: int, dtype):
+    """([B, L, D] in `dtype`, dropped fraction): the dense dispatch/combine formulation (GShard).
+    In each sequence, each expert takes its first `capacity` slots in queue order
+    (`dispatch_positions`); a slot beyond that is dropped, its expert output 0 (the residual
+    stream carries the token on)."""
+    E = w_gate_EDF.shape[0]
+    position_BLK = dispatch_positions(experts_BLK, E)
+    dispatch_BLEC, combine_BLEC = dispatch_masks(experts_BLK, gates_BLK, position_BLK, E, capacity, dtype)
+    x_BECD = jnp.einsum("blec,bld->becd", dispatch_BLEC, x_BLD.astype(dtype))
+    y_BECD = buffered_experts(x_BECD, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
+    out_BLD = jnp.einsum("blec,becd->bld", combine_BLEC, y_BECD, preferred_element_type=jnp.float32)
+    return out_BLD.astype(dtype), dropped_fraction(position_BLK, capacity)
+
+
+def _expert_parallel(x_BLD, experts_BLK, gates_BLK, weights, capacity: int, dtype, backend: str):
+    """`dropless` (capacity 0, on the grouped-matmul `backend`) or `with_capacity` with the experts split
+    over the mesh's expert axis (maxlm/model/expert_parallel.py), the same numbers: ([B, L, D] in
+    `dtype`, dropped)."""
+    if not capacity:
+        return expert_parallel.dropless(functools.partial(dropless, backend=backend), x_BLD, experts_BLK, gates_BLK, *weights, dtype), \
+            jnp.zeros((), jnp.float32)
+    position_BLK = dispatch_positions(experts_BLK, weights[0].shape[0])  # whole sequences' queues: GSPMD
+    out_BLD = expert_parallel.with_capacity(dispatch_masks, buffered_experts, x_BLD, experts_BLK, gates_BLK,
+                                            position_BLK, *weights, capacity, dtype)
+    return out_BLD, dropped_fraction(position_BLK, capacity)
 
 
 def reference(x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
@@ -218,13 +254,19 @@ class MoE(nn.Module):
         # near-equal logits must not flip with the compute dtype or the backend
         logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32), router_DE, precision="highest")
         experts_TK, gates_TK, stats = route(cfg, logits_TE, bias_E)
-        weights = (x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
-        if cfg.capacity_factor:
-            out_TD, dropped = with_capacity(*weights, capacity(cfg, B * L), dtype)
+        experts_BLK, gates_BLK = experts_TK.reshape(B, L, -1), gates_TK.reshape(B, L, -1)
+        weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
+        C = capacity(cfg, L) if cfg.capacity_factor else 0
+        # init only needs the parameters' shapes, and may run off the target (a plan from a CPU)
+        backend = "ragged_dot" if self.is_initializing() else cfg.grouped_matmul
+        if expert_parallel.active(x_BLD):  # experts split over the mesh's expert axis: tokens travel to them
+            out_BLD, dropped = _expert_parallel(x_BLD, experts_BLK, gates_BLK, weights, C, dtype, backend)
+            out_TD = out_BLD.reshape(B * L, D)
+        elif C:
+            out_BLD, dropped = with_capacity(x_BLD, experts_BLK, gates_BLK, *weights, C, dtype)
+            out_TD = out_BLD.reshape(B * L, D)
         else:
-            # init only needs the parameters' shapes, and may run off the target (a plan from a CPU)
-            backend = "ragged_dot" if self.is_initializing() else cfg.grouped_matmul
-            out_TD, dropped = dropless(*weights, dtype, backend), jnp.zeros((), jnp.float32)
+            out_TD, dropped = dropless(x_TD, experts_TK, gates_TK, *weights, dtype, backend), jnp.zeros((), jnp.float32)
         if S:
             w_gate_DS = _param(self, "shared_gate", cfg.init_std, (D, S), ("embed", "mlp"))
             w_up_DS = _param(self, "shared_up", cfg.init_std, (D, S), ("embed", "mlp"))

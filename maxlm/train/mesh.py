@@ -1,17 +1,20 @@
 """The device mesh and the logical-axis → mesh-axis mapping.
 
 Every parameter and main activation carries *logical* axis names (`batch`, `embed`, `heads`, ...).
-The config's `mesh.rules` maps them onto the five mesh axes:
+The config's `mesh.rules` maps them onto the six mesh axes:
 
   stage    : pipeline parallelism: the scanned layers split into stages (`model.pipelined_hidden_states`)
   data     : pure data parallelism (parameters replicated)
   fsdp     : data parallelism with parameters, gradients and optimizer state sharded (ZeRO-3)
+  expert   : expert parallelism: an MoE layer's experts split over it, tokens sent to their experts'
+             devices and back (`maxlm/model/expert_parallel.py`); data parallelism everywhere else
   sequence : sequence parallelism: activations split along their length, keys/values all-gathered
              for attention (must lie within one process: see `check_sequence_local`)
   tensor   : Megatron-style splits of heads, MLP hidden units and vocabulary
 
-so a mesh sweep edits config only. On several TPU slices or GPU nodes, `mesh.dcn_data` and
-`mesh.dcn_fsdp` split `data` / `fsdp` across them (a hybrid mesh: see `hybrid_device_grid`).
+so a mesh sweep edits config only. On several TPU slices or GPU nodes, `mesh.dcn_data`,
+`mesh.dcn_fsdp` and `mesh.dcn_expert` split `data` / `fsdp` / `expert` across them (a hybrid mesh:
+see `hybrid_device_grid`).
 """
 
 from __future__ import annotations
@@ -46,15 +49,16 @@ def num_granules(devices=None) -> int:
 
 
 def dcn_shape(mesh_cfg) -> tuple[int, ...]:
-    """Granules along each mesh axis (`mesh.dcn_data`, `mesh.dcn_fsdp`; 1 for the others)."""
+    """Granules along each mesh axis (`mesh.dcn_data`, `dcn_fsdp`, `dcn_expert`; 1 for the others)."""
     return tuple(int(mesh_cfg[f"dcn_{axis}"]) if axis in DCN_AXES else 1 for axis in MESH_AXES)
 
 
 def hybrid_device_grid(mesh_cfg, devices) -> np.ndarray:
-    """The devices as a [data, fsdp, sequence, tensor] array whose `data` and `fsdp` axes are split
-    `dcn_data` and `dcn_fsdp` ways across granules: the mesh is a grid of granules, each granule a
-    contiguous [data/dcn_data, fsdp/dcn_fsdp, sequence, tensor] block (arranged for ICI inside a slice), so
-    only the collectives of the dcn-split axes cross granules."""
+    """The devices as a [stage, data, fsdp, expert, sequence, tensor] array whose `data`, `fsdp` and
+    `expert` axes are split `dcn_data`, `dcn_fsdp` and `dcn_expert` ways across granules: the mesh is
+    a grid of granules, each granule a contiguous [stage, data/dcn_data, fsdp/dcn_fsdp,
+    expert/dcn_expert, sequence, tensor] block (arranged for ICI inside a slice), so only the
+    collectives of the dcn-split axes cross granules."""
     dcn = dcn_shape(mesh_cfg)
     ici = tuple(int(mesh_cfg[axis]) // n for axis, n in zip(MESH_AXES, dcn))
     return mesh_utils.create_hybrid_device_mesh(
@@ -66,8 +70,8 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     """A Mesh over `devices` (default: all) shaped by the resolved `mesh_cfg`.
 
     `jax.make_mesh` orders devices to follow the physical topology (ICI rings on TPU), so the
-    innermost axes (`tensor`, then `sequence`) get the fastest links. With `mesh.dcn_data` or
-    `mesh.dcn_fsdp` > 1, a hybrid mesh (`hybrid_device_grid`) puts those axes' outer splits across
+    innermost axes (`tensor`, then `sequence`, then `expert`) get the fastest links. With a
+    `mesh.dcn_*` > 1, a hybrid mesh (`hybrid_device_grid`) puts those axes' outer splits across
     granules. Raises ConfigError when the dcn factors do not match the granules, or when the
     `sequence` axis spans processes (`check_sequence_local`).
     """
@@ -159,7 +163,7 @@ def grid_batch_parts(grid: np.ndarray, axis_names, batch_axes, process_index: in
 
 
 def global_batch(numpy_batch: dict, mesh: Mesh, rules) -> dict:
-    """This process's rows → one global jax.Array per key, sharded over (data, fsdp)."""
+    """This process's rows → one global jax.Array per key, sharded as the `batch` rule says (data, fsdp, expert)."""
     sharding = batch_sharding(mesh, rules)
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
             for k, v in numpy_batch.items()}

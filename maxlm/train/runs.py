@@ -31,8 +31,8 @@ def read_config(workdir: str, num_devices: int | None = None) -> ml_collections.
     """The config `workdir` recorded, resolved for `num_devices` (default: all devices here).
 
     The recorded mesh is kept when its size is the device count; otherwise it is re-resolved as
-    (stage=1, data=1, fsdp=-1, sequence=1, tensor=its tensor if that divides the devices, else 1),
-    single granule.
+    (stage=1, data=1, fsdp=-1, expert=1, sequence=1, tensor=its tensor if that divides the devices,
+    else 1), single granule.
     """
     path = paths.workdir_path(workdir) / "config.json"
     if not path.exists():
@@ -47,8 +47,8 @@ def read_config(workdir: str, num_devices: int | None = None) -> ml_collections.
     cfg.platform, cfg.num_devices = "", 0  # the run is read back wherever this command runs
     if math.prod(int(cfg.mesh[a]) for a in config_lib.MESH_AXES) != num_devices:
         tensor = int(cfg.mesh.tensor)
-        cfg.mesh.update(stage=1, data=1, fsdp=-1, sequence=1, tensor=tensor if num_devices % tensor == 0 else 1,
-                        dcn_data=1, dcn_fsdp=1)
+        cfg.mesh.update(stage=1, data=1, fsdp=-1, expert=1, sequence=1,
+                        tensor=tensor if num_devices % tensor == 0 else 1, dcn_data=1, dcn_fsdp=1, dcn_expert=1)
     try:
         return config_lib.resolve(cfg, num_devices, mesh_lib.num_granules())
     except config_lib.ConfigError as e:
