@@ -2,12 +2,12 @@
 64 (0.26M tokens a step), bfloat16, cuDNN attention, ragged_dot grouped matmuls. It does NOT fit
 yet: see below.
 
-Shaped, not the published model: Qwen/Qwen3-30B-A3B's config.json gives 48 layers, d_model 2048,
+Qwen/Qwen3-30B-A3B's config.json gives 48 layers, d_model 2048,
 32 query heads and 4 kv heads of 128 (attention wider than d_model), 128 SwiGLU experts of 768 per
 layer, 8 per token (top-8 of a softmax, renormalised: norm_topk_prob), vocabulary 151,936, untied
-embeddings, RoPE theta 1e6, RMSNorm eps 1e-6, router auxiliary loss 0.001; maxlm builds all of
-that (30.5B parameters, 3.3B active per token) except Qwen3's RMSNorm of each head's q and k
-before RoPE (qk-norm), which it does not have yet.
+embeddings, RoPE theta 1e6, RMSNorm eps 1e-6, router auxiliary loss 0.001 and an RMSNorm of each
+head's q and k before RoPE (qk-norm); maxlm builds all of that: 30,532,122,624 parameters, the
+published count, 3.35B active per token, and it exports as Qwen3MoeForCausalLM (docs/huggingface.md).
 
 The layout: the 16 GPUs form one FSDP mesh over both hosts (each host a process; the experts'
 weights sharded like a dense layer's and gathered layer by layer), full rematerialisation, the
@@ -41,6 +41,7 @@ def get_config():
     c.model.vocab_size = 151936
     c.model.rope_theta = 1e6
     c.model.norm_eps = 1e-6
+    c.model.qk_norm = "per_head"
     c.model.dtype = "bfloat16"
     c.model.num_experts = 128
     c.model.experts_per_token = 8
