@@ -79,6 +79,7 @@ def test_cached_decoding_equals_the_whole_sequence():
         np.testing.assert_allclose(logits, expected[:, t], atol=1e-5, rtol=0)
 
 
+@pytest.mark.ci
 @pytest.mark.slow
 def test_an_moe_model_trains_on_8_devices_and_resumes_exactly_balancing_bias_included(tmp_path, data_dirs):
     overrides = {**data_dirs, "eval.every_steps": 5, "log_every_steps": 1, "checkpoint.every_steps": 5,

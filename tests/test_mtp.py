@@ -155,6 +155,7 @@ def test_parameters_and_flops_count_the_modules():
     assert model.active_params(moe_mtp) - model.active_params(moe_plain) == added == (layer + 2 * D * D + 2 * D)
 
 
+@pytest.mark.ci
 @pytest.mark.slow
 def test_an_mtp_model_trains_with_grad_accumulation_and_resumes_exactly(tmp_path, data_dirs):
     """Through the training loop (checkpoints on): the MTP losses fall, go to

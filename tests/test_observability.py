@@ -100,7 +100,7 @@ def test_hyperparameters_are_recorded(run):
     assert hparams == pytest.approx(metrics.flatten_config(run.cfg.to_dict()))
     assert hparams["optim.lr"] == pytest.approx(3e-3) and hparams["steps"] == STEPS
     assert hparams["model.dtype"] == "float32" and hparams["model.scan_layers"] is True
-    assert json.loads(hparams["mesh.rules"])[0] == ["batch", ["data", "fsdp"]]
+    assert json.loads(hparams["mesh.rules"])[0] == ["batch", ["data", "fsdp", "expert"]]
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         content["_hparams_/experiment"]).experiment
     assert "optim.lr" in {info.name for info in experiment.hparam_infos}

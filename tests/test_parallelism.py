@@ -48,6 +48,7 @@ def test_sequence_parallel_losses_equal_unsharded(shape, reference_losses):
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
 
 
+@pytest.mark.ci
 def test_sequence_parallel_with_accumulation_remat_and_chunked_logits():
     knobs = {"optim.grad_accum_steps": 2, "model.remat": "full", "model.logits_chunk_size": 16}
     expected, _ = run(mesh_config(1, 4, 1, 2, **knobs))
@@ -71,6 +72,7 @@ def test_pipeline_losses_equal_unpipelined(shape, reference_losses):
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
 
 
+@pytest.mark.ci
 def test_pipeline_with_remat_and_accumulation():
     knobs = {"optim.grad_accum_steps": 2, "model.remat": "save_dots", "model.pipeline_microbatches": 2}
     expected, _ = run(mesh_config(1, 4, 1, 2, **knobs))
@@ -107,7 +109,7 @@ def test_activations_and_batch_are_split_along_the_length():
     cfg = mesh_config(2, 1, 4, 1)
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    assert mesh_lib.batch_sharding(mesh, rules).spec == PartitionSpec(("data", "fsdp"), "sequence")
+    assert mesh_lib.batch_sharding(mesh, rules).spec == PartitionSpec(("data", "fsdp", "expert"), "sequence")
     params = model.init_params(cfg.model, jax.random.key(0))
     batch = packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size)
     with mesh_lib.activate(mesh, rules):

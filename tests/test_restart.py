@@ -260,6 +260,7 @@ def test_a_resume_never_initialises_a_second_state(two_layer_run, data_dirs, mon
     assert created == [1]
 
 
+@pytest.mark.ci
 def test_a_second_run_on_a_live_workdir_exits_2_naming_the_holder_and_a_dead_ones_lock_is_taken_over(
         tmp_path, data_dirs):
     workdir = tmp_path / "run"
