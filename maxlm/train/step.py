@@ -22,6 +22,10 @@ from maxlm.model import balance
 from maxlm.train import loss_scale, mesh as mesh_lib, optim, router_metrics
 from maxlm.train.state import State
 
+# model.loss_fn's aux entries that are per-token means: with gradient accumulation, each
+# microbatch's is weighted by its tokens, as its loss is
+WEIGHTED_AUX = ("router", "mtp")
+
 
 def loss_and_grads(cfg, params, batch, scale=None):
     """((loss, aux), grads) of the whole batch, as `jax.value_and_grad(model.loss_fn)` gives them.
@@ -53,28 +57,24 @@ def loss_and_grads(cfg, params, batch, scale=None):
         (loss_i, aux_i), grads_i = grad_fn(params, micro)
         w = aux_i["num_tokens"]  # the microbatch's mean × its tokens = its loss sum
         sums = {"loss": loss_i * w, "cross_entropy": aux_i["cross_entropy"] * w, "num_tokens": w,
-                "router": jax.tree.map(lambda v: v * w, aux_i.get("router", {})),
-                "mtp": aux_i.get("mtp", mtp_zeros) * w,
+                "weighted": jax.tree.map(lambda v: v * w, {key: aux_i[key] for key in weighted}),
                 "grads": jax.tree.map(lambda g: g * w, grads_i)}
         return jax.tree.map(jnp.add, carry, sums), None
 
     zero = jnp.zeros((), jnp.float32)
     split = functools.partial(model.microbatches, n=n, axes=("batch", "length"))
     micro = jax.tree.map(split, batch)
-    # the router statistics' shapes (scalars, and per MoE layer) as one microbatch's aux has them
+    # the aux's other statistics (an MoE model's router, the MTP losses), as one microbatch's has them
     aux_shapes = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], micro))[1]
-    router = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes.get("router", {}))
-    mtp_zeros = jnp.zeros((cfg.model.mtp_depth,), jnp.float32)  # each depth's cross-entropy
-    init = {"loss": zero, "cross_entropy": zero, "num_tokens": zero, "router": router, "mtp": mtp_zeros,
+    weighted = {key: aux_shapes[key] for key in WEIGHTED_AUX if key in aux_shapes}
+    init = {"loss": zero, "cross_entropy": zero, "num_tokens": zero,
+            "weighted": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), weighted),
             "grads": jax.tree.map(jnp.zeros_like, params)}
     sums, _ = jax.lax.scan(body, init, micro)
     denom = jnp.maximum(sums["num_tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / denom, sums["grads"])
     aux = {"num_tokens": sums["num_tokens"], "cross_entropy": sums["cross_entropy"] / denom}
-    if router:  # the microbatches' router statistics, weighted by their tokens
-        aux["router"] = jax.tree.map(lambda v: v / denom, sums["router"])
-    if cfg.model.mtp_depth:  # and the multi-token prediction losses, alike
-        aux["mtp"] = sums["mtp"] / denom
+    aux.update(jax.tree.map(lambda v: v / denom, sums["weighted"]))  # weighted by their tokens, as the loss
     return (sums["loss"] / denom, aux), unscale(grads)
 
 
