@@ -27,7 +27,7 @@ POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/mode
 QK_NORMS = ("none", "per_head", "full")  # model.qk_norm: see maxlm/model/transformer.py Attention
 ROUTERS = ("softmax", "sigmoid")  # model.router: see maxlm/model/moe.py
 LOAD_BALANCE = ("aux_loss", "bias", "none")  # model.load_balance: see maxlm/model/balance.py for bias
-GROUPED_MATMUL = ("auto", "ragged_dot", "megablox")  # see grouped_matmul.grouped_matmul_backend
+GROUPED_MATMUL = ("auto", "ragged_dot", "tiled", "megablox")  # see grouped_matmul.grouped_matmul_backend
 SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/model/attention.py)
 
 

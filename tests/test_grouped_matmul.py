@@ -1,8 +1,12 @@
 """The dropless MoE's grouped matmul (maxlm/model/grouped_matmul.py): the megablox kernel, run by
-the Pallas interpreter on CPU, gives ragged_dot's outputs and gradients (alone, with rows padded to
-its tile and an empty group, and as the MoE layer's backend on an 8-device mesh, where each device
-multiplies its share of the sorted rows); "auto" picks it on TPUs only, and megablox off a TPU is
-a one-line config error. The TPU compile itself: tests/test_tpu_plan.py."""
+the Pallas interpreter on CPU, and the tiled loop (maxlm/model/tiled_matmul.py) give ragged_dot's
+outputs and gradients (alone, with rows padded to their tiles and empty groups, and as the MoE
+layer's backend on an 8-device mesh, where each device multiplies its share of the sorted rows);
+"auto" picks megablox on TPUs and tiled on CPUs, and megablox off a TPU is a one-line config error. The TPU compile itself: tests/test_tpu_plan.py."""
+
+import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +42,51 @@ def test_megablox_equals_ragged_dot_outputs_and_gradients():
     assert np.abs(got[1][1]).max() == 0  # the empty group's weights get no gradient
 
 
+@pytest.mark.parametrize("sizes", [[50, 0, 120, 30], [0, 0, 0, 200], [64, 64, 8, 64], [1, 1, 1, 197]])
+@pytest.mark.parametrize("tile", [8, 64, 256])
+def test_tiled_equals_ragged_dot_outputs_and_gradients(sizes, tile):
+    """Groups spanning many tiles (tile 8), filling whole tiles, empty, and smaller than one tile."""
+    N, F = 200, 48
+    keys = jax.random.split(jax.random.key(0), 3)
+    x_ND = jax.random.normal(keys[0], (N, 32))
+    w_EDF = jax.random.normal(keys[1], (4, 32, F))
+    sizes_E = jnp.array(sizes, jnp.int32)
+    probe_NF = jax.random.normal(keys[2], (N, F))
+
+    def loss(backend, x_ND, w_EDF):
+        return jnp.sum(gm.grouped_matmul(x_ND, w_EDF, sizes_E, backend) * probe_NF)
+
+    tiled = jax.jit(lambda x, w: gm.tiled_matmul(x, w, sizes_E, tile))
+    assert_close(tiled(x_ND, w_EDF), jax.lax.ragged_dot(x_ND, w_EDF, sizes_E), 1e-6)
+    got = jax.jit(jax.grad(lambda x, w: jnp.sum(gm.tiled_matmul(x, w, sizes_E, tile) * probe_NF), (0, 1)))(x_ND, w_EDF)
+    want = jax.grad(loss, (1, 2))("ragged_dot", x_ND, w_EDF)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, 1e-5)
+
+
+def test_tiled_runs_in_bfloat16_and_under_vmap():
+    """bfloat16 rows (float32 accumulation), and a batch of independent problems (as a pipeline's
+    stages are vmapped) each with its own group sizes."""
+    keys = jax.random.split(jax.random.key(1), 2)
+    x_SND = jax.random.normal(keys[0], (2, 40, 16))
+    w_SEDF = jax.random.normal(keys[1], (2, 3, 16, 24))
+    sizes_SE = jnp.array([[10, 30, 0], [0, 5, 35]], jnp.int32)
+    got = jax.vmap(lambda x, w, s: gm.tiled_matmul(x, w, s, 8))(x_SND, w_SEDF, sizes_SE)
+    for s in range(2):
+        assert_close(got[s], jax.lax.ragged_dot(x_SND[s], w_SEDF[s], sizes_SE[s]), 1e-6)
+    half = gm.tiled_matmul(x_SND[0].astype(jnp.bfloat16), w_SEDF[0].astype(jnp.bfloat16), sizes_SE[0], 8)
+    assert half.dtype == jnp.bfloat16
+    assert_close(half.astype(jnp.float32), jax.lax.ragged_dot(x_SND[0], w_SEDF[0], sizes_SE[0]), 0.1)
+
+
 def test_local_sizes_split_the_groups_at_the_shard_edges():
     sizes_E = jnp.array([5, 0, 7, 4], jnp.int32)
     np.testing.assert_array_equal(gm.local_sizes(sizes_E, 4, 16), [[4, 0, 0, 0], [1, 0, 3, 0], [0, 0, 4, 0],
                                                                    [0, 0, 0, 4]])
 
 
-def test_the_moe_layer_on_megablox_over_a_mesh_equals_ragged_dot():
+@pytest.mark.parametrize("backend", [INTERPRET, "tiled"])
+def test_the_moe_layer_on_a_kernel_over_a_mesh_equals_ragged_dot(backend):
     """fsdp 4 x data 2: the sorted rows split 8 ways, groups straddling devices."""
     cfg = config_lib.defaults()
     cfg.mesh.fsdp, cfg.mesh.data = 4, 2
@@ -59,7 +101,7 @@ def test_the_moe_layer_on_megablox_over_a_mesh_equals_ragged_dot():
         return jnp.sum(jnp.square(out_BLD)), out_BLD
 
     with mesh_lib.activate(mesh, rules):
-        (_, got), grads = jax.jit(jax.value_and_grad(lambda p, x: loss(INTERPRET, p, x), (0, 1), has_aux=True))(
+        (_, got), grads = jax.jit(jax.value_and_grad(lambda p, x: loss(backend, p, x), (0, 1), has_aux=True))(
             params, x_BLD)
         (_, want), want_grads = jax.jit(jax.value_and_grad(lambda p, x: loss("ragged_dot", p, x), (0, 1),
                                                            has_aux=True))(params, x_BLD)
@@ -69,8 +111,9 @@ def test_the_moe_layer_on_megablox_over_a_mesh_equals_ragged_dot():
         assert_close(g, w, 1e-5)
 
 
-def test_auto_is_megablox_on_tpus_only(monkeypatch):
-    assert gm.grouped_matmul_backend("auto", jnp.bfloat16) == "ragged_dot"  # CPU
+def test_auto_is_megablox_on_tpus_and_tiled_on_cpus(monkeypatch):
+    assert gm.grouped_matmul_backend("auto", jnp.bfloat16) == "tiled"  # CPU
+    assert gm.grouped_matmul_backend("auto", jnp.float16, "cpu") == "tiled"
     assert gm.grouped_matmul_backend("auto", jnp.bfloat16, "gpu") == "ragged_dot"
     assert gm.grouped_matmul_backend("auto", jnp.bfloat16, "tpu") == "megablox"
     assert gm.grouped_matmul_backend("auto", jnp.float16, "tpu") == "ragged_dot"  # not the kernel's dtype
@@ -87,3 +130,15 @@ def test_megablox_off_a_tpu_is_a_config_error():
     with pytest.raises(ConfigError, match="model.grouped_matmul='megablox' is a TPU kernel, and this runs on 'cpu'"):
         config_lib.resolve(cfg, 8, platform="cpu")
     assert config_lib.resolve(cfg, 8, platform="tpu").model.grouped_matmul == "megablox"
+
+
+def test_bench_grouped_matmul_times_each_cpu_backend_through_the_cli():
+    cmd = [sys.executable, "-m", "maxlm.bench", "grouped_matmul", "--config=configs/moe_tiny.py", "--steps=2",
+           "--config.batch_size=8", "--config.seq_len=32"]
+    result = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    assert result["rows"] == 8 * 32 * 2 and result["experts"] == 8
+    assert set(result["fwd_bwd_sec_median"]) == {"ragged_dot", "tiled", "dense"}
+    assert set(result["over_dense_median"]) == {"ragged_dot", "tiled"}
+    assert all(t > 0 for t in result["fwd_bwd_sec_median"].values())
+    dense = subprocess.run(cmd[:4] + ["--config=configs/tiny.py"], capture_output=True, text=True)
+    assert dense.returncode == 2 and "model.num_experts > 0" in dense.stderr

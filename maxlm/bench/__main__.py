@@ -1,4 +1,4 @@
-"""`python -m maxlm.bench [train|data|prepare|checkpoint|plan|attention|compare] --config=...`
+"""`python -m maxlm.bench [train|data|prepare|checkpoint|plan|attention|grouped_matmul|compare] --config=...`
 (maxlm/bench/benchmarks.py)."""
 
 from maxlm import cli

@@ -18,6 +18,9 @@ then reads the shards back (rows/s, and a reader's peak memory).
 `attention` compares cuDNN's fused attention with the XLA path at the config's shapes (GPU only):
 largest differences of outputs and gradients, and each one's forward+backward time.
 
+`grouped_matmul` times the dropless MoE's grouped matmul on each backend at the config's shapes
+(maxlm/bench/grouped_matmul.py).
+
 `compare --peer=maxtext` runs `train` and MaxText's trainer for the same model, batch and optimizer
 on the CPU, each in its own process, in interleaved pairs: each side's tokens/s and time to first
 step, and their ratios (maxlm/bench/compare.py).
@@ -252,9 +255,9 @@ def main(argv) -> None:
     from absl import flags
 
     what = argv[1] if len(argv) > 1 else "train"
-    if what not in ("train", "data", "prepare", "checkpoint", "plan", "attention", "compare"):
+    if what not in ("train", "data", "prepare", "checkpoint", "plan", "attention", "grouped_matmul", "compare"):
         cli.config_error(f"unknown benchmark {what!r}; available: train, data, prepare, checkpoint, plan, "
-                         "attention, compare")
+                         "attention, grouped_matmul, compare")
     cli.setup_logging()
     if what == "compare":  # two code bases, each in its own processes: nothing to initialise here
         from maxlm.bench import compare, compare_plan
@@ -292,6 +295,12 @@ def run_benchmark(what: str, cfg) -> dict:
         return plan(cfg)
     if what == "attention":  # cuDNN against XLA: differences and times (GPU)
         return bench_attention(cfg, flags.FLAGS.steps)
+    if what == "grouped_matmul":  # the MoE's grouped matmul on each backend against a dense one
+        from maxlm.bench.grouped_matmul import bench_grouped_matmul
+
+        if not cfg.model.num_experts:
+            cli.config_error("bench grouped_matmul needs an MoE model: set model.num_experts > 0")
+        return bench_grouped_matmul(cfg, flags.FLAGS.steps)
     if what in ("data", "prepare"):
         try:
             if what == "prepare":  # a generated corpus prepared by 1 and 2 workers, read back

@@ -3,12 +3,15 @@
     y_NF = grouped_matmul(x_ND, w_EDF, sizes_E, backend)
 
 Rows come sorted by group: the first sizes_E[0] rows of x_ND are multiplied by w_EDF[0], the next
-sizes_E[1] by w_EDF[1], ... (sum(sizes_E) = N). Two backends, the same numbers:
+sizes_E[1] by w_EDF[1], ... (sum(sizes_E) = N). Three backends, the same numbers:
 
-  ragged_dot `jax.lax.ragged_dot`: XLA's own, on any backend (CPU, GPU, TPU).
+  ragged_dot `jax.lax.ragged_dot`: XLA's own, on any backend (CPU, GPU, TPU). XLA:CPU computes it
+             as a dense product over every group, so its cost grows with the number of experts.
+  tiled      maxlm's loop of dense tile matmuls (maxlm/model/tiled_matmul.py), on any backend;
+             "auto" on CPUs, where it is 8x ragged_dot with 8 experts and 32x with 64.
   megablox   the Pallas grouped-matmul kernel for TPUs (`jax.experimental.pallas.ops.tpu.megablox`,
              MaxText's `megablox=True`), with its own VJP: `gmm` for x's gradient and `tgmm` for
-             the weights'. `grouped_matmul_backend` resolves "auto" to it on TPUs.
+             the weights'. "auto" on TPUs.
 
 What the kernel needs (read from its source, jax 0.12): float32 or bfloat16 operands, int32 group
 sizes, and a row count divisible by the row tile. Rows are padded to the tile here and the padded
@@ -17,7 +20,7 @@ are whatever the memory held) and its weight gradient masks them out. Tiles (row
 output columns) are the largest of 512/256/128 dividing each dimension (128 otherwise: the kernel
 masks a ragged last tile), as MaxText's defaults are 512s on v5p.
 
-A Pallas call cannot be partitioned by GSPMD, so under a mesh the kernel runs inside
+Neither a Pallas call nor the tiled loop is partitioned well by GSPMD, so under a mesh they run inside
 `jax.shard_map`: the (globally sorted) rows split evenly over the mesh axes of the `batch` rule,
 each device given the group sizes of its own rows (`local_sizes`), the weights whole on each
 device (gathered as FSDP gathers a dense layer's).
@@ -25,6 +28,7 @@ device (gathered as FSDP gathers a dense layer's).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -35,6 +39,7 @@ from jax.sharding import PartitionSpec
 
 from maxlm.errors import ConfigError
 from maxlm.model.attention import target_platform
+from maxlm.model.tiled_matmul import tiled_matmul
 
 TILES = (512, 256, 128)  # tried largest first
 # Tests only, never in config.GROUPED_MATMUL: the megablox kernel run by the Pallas interpreter on
@@ -45,12 +50,14 @@ MEGABLOX = ("megablox", MEGABLOX_INTERPRET)
 
 def grouped_matmul_backend(name: str, dtype, platform: str | None = None) -> str:
     """Resolves `model.grouped_matmul` for `platform` (default: `attention.target_platform()`):
-    "auto" is megablox on TPUs for float32/bfloat16 compute (the kernel's dtypes), ragged_dot
-    otherwise; megablox anywhere but a TPU is a ConfigError."""
+    "auto" is megablox on TPUs for float32/bfloat16 compute (the kernel's dtypes), tiled on CPUs,
+    ragged_dot otherwise; megablox anywhere but a TPU is a ConfigError."""
     platform = platform or target_platform()
     kernel_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
     if name == "auto":
-        return "megablox" if platform == "tpu" and kernel_dtype else "ragged_dot"
+        if platform == "tpu" and kernel_dtype:
+            return "megablox"
+        return "tiled" if platform == "cpu" else "ragged_dot"
     if name == "megablox" and platform != "tpu":
         raise ConfigError(f"model.grouped_matmul='megablox' needs a TPU, not {platform}; use 'auto' or 'ragged_dot'")
     if name == "megablox" and not kernel_dtype:
@@ -89,8 +96,9 @@ def local_sizes(sizes_E, num_shards: int, rows: int):
     return jnp.maximum(overlap_SE, 0).astype(jnp.int32)
 
 
-def _sharded_megablox(x_ND, w_EDF, sizes_E, interpret: bool):
-    """`megablox_matmul` under the active mesh: rows over the `batch` rule's axes."""
+def _sharded(kernel, x_ND, w_EDF, sizes_E):
+    """`kernel(x_ND, w_EDF, sizes_E)` on each device's rows under the active mesh: rows over the
+    `batch` rule's axes."""
     mesh = jax.sharding.get_abstract_mesh()
     batch = nn.logical_to_mesh_axes(("batch",))[0]
     axes = () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
@@ -100,7 +108,7 @@ def _sharded_megablox(x_ND, w_EDF, sizes_E, interpret: bool):
     rows = PartitionSpec(axes or None)
 
     def local(x_ND, w_EDF, sizes_1E):
-        return megablox_matmul(x_ND, w_EDF, sizes_1E[0], interpret)
+        return kernel(x_ND, w_EDF, sizes_1E[0])
 
     return jax.shard_map(
         local, in_specs=(rows, PartitionSpec(), rows), out_specs=rows,
@@ -110,12 +118,15 @@ def _sharded_megablox(x_ND, w_EDF, sizes_E, interpret: bool):
 
 def grouped_matmul(x_ND, w_EDF, sizes_E, backend: str = "auto"):
     """[N, F] in x's dtype: row block e of `x_ND` (sizes_E[e] rows, blocks in order) times
-    w_EDF[e], with the resolved `backend` ("auto", "ragged_dot", "megablox")."""
+    w_EDF[e], with the resolved `backend` ("auto", "ragged_dot", "tiled", "megablox")."""
     backend = grouped_matmul_backend(backend, x_ND.dtype)
-    if backend in MEGABLOX:
-        interpret = backend == MEGABLOX_INTERPRET
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or mesh.are_all_axes_manual:  # one device's rows already (in shard_map: expert parallelism)
-            return megablox_matmul(x_ND, w_EDF, sizes_E, interpret)
-        return _sharded_megablox(x_ND, w_EDF, sizes_E, interpret)
-    return jax.lax.ragged_dot(x_ND, w_EDF, sizes_E)
+    if backend == "ragged_dot":
+        return jax.lax.ragged_dot(x_ND, w_EDF, sizes_E)
+    if backend == "tiled":
+        kernel = tiled_matmul
+    else:
+        kernel = functools.partial(megablox_matmul, interpret=backend == MEGABLOX_INTERPRET)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.are_all_axes_manual:  # one device's rows already (in shard_map: expert parallelism)
+        return kernel(x_ND, w_EDF, sizes_E)
+    return _sharded(kernel, x_ND, w_EDF, sizes_E)
