@@ -85,11 +85,12 @@ def test_local_sizes_split_the_groups_at_the_shard_edges():
                                                                    [0, 0, 0, 4]])
 
 
-@pytest.mark.parametrize("backend", [INTERPRET, "tiled"])
-def test_the_moe_layer_on_a_kernel_over_a_mesh_equals_ragged_dot(backend):
-    """fsdp 4 x data 2: the sorted rows split 8 ways, groups straddling devices."""
+@pytest.mark.parametrize("backend,tensor", [(INTERPRET, 1), (INTERPRET, 2), ("tiled", 1), ("tiled", 2)])
+def test_the_moe_layer_on_a_kernel_over_a_mesh_equals_ragged_dot(backend, tensor):
+    """(fsdp 4 or fsdp 2 x tensor 2) x data 2: each device sorts its own tokens and runs the kernel
+    on them (the hidden units split over tensor, partial outputs summed)."""
     cfg = config_lib.defaults()
-    cfg.mesh.fsdp, cfg.mesh.data = 4, 2
+    cfg.mesh.fsdp, cfg.mesh.data, cfg.mesh.tensor = 4 // tensor, 2, tensor
     mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
     x_BLD = jax.random.normal(jax.random.key(1), (8, 4, D))
     layer_cfg = moe_cfg(init_std=0.5)

@@ -60,12 +60,17 @@ def _devices(axes: tuple[str, ...]) -> int:
     return math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
 
 
-def active(x_BLD) -> bool:
-    """Whether the split path runs here: a mesh is active, the `experts` rule maps onto axes of more
-    than one device, and the tokens split evenly over the `batch` and `length` rules' axes. (Not
-    so for init's one dummy row or a small generation batch: GSPMD's unsplit path then runs the
-    layer, the same numbers.)"""
-    if jax.sharding.get_abstract_mesh().empty or not _axes("experts", split_only=True):
+def active(x_BLD, dropless: bool) -> bool:
+    """Whether the split path runs here: a mesh is active, the tokens split evenly over the `batch`
+    and `length` rules' axes, and either the `experts` rule maps onto axes of more than one device
+    or (`dropless`) the tokens are split at all: each device then sorts only its own tokens, where
+    GSPMD's global sort of the token-slots would gather every device's. (Not so for init's one
+    dummy row or a small generation batch: GSPMD's unsplit path then runs the layer, the same
+    numbers.)"""
+    if jax.sharding.get_abstract_mesh().empty:
+        return False
+    tokens_split = _devices(_axes("batch") + _axes("length")) > 1
+    if not (_axes("experts", split_only=True) or (dropless and tokens_split)):
         return False
     B, L, _ = x_BLD.shape
     return B % _devices(_axes("batch")) == 0 and L % _devices(_axes("length")) == 0
@@ -83,11 +88,13 @@ def _specs():
     return ep, tensor, tokens, w_in, w_out
 
 
-def dropless(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
-    """`compute` (`moe.dropless`) with the experts split over the mesh's expert axes: [B, L, D]."""
+def dropless(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, pallas: bool = False):
+    """`compute` (`moe.dropless`) with the experts split over the mesh's expert axes: [B, L, D].
+    `pallas`: `compute` calls a Pallas kernel, whose outputs carry no varying-axes type, so the
+    types go unchecked (as MaxText's sparse matmul runs its shard_map)."""
     ep, tensor, tokens, w_in, w_out = _specs()
     local = functools.partial(_dropless_local, compute, ep=ep, tensor=tensor, dtype=dtype)
-    return jax.shard_map(local, in_specs=(tokens,) * 3 + (w_in, w_in, w_out), out_specs=tokens)(
+    return jax.shard_map(local, in_specs=(tokens,) * 3 + (w_in, w_in, w_out), out_specs=tokens, check_vma=not pallas)(
         x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
@@ -110,12 +117,14 @@ def _dropless_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF
     tokens of its `ep` group; returns its own tokens' outputs, summed over the group."""
     B, L, D = x_BLD.shape
     K, E_local = experts_BLK.shape[-1], w_gate_EDF.shape[0]
-    gather = lambda a: jax.lax.all_gather(a.reshape(B * L, -1), ep, axis=0, tiled=True)  # noqa: E731
+    gather = lambda a: a.reshape(B * L, -1)  # noqa: E731  (no expert axes: this device's tokens only)
+    if ep:
+        gather = lambda a: jax.lax.all_gather(a.reshape(B * L, -1), ep, axis=0, tiled=True)  # noqa: E731
     x_TD, experts_TK, gates_TK = gather(x_BLD), gather(experts_BLK), gather(gates_BLK)
     T = x_TD.shape[0]
     # this device's experts are numbered from 0 here; other devices' slots get E_local: they sort
     # last and fall beyond the M rows kept, room for every local slot (at most min(K, E_local) a token)
-    local_TK = experts_TK - jax.lax.axis_index(ep) * E_local
+    local_TK = experts_TK - (jax.lax.axis_index(ep) * E_local if ep else 0)
     local_N = jnp.where((local_TK >= 0) & (local_TK < E_local), local_TK, E_local).reshape(-1)
     M = T * min(K, E_local)
     order_N = jnp.argsort(local_N, stable=True)
@@ -128,7 +137,8 @@ def _dropless_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF
     # each slot's row is its rank in the sort; a rank of M or more is another device's slot: 0
     y_ND = y_MD.astype(jnp.float32).at[jnp.argsort(order_N)].get(mode="fill", fill_value=0.0)
     out_TD = y_ND.reshape(T, K, D).sum(axis=1)
-    out_TD = jax.lax.psum_scatter(out_TD, ep, scatter_dimension=0, tiled=True)  # the group's parts, summed
+    if ep:
+        out_TD = jax.lax.psum_scatter(out_TD, ep, scatter_dimension=0, tiled=True)  # the group's parts, summed
     if tensor:  # each device computed its slice of the hidden units
         out_TD = jax.lax.psum(out_TD, tensor)
     return out_TD.astype(dtype).reshape(B, L, D)
