@@ -17,8 +17,9 @@ What the kernel needs (read from its source, jax 0.12): float32 or bfloat16 oper
 sizes, and a row count divisible by the row tile. Rows are padded to the tile here and the padded
 rows cut from the output: they belong to no group, so the kernel never writes them (their values
 are whatever the memory held) and its weight gradient masks them out. Tiles (rows, contraction,
-output columns) are the largest of 512/256/128 dividing each dimension (128 otherwise: the kernel
-masks a ragged last tile), as MaxText's defaults are 512s on v5p.
+output columns) are 512 rows (fewer for fewer rows) and the largest of 1024/512/256/128 dividing
+each column dimension (128 otherwise: the kernel masks a ragged last tile), as MaxText's v5p
+defaults (512, 1024, 1024).
 
 Neither a Pallas call nor the tiled loop is partitioned well by GSPMD, so under a mesh they run inside
 `jax.shard_map`: the (globally sorted) rows split evenly over the mesh axes of the `batch` rule,
@@ -41,7 +42,8 @@ from maxlm.errors import ConfigError
 from maxlm.model.attention import target_platform
 from maxlm.model.tiled_matmul import tiled_matmul
 
-TILES = (512, 256, 128)  # tried largest first
+ROW_TILES = (512, 256, 128)  # tried largest first
+COLUMN_TILES = (1024, 512, 256, 128)  # contraction and output columns: MaxText's 1024 on v5p
 # Tests only, never in config.GROUPED_MATMUL: the megablox kernel run by the Pallas interpreter on
 # any backend (slow), so the model's megablox path can be checked on CPU.
 MEGABLOX_INTERPRET = "megablox_interpret"
@@ -67,12 +69,13 @@ def grouped_matmul_backend(name: str, dtype, platform: str | None = None) -> str
 
 
 def tiling(rows: int, contract: int, out: int) -> tuple[int, int, int]:
-    """The kernel's (row, contraction, output-column) tiles: the largest of TILES dividing each
-    dimension (the rows are padded to theirs: at most 512, at least 128), 128 where none does."""
+    """The kernel's (row, contraction, output-column) tiles: rows padded to a multiple of 128, at
+    most 512; the largest of COLUMN_TILES dividing each other dimension, 128 where none does.
+    Wider column tiles read the rows fewer times (bytes accessed fall with them)."""
     def tile(size: int) -> int:
-        return next((t for t in TILES if size % t == 0), TILES[-1])
+        return next((t for t in COLUMN_TILES if size % t == 0), COLUMN_TILES[-1])
 
-    return min(TILES[0], -(-rows // TILES[-1]) * TILES[-1]), tile(contract), tile(out)
+    return min(ROW_TILES[0], -(-rows // ROW_TILES[-1]) * ROW_TILES[-1]), tile(contract), tile(out)
 
 
 def megablox_matmul(x_ND, w_EDF, sizes_E, interpret: bool = False):

@@ -198,6 +198,9 @@ def _expert_parallel(x_BLD, experts_BLK, gates_BLK, weights, capacity: int, dtyp
     """`dropless` (capacity 0, on the grouped-matmul `backend`) or `with_capacity` with the experts split
     over the mesh's expert axis (maxlm/model/expert_parallel.py), the same numbers: ([B, L, D] in
     `dtype`, dropped)."""
+    # in the compute dtype before the exchange: the weights' FSDP gathers (and their gradients'
+    # reduce-scatters) at the shard_map's edge then move bfloat16, not the float32 params
+    weights = tuple(w.astype(dtype) for w in weights)
     if not capacity:
         pallas = grouped_matmul_backend(backend, dtype) in MEGABLOX
         out_BLD = expert_parallel.dropless(functools.partial(dropless, backend=backend), x_BLD, experts_BLK, gates_BLK,
