@@ -4,6 +4,10 @@ statistics (each microbatch's combined into the whole batch's) and the balancing
 with expert parallelism and multi-token prediction too; the shapes the pipeline cannot split are
 refused."""
 
+import shutil
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +17,8 @@ from maxlm import config as config_lib, model
 from maxlm.errors import ConfigError
 from maxlm.model import balance
 from maxlm.train import mesh as mesh_lib, router_metrics
-from tests.helpers import load_config, packed_batch, random_params, with_overrides
+from tests.helpers import (ROOT, command_env, load_config, packed_batch, random_params, saved_state, train_rows,
+                           with_overrides)
 
 # 2 dense layers then 2 MoE layers: one of each a stage with mesh.stage=2
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.first_dense_layers": 2, "model.num_layers": 4,
@@ -45,7 +50,8 @@ def loss_aux_grads(cfg, params, batch, mesh=None):
 
 def assert_trees_close(got, want, rtol, atol):
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 def has_collective(hlo: str, op: str) -> bool:
@@ -90,7 +96,8 @@ def test_pipelined_moe_equals_unpipelined(mesh, knobs):
     if cfg.model.capacity_factor:
         assert float(want_aux["router"]["dropped"]) > 0
     if balance.enabled(cfg.model):  # the training step's update of the biases, from the step's load
-        rebalanced = [balance.layer_biases(cfg.model, balance.rebalanced(cfg.model, params, params, a["router"]["layers"]["load_E"]))
+        step_load = lambda a: a["router"]["layers"]["load_E"]  # noqa: E731
+        rebalanced = [balance.layer_biases(cfg.model, balance.rebalanced(cfg.model, params, params, step_load(a)))
                       for a in (aux, want_aux)]
         assert not np.array_equal(rebalanced[1], params["layers"]["mlp"]["router_bias"])
         np.testing.assert_array_equal(*rebalanced)
@@ -103,3 +110,31 @@ def test_pipelined_moe_equals_unpipelined(mesh, knobs):
 def test_layer_groups_the_stages_cannot_split_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         moe_config({"stage": 2, "data": 4, "fsdp": 1}, **overrides)
+
+
+@pytest.mark.ci  # two CLI runs
+def test_the_cli_trains_a_pipelined_moe_model_and_resumes_bitwise(tmp_path, data_dirs):
+    """An MoE model with dense first layers on 2 stages x 4 data devices, balanced by the bias:
+    a copy of the run without its last checkpoint resumes to the same losses, router metrics and state."""
+    flags = ["--config=configs/tiny.py", "--config.mesh.stage=2", "--config.mesh.data=4", "--config.steps=6",
+             "--config.checkpoint.every_steps=3", "--config.eval.every_steps=3", "--config.log_every_steps=1",
+             "--config.optim.warmup_steps=2", "--config.model.load_balance=bias",
+             *(f"--config.{k}={v}" for k, v in {**MOE, "seq_len": 64, "model.vocab_size": 264}.items()),
+             *(f"--config.{k}={v}" for k, v in data_dirs.items())]
+
+    def train(workdir):
+        result = subprocess.run([sys.executable, "-m", "maxlm.train", f"--workdir={workdir}", *flags], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300, env=command_env(tmp_path))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout + result.stderr
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert "pipeline 2 stages x 2 layers" in train(whole)
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "6")
+    train(resumed)
+    got, want = train_rows(resumed), train_rows(whole)
+    keys = ["loss", "moe_aux_loss", "moe/layer_03/load_max", "moe/layer_02/bias_spread"]
+    assert [[got[s][k] for k in keys] for s in (4, 5, 6)] == [[want[s][k] for k in keys] for s in (4, 5, 6)]
+    assert want[6]["loss"] < want[1]["loss"] and want[6]["moe/layer_02/bias_spread"] > 0
+    assert jax.tree.all(jax.tree.map(np.array_equal, saved_state(whole, 6), saved_state(resumed, 6)))
