@@ -245,8 +245,8 @@ class Transformer(nn.Module):
         final_norm = RMSNorm(cfg.norm_eps, dtype, name="final_norm")  # shared by the MTP modules' heads
         if targets_BL is not None:
             depths = [mtp.Depth(cfg, block, RMSNorm, name=f"mtp_{k}") for k in range(cfg.mtp_depth)]
-            for state_BLD in mtp_states(cfg, depths, final_norm, embed_VD, x_BLD, targets_BL, positions_BL,
-                                        mask_B1LS, segment_ids_BL):
+            for state_BLD in _mtp_states(cfg, depths, final_norm, embed_VD, x_BLD, targets_BL, positions_BL,
+                                         mask_B1LS, segment_ids_BL):
                 self.sow("intermediates", "mtp", state_BLD)
         return final_norm(x_BLD)
 
@@ -259,7 +259,7 @@ def _block_class(cfg):
     return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
 
 
-def mtp_states(cfg, depths, final_norm, embed_VD, x_BLD, targets_BL, positions_BL, mask_B1LS, segment_ids_BL):
+def _mtp_states(cfg, depths, final_norm, embed_VD, x_BLD, targets_BL, positions_BL, mask_B1LS, segment_ids_BL):
     """The multi-token prediction modules' final-normed states, depth 1 first: `depths` are the
     modules (mtp.Depth, bound or applied), h^0 = `x_BLD` the trunk's output before `final_norm`."""
     dtype, h_BLD, states = compute_dtype(cfg), x_BLD, []
@@ -374,8 +374,8 @@ def pipelined_forward(model_cfg, params, batch: Batch, stages: int, with_mtp: bo
     if with_mtp and cfg.mtp_depth:
         depths = [functools.partial(mtp.Depth(cfg, _block_class(cfg), RMSNorm).apply, {"params": params[f"mtp_{k}"]})
                   for k in range(cfg.mtp_depth)]
-        sown["mtp"] = mtp_states(cfg, depths, final_norm, params["embed"], x_BLD, batch["targets"],
-                                 positions_BL, mask_B1LS, segment_ids_BL)
+        sown["mtp"] = _mtp_states(cfg, depths, final_norm, params["embed"], x_BLD, batch["targets"],
+                                  positions_BL, mask_B1LS, segment_ids_BL)
     return final_norm(x_BLD), sown
 
 
