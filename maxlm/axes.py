@@ -156,6 +156,11 @@ def _check_pipeline(c, mesh):
             f"model.num_layers={m.num_layers} must be divisible by mesh.stage={stages} "
             "(each pipeline stage holds the same number of layers)"
         )
+    if m.num_experts and m.first_dense_layers % stages:
+        raise ConfigError(
+            f"model.first_dense_layers={m.first_dense_layers} must be divisible by mesh.stage={stages} "
+            "(the dense layers, then the MoE layers, are each split evenly over the pipeline stages)"
+        )
     if not m.scan_layers:
         raise ConfigError(f"mesh.stage={stages} > 1 needs model.scan_layers=True (stages split the "
                           "scanned layers)")

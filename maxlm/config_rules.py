@@ -118,19 +118,13 @@ def _check_experts(c) -> None:
             raise ConfigError(f"model.router_topk_groups={m.router_topk_groups} must be in [1, router_groups="
                               f"{m.router_groups}] and hold at least experts_per_token={m.experts_per_token} "
                               f"experts ({per_group} a group)")
-    if c.mesh.stage > 1:
-        raise ConfigError("model.num_experts > 0 with mesh.stage > 1: the pipeline does not run MoE layers "
-                          "yet; use mesh.stage=1")
     if m.expert_mlp_dim == 0:
         m.expert_mlp_dim = m.mlp_dim
 
 
 def _check_mtp(c) -> None:
-    """Multi-token prediction against the pipeline and the rows' length."""
+    """Multi-token prediction against the rows' length."""
     depth = c.model.mtp_depth
-    if depth and c.mesh.stage > 1:
-        raise ConfigError(f"model.mtp_depth={depth} with mesh.stage={c.mesh.stage}: the pipeline does not run "
-                          "the multi-token prediction modules; use mesh.stage=1 or model.mtp_depth=0")
     if depth >= c.seq_len:
         raise ConfigError(f"model.mtp_depth={depth} must be less than seq_len={c.seq_len}: depth k predicts the "
                           "token k + 1 ahead, which must be in the row")

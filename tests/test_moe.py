@@ -176,8 +176,23 @@ def test_aux_loss_z_loss_and_load_match_numpy(router):
     np.testing.assert_allclose(stats["aux_loss"], E * np.sum(f * probs.mean(0)), rtol=1e-6)
     assert stats["aux_loss"] > 1.1  # skewed routing is penalised
     np.testing.assert_allclose(stats["load_E"], f * E, rtol=1e-6)
+    np.testing.assert_allclose(stats["probs_E"], probs.mean(0), rtol=1e-6)
     lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
     np.testing.assert_allclose(stats["z_loss"], np.mean(lse**2), rtol=1e-6)
+
+
+@ROUTERS
+def test_the_microbatches_statistics_combine_into_the_whole_batchs(router):
+    """The pipeline's combination: each statistic averaged over equal microbatches, aux_loss
+    recomputed from the averaged load and probabilities, gives the whole batch's statistics."""
+    cfg = moe_cfg(router=router)
+    logits = 2 * jax.random.normal(jax.random.key(7), (T, E), F32) + jnp.arange(E, dtype=F32) * 0.5
+    want = moe.route(cfg, logits, jnp.zeros(E))[2]
+    parts = [moe.route(cfg, part, jnp.zeros(E))[2] for part in jnp.split(logits, 2)]
+    mean = jax.tree.map(lambda *a: sum(a) / len(a), *parts)
+    assert abs(float(mean["aux_loss"]) - float(want["aux_loss"])) > 1e-3  # a mean of products is not it
+    for name, value in moe.whole_batch_stats(mean).items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-6, err_msg=name)
 
 
 def test_router_loss_weights_aux_loss_only_when_asked():
@@ -335,7 +350,7 @@ def test_layer_equals_reference_on_its_own_params(capacity_factor):
     assert np.abs(want).max() > 0.5
     assert_close(out_BLD.reshape(16, D), want)
     assert out_BLD.shape == x_BLD.shape and float(stats["dropped"]) == 0.0
-    assert set(stats) == {"aux_loss", "z_loss", "load_E", "dropped"}
+    assert set(stats) == {"aux_loss", "z_loss", "load_E", "probs_E", "dropped"}
 
 
 def test_layer_with_small_capacity_reports_drops():

@@ -110,7 +110,6 @@ def test_an_moe_model_trains_on_8_devices_and_resumes_exactly_balancing_bias_inc
     ({"model.router": "top1"}, r"model.router"),
     ({"model.capacity_factor": -1.0}, r"model.capacity_factor"),
     ({"model.load_balance": "bias", "model.bias_update_rate": 0.0}, r"model.bias_update_rate"),
-    ({"mesh.stage": 2, "mesh.fsdp": 4}, r"mesh.stage > 1: the pipeline does not run MoE layers"),
 ])
 def test_bad_moe_configs_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -4,15 +4,17 @@
     params = model.init_params(cfg.model, rng)
     loss, aux = model.loss_fn(cfg.model, params, batch)
 
-`transformer.py` is the network (blocks, the pipelined forward, the losses); `moe.py` the
-mixture-of-experts MLP, `balance.py` its selection biases across the layers; `mtp.py` the multi-token prediction
-modules; `attention.py` its attention backends and packed mask, `positions.py` the
-position encodings, `head.py` the output projection, `fp8.py` float8 matmuls, `backward_order.py`
-the unrolled layers' backward order.
+`transformer.py` is the network (blocks, the pipelined forward, the losses), `pipeline.py` its
+GPipe schedule over the mesh's `stage` axis; `moe.py` the mixture-of-experts MLP, `balance.py`
+its selection biases across the layers; `mtp.py` the multi-token prediction modules;
+`attention.py` its attention backends and packed mask, `positions.py` the position encodings,
+`head.py` the output projection, `fp8.py` float8 matmuls, `backward_order.py` the unrolled
+layers' backward order.
 Nothing here knows about meshes, optimizers or data files.
 """
 
 from maxlm.model.moe import MoE
+from maxlm.model.pipeline import bubble_fraction, pipeline_stages
 from maxlm.model.transformer import (
     REMAT_POLICIES,
     Attention,
@@ -23,7 +25,6 @@ from maxlm.model.transformer import (
     Transformer,
     active_params,
     apply,
-    bubble_fraction,
     compute_dtype,
     count_params,
     embed,
@@ -37,8 +38,7 @@ from maxlm.model.transformer import (
     microbatches,
     output_logits,
     param_logical_specs,
-    pipeline_stages,
-    pipelined_hidden_states,
+    pipelined_forward,
     qk_norm_axes,
     stack_layers,
     token_losses,
@@ -72,7 +72,7 @@ __all__ = [
     "output_logits",
     "param_logical_specs",
     "pipeline_stages",
-    "pipelined_hidden_states",
+    "pipelined_forward",
     "qk_norm_axes",
     "stack_layers",
     "token_losses",

@@ -69,7 +69,8 @@ def route(cfg, logits_TE, bias_E):
 
     stats: `aux_loss` (Switch/GShard: E·Σ_e f_e·P_e, f_e the share of token-slots routed to e,
     P_e the mean probability of e, the normalised scores for sigmoid; 1.0 when balanced),
-    `z_loss` (mean logsumexp(logits)²) and `load_E` (slots per expert / their mean).
+    `z_loss` (mean logsumexp(logits)²), `load_E` (slots per expert / their mean, E·f_e) and
+    `probs_E` (P_e), the two means aux_loss multiplies (`whole_batch_stats`).
     """
     T, E = logits_TE.shape
     K = cfg.experts_per_token
@@ -90,10 +91,24 @@ def route(cfg, logits_TE, bias_E):
     gates_TK = gates_TK * cfg.router_scale
 
     slots_E = jnp.zeros((E,), jnp.float32).at[experts_TK.reshape(-1)].add(1.0)
-    f_E = slots_E / (T * K)
-    aux_loss = E * jnp.sum(f_E * probs_TE.mean(axis=0))
+    load_E, probs_E = slots_E * E / (T * K), probs_TE.mean(axis=0)
     z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
-    return experts_TK, gates_TK, {"aux_loss": aux_loss, "z_loss": z_loss, "load_E": f_E * E}
+    return experts_TK, gates_TK, {"aux_loss": _aux_loss(load_E, probs_E), "z_loss": z_loss, "load_E": load_E,
+                                  "probs_E": probs_E}
+
+
+def _aux_loss(load_E, probs_E):
+    """E·Σ_e f_e·P_e, with load_E = E·f_e."""
+    return jnp.sum(load_E * probs_E, axis=-1)
+
+
+def whole_batch_stats(stats):
+    """The router statistics of a batch from their averages over its equal-size microbatches (the
+    pipeline's, [MoE layers, ...]). Each is a mean over the tokens (or token-slots), so the
+    microbatches' average is the whole batch's, but for aux_loss, a product of two such means:
+    it is recomputed from the whole batch's load_E and probs_E, so the loss and its gradients are
+    the unsplit model's."""
+    return {**stats, "aux_loss": _aux_loss(stats["load_E"], stats["probs_E"])}
 
 
 def router_loss(cfg, stats):
@@ -228,7 +243,7 @@ def reference(x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, dtyp
 class MoE(nn.Module):
     """The MoE MLP of one layer: x [B, L, D] → (out [B, L, D], stats).
 
-    stats: `route`'s (aux_loss, z_loss, load_E) and `dropped`, the share of token-slots over
+    stats: `route`'s (aux_loss, z_loss, load_E, probs_E) and `dropped`, the share of token-slots over
     capacity (0.0 when dropless). With load_balance=bias the selection bias is the param
     `router_bias` [E] (Hugging Face DeepSeek-V3's `e_score_correction_bias`): a weight, so eval,
     generation and checkpoints carry it, but one the optimizer never moves (its gradient is

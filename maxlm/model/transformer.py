@@ -29,7 +29,7 @@ import ml_collections
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm.model import attention, backward_order, fp8, head, moe, mtp, positions
+from maxlm.model import attention, backward_order, fp8, head, moe, mtp, pipeline, positions
 
 Batch = dict[str, jax.Array]
 
@@ -217,10 +217,7 @@ class Transformer(nn.Module):
         backend = "xla" if self.is_initializing() else attention.attention_backend(
             cfg.attention, dtype, tokens_BL.shape[1])
         mask_B1LS = attention.document_mask(backend, segment_ids_BL, dtype)
-        block = Block
-        if REMAT_POLICIES[cfg.remat] is not None:
-            # prevent_cse only matters outside scan, where XLA could merge the recomputation away.
-            block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        block = _block_class(cfg)
         router_stats = []  # per MoE layer
         if cfg.scan_layers:  # one compiled layer body per group whatever the depth; params get a `layers` axis
             for name, length, experts in layer_groups(cfg):
@@ -246,14 +243,31 @@ class Transformer(nn.Module):
         if not cfg.tie_embeddings:  # declared here so init creates it; used by `head_weights`
             _param(self, "head", _normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
         final_norm = RMSNorm(cfg.norm_eps, dtype, name="final_norm")  # shared by the MTP modules' heads
-        if targets_BL is not None:  # multi-token prediction, h^0 the trunk's output before the final norm
-            h_BLD = x_BLD
-            for k in range(1, cfg.mtp_depth + 1):
-                h_BLD = mtp.Depth(cfg, block, RMSNorm, name=f"mtp_{k - 1}")(
-                    h_BLD, embed(embed_VD, mtp.input_tokens(targets_BL, k), dtype), positions_BL, mask_B1LS,
-                    segment_ids_BL)
-                self.sow("intermediates", "mtp", final_norm(h_BLD))
+        if targets_BL is not None:
+            depths = [mtp.Depth(cfg, block, RMSNorm, name=f"mtp_{k}") for k in range(cfg.mtp_depth)]
+            for state_BLD in _mtp_states(cfg, depths, final_norm, embed_VD, x_BLD, targets_BL, positions_BL,
+                                         mask_B1LS, segment_ids_BL):
+                self.sow("intermediates", "mtp", state_BLD)
         return final_norm(x_BLD)
+
+
+def _block_class(cfg):
+    """Block, remat-wrapped by `model.remat`'s policy when it has one."""
+    if REMAT_POLICIES[cfg.remat] is None:
+        return Block
+    # prevent_cse only matters outside scan, where XLA could merge the recomputation away.
+    return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+
+
+def _mtp_states(cfg, depths, final_norm, embed_VD, x_BLD, targets_BL, positions_BL, mask_B1LS, segment_ids_BL):
+    """The multi-token prediction modules' final-normed states, depth 1 first: `depths` are the
+    modules (mtp.Depth, bound or applied), h^0 = `x_BLD` the trunk's output before `final_norm`."""
+    dtype, h_BLD, states = compute_dtype(cfg), x_BLD, []
+    for k, depth in enumerate(depths, start=1):
+        embeds_BLD = embed(embed_VD, mtp.input_tokens(targets_BL, k), dtype)
+        h_BLD = depth(h_BLD, embeds_BLD, positions_BL, mask_B1LS, segment_ids_BL)
+        states.append(final_norm(h_BLD))
+    return tuple(states)
 
 
 def _dummy_inputs(length: int = 8):
@@ -306,8 +320,8 @@ def forward_intermediates(model_cfg, params, batch: Batch, with_mtp: bool) -> tu
     """`forward`'s hidden states, and what the network sowed: "router_stats" (`forward`'s) and,
     `with_mtp`, the multi-token prediction modules' final-normed states "mtp" (a tuple, depth 1
     first; none without `model.mtp_depth`)."""
-    if pipeline_stages() > 1:
-        return pipelined_hidden_states(model_cfg, params, batch, pipeline_stages()), {}
+    if pipeline.pipeline_stages() > 1:
+        return pipelined_forward(model_cfg, params, batch, pipeline.pipeline_stages(), with_mtp)
     x_BLD, sown = Transformer(model_cfg).apply(
         {"params": params}, batch["inputs"], batch["segment_ids"], batch["positions"],
         batch["targets"] if with_mtp else None, mutable=["intermediates"])
@@ -325,79 +339,44 @@ def hidden_states(model_cfg, params, batch: Batch) -> jax.Array:
 # ----------------------------------------------------------------------------- pipeline parallelism
 
 
-def pipeline_stages() -> int:
-    """The size of the active mesh's `stage` axis (1 without a mesh or without that axis)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty or "stage" not in mesh.axis_names else mesh.shape["stage"]
-
-
-def bubble_fraction(stages: int, num_microbatches: int) -> float:
-    """The share of a GPipe step each stage idles: (S - 1) / (M + S - 1)."""
-    return (stages - 1) / (num_microbatches + stages - 1)
-
-
-def pipelined_hidden_states(model_cfg, params, batch: Batch, stages: int) -> jax.Array:
-    """`hidden_states` with the layers split over `stages` pipeline stages, a GPipe schedule.
-
-    The SPMD form (MaxText's/praxis' pipeline): the scanned layers' params [N, ...] become
-    [S, N/S, ...], stage s holding layers s·N/S ... (s+1)·N/S - 1 (the `layers` rule puts the
-    leading axis on the `stage` mesh axis). A state buffer [S, b, L, D] holds each stage's current
-    microbatch; each of the M + S - 1 iterations runs every stage on its slot at once (vmap over
-    the stage axis, which GSPMD splits over `stage`), then shifts the buffer one stage on
-    (jnp.roll: a collective permute), feeding microbatch t into stage 0 and collecting the one
-    leaving the last stage. Slots before a microbatch arrives or after it left compute on zeros
-    and are dropped (the bubble). Microbatches are strided rows (`microbatches`).
-    The backward pass is autodiff's: the same schedule reversed.
-    """
+def pipelined_forward(model_cfg, params, batch: Batch, stages: int, with_mtp: bool) -> tuple[jax.Array, dict]:
+    """`forward_intermediates` with each layer group (`layer_groups`: an MoE model's dense layers,
+    then its MoE layers) split over `stages` pipeline stages, one GPipe pass each
+    (maxlm/model/pipeline.py), on `model.pipeline_microbatches` strided microbatches
+    (`microbatches`). The same numbers: the router statistics are each microbatch's, combined
+    into the whole batch's (`moe.whole_batch_stats`); the embedding, the final norm and the
+    multi-token prediction modules run outside the pipeline, on the whole batch."""
     cfg = model_cfg
     dtype = compute_dtype(cfg)
     M = cfg.pipeline_microbatches
-    S, N = stages, cfg.num_layers
     tokens_BL, segment_ids_BL, positions_BL = batch["inputs"], batch["segment_ids"], batch["positions"]
     B, L = tokens_BL.shape
     x_BLD = embed(params["embed"], tokens_BL, dtype)
     x_BLD = positions.add_positions(cfg, x_BLD, positions_BL, params.get("pos_embed"))
     mask_B1LS = attention.attention_mask(segment_ids_BL)
     x_MbLD = microbatches(x_BLD, M, ("batch", "length", "act_embed"))
-    positions_MbL = microbatches(positions_BL, M, ("batch", "length"))
-    segment_ids_MbL = microbatches(segment_ids_BL, M, ("batch", "length"))
-    mask_Mb1LS = microbatches(mask_B1LS, M, ("batch", None, "length", None))
+    side_Mb = (microbatches(positions_BL, M, ("batch", "length")),
+               microbatches(mask_B1LS, M, ("batch", None, "length", None)),
+               microbatches(segment_ids_BL, M, ("batch", "length")))
+    specs = param_logical_specs(cfg)
+    sown = {}
+    for name, _, experts in layer_groups(cfg):
+        def layer(x_bLD, p, positions_bL, mask_b1LS, segment_ids_bL, experts=experts):
+            return Block(cfg, experts).apply({"params": p}, x_bLD, positions_bL, mask_b1LS, segment_ids_bL)
 
-    specs = param_logical_specs(cfg)["layers"]
-    stage_params = jax.tree.map(
-        lambda w, spec: _constrain(w.reshape(S, N // S, *w.shape[1:]), (spec[0], None, *spec[1:])),
-        params["layers"], specs, is_leaf=lambda x: not isinstance(x, dict),
-    )
-
-    def layer(x_bLD, p, positions_bL, mask_b1LS, segment_ids_bL):
-        return Block(cfg).apply({"params": p}, x_bLD, positions_bL, mask_b1LS, segment_ids_bL)[0]
-
-    if REMAT_POLICIES[cfg.remat] is not None:
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
-
-    def stage(p, x_bLD, positions_bL, mask_b1LS, segment_ids_bL):  # one stage's N/S layers
-        body = lambda x, p_layer: (layer(x, p_layer, positions_bL, mask_b1LS, segment_ids_bL), None)
-        return jax.lax.scan(body, x_bLD, p)[0]
-
-    stage_axis = nn.logical_to_mesh_axes(("layers",))[0]
-    run_stages = jax.vmap(stage, spmd_axis_name=stage_axis)
-    state_axes = ("layers", "batch", "length", "act_embed")
-    stage_ids_S = jnp.arange(S)
-
-    def iteration(state_SbLD, t):
-        feed_bLD = x_MbLD[jnp.minimum(t, M - 1)] * (t < M).astype(dtype)
-        state_SbLD = _constrain(state_SbLD.at[0].set(feed_bLD), state_axes)
-        m_S = jnp.clip(t - stage_ids_S, 0, M - 1)  # the microbatch each stage works on
-        out_SbLD = run_stages(stage_params, state_SbLD, positions_MbL[m_S], mask_Mb1LS[m_S], segment_ids_MbL[m_S])
-        out_SbLD = _constrain(out_SbLD, state_axes)
-        return _constrain(jnp.roll(out_SbLD, 1, axis=0), state_axes), out_SbLD[S - 1]
-
-    b = B // M
-    state_SbLD = _constrain(jnp.zeros((S, b, L, cfg.d_model), dtype), state_axes)
-    _, done_TbLD = jax.lax.scan(iteration, state_SbLD, jnp.arange(M + S - 1))
-    x_BLD = done_TbLD[S - 1:].swapaxes(0, 1).reshape(B, L, cfg.d_model)
-    x_BLD = _constrain(x_BLD, ("batch", "length", "act_embed"))
-    return RMSNorm(cfg.norm_eps, dtype).apply({"params": params["final_norm"]}, x_BLD)
+        if REMAT_POLICIES[cfg.remat] is not None:
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
+        x_MbLD, stats = pipeline.run(layer, params[name], specs[name], x_MbLD, side_Mb, stages)
+        if experts:
+            sown["router_stats"] = moe.whole_batch_stats(stats)
+    x_BLD = _constrain(x_MbLD.swapaxes(0, 1).reshape(B, L, cfg.d_model), ("batch", "length", "act_embed"))
+    final_norm = functools.partial(RMSNorm(cfg.norm_eps, dtype).apply, {"params": params["final_norm"]})
+    if with_mtp and cfg.mtp_depth:
+        depths = [functools.partial(mtp.Depth(cfg, _block_class(cfg), RMSNorm).apply, {"params": params[f"mtp_{k}"]})
+                  for k in range(cfg.mtp_depth)]
+        sown["mtp"] = _mtp_states(cfg, depths, final_norm, params["embed"], x_BLD, batch["targets"],
+                                  positions_BL, mask_B1LS, segment_ids_BL)
+    return final_norm(x_BLD), sown
 
 
 def head_weights(model_cfg, params) -> jax.Array:

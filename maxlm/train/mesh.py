@@ -3,7 +3,7 @@
 Every parameter and main activation carries *logical* axis names (`batch`, `embed`, `heads`, ...).
 The config's `mesh.rules` maps them onto the six mesh axes:
 
-  stage    : pipeline parallelism: the scanned layers split into stages (`model.pipelined_hidden_states`)
+  stage    : pipeline parallelism: the scanned layers split into stages (maxlm/model/pipeline.py)
   data     : pure data parallelism (parameters replicated)
   fsdp     : data parallelism with parameters, gradients and optimizer state sharded (ZeRO-3)
   expert   : expert parallelism: an MoE layer's experts split over it, tokens sent to their experts'
