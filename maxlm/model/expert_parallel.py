@@ -1,9 +1,13 @@
 """Expert parallelism: an MoE layer's experts split over the mesh's `expert` axis, n devices each
 holding E/n of them, and the tokens taken to their experts' devices and back.
 
-    out_BLD = dropless(moe.dropless, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
+    out_BLD = dropless(moe.sorted_experts, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
     out_BLD = with_capacity(moe.dispatch_masks, moe.buffered_experts, x_BLD, experts_BLK, gates_BLK,
                             position_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, capacity, dtype)
+
+The dropless layer runs here also when no axis splits the experts but the tokens are split (data,
+fsdp, sequence): each device then sorts and computes its own tokens' slots, with all the experts'
+weights, where GSPMD's global sort would gather every device's token-slots.
 
 moe.py's layer calls these with its own functions for the local compute (this module imports
 nothing of moe.py's), so a change to the single-device compute reaches both paths.
@@ -14,8 +18,8 @@ expert compute runs in `jax.shard_map`, each device on its own tokens (its share
 length: the `batch` rule includes `expert`) and its own experts:
 
 - dropless (capacity 0): the tokens of the n devices along `expert` are all-gathered, each device
-  runs `moe.dropless` on the slots routed to its experts, and a reduce-scatter sums the n partial
-  outputs back onto the tokens' devices (Megatron-LM's "allgather" token dispatcher). Static
+  sorts the slots routed to its experts and runs `moe.sorted_experts` on them, and a
+  reduce-scatter sums the n partial outputs back onto the tokens' devices (Megatron-LM's "allgather" token dispatcher). Static
   shapes and exact. `jax.lax.ragged_all_to_all` (MaxText's dropless exchange) would move only the
   routed slots, but XLA:CPU cannot run it (jax 0.12: "HLO opcode ragged-all-to-all is not
   supported"), so it could be neither tested nor used here.
@@ -88,13 +92,15 @@ def _specs():
     return ep, tensor, tokens, w_in, w_out
 
 
-def dropless(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, pallas: bool = False):
-    """`compute` (`moe.dropless`) with the experts split over the mesh's expert axes: [B, L, D].
-    `pallas`: `compute` calls a Pallas kernel, whose outputs carry no varying-axes type, so the
-    types go unchecked (as MaxText's sparse matmul runs its shard_map)."""
+def dropless(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
+    """The dropless layer with the experts split over the mesh's expert axes, and each device's
+    tokens sorted on that device: [B, L, D]. `compute`: `moe.sorted_experts`.
+    The types go unchecked (`check_vma=False`, as MaxText runs its sparse matmul's shard_map):
+    the megablox kernel's outputs carry no varying-axes type, and the tiled loop's carries start
+    as plain zeros. The gradients are the checked path's (tests/test_grouped_matmul.py)."""
     ep, tensor, tokens, w_in, w_out = _specs()
     local = functools.partial(_dropless_local, compute, ep=ep, tensor=tensor, dtype=dtype)
-    return jax.shard_map(local, in_specs=(tokens,) * 3 + (w_in, w_in, w_out), out_specs=tokens, check_vma=not pallas)(
+    return jax.shard_map(local, in_specs=(tokens,) * 3 + (w_in, w_in, w_out), out_specs=tokens, check_vma=False)(
         x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
@@ -125,18 +131,19 @@ def _dropless_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF
     # this device's experts are numbered from 0 here; other devices' slots get E_local: they sort
     # last and fall beyond the M rows kept, room for every local slot (at most min(K, E_local) a token)
     local_TK = experts_TK - (jax.lax.axis_index(ep) * E_local if ep else 0)
-    local_N = jnp.where((local_TK >= 0) & (local_TK < E_local), local_TK, E_local).reshape(-1)
+    mine_TK = (local_TK >= 0) & (local_TK < E_local)
+    local_N = jnp.where(mine_TK, local_TK, E_local).reshape(-1)
     M = T * min(K, E_local)
     order_N = jnp.argsort(local_N, stable=True)
     order_M = order_N[:M]
     mine_M = local_N[order_M] < E_local
-    gates_M = jnp.where(mine_M, gates_TK.reshape(-1)[order_M], 0.0)
-    y_MD = compute(x_TD[order_M // K], local_N[order_M][:, None], gates_M[:, None],
-                   w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
-    y_MD = jnp.where(mine_M[:, None], y_MD, 0)  # rows past the local slots: whatever the matmul left
+    sizes_E = jnp.bincount(local_N, length=E_local + 1)[:E_local].astype(jnp.int32)
+    y_MD = compute(x_TD.astype(dtype)[order_M // K], sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
+    y_MD = jnp.where(mine_M[:, None], y_MD, jnp.zeros((), y_MD.dtype))  # rows past the local slots: unspecified
     # each slot's row is its rank in the sort; a rank of M or more is another device's slot: 0
-    y_ND = y_MD.astype(jnp.float32).at[jnp.argsort(order_N)].get(mode="fill", fill_value=0.0)
-    out_TD = y_ND.reshape(T, K, D).sum(axis=1)
+    y_TKD = y_MD.at[jnp.argsort(order_N)].get(mode="fill", fill_value=0).reshape(T, K, D)
+    gates_TK = jnp.where(mine_TK, gates_TK, 0.0)  # other devices' slots: their outputs come from there
+    out_TD = jnp.einsum("tkd,tk->td", y_TKD, gates_TK.astype(dtype), preferred_element_type=jnp.float32)
     if ep:
         out_TD = jax.lax.psum_scatter(out_TD, ep, scatter_dimension=0, tiled=True)  # the group's parts, summed
     if tensor:  # each device computed its slice of the hidden units

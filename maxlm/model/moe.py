@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.config_rules import LOAD_BALANCE, ROUTERS  # noqa: F401  (the choices, as moe.ROUTERS)
 from maxlm.model import expert_parallel
-from maxlm.model.grouped_matmul import MEGABLOX, grouped_matmul, grouped_matmul_backend
+from maxlm.model.grouped_matmul import grouped_matmul
 
 
 def _dtype(model_cfg):
@@ -133,20 +133,25 @@ def _swiglu(x, w_gate, w_up, w_down, spec_in: str, spec_out: str):
     return jnp.einsum(spec_out, hidden, w_down)
 
 
+def sorted_experts(x_ND, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, backend: str = "auto"):
+    """The experts' SwiGLU on rows sorted by expert, [N, D] in `dtype`: sizes_E[e] rows for expert
+    e, in order (grouped matmuls on `backend`, model.grouped_matmul: no [E, N, ...] intermediate).
+    Rows past sum(sizes_E) belong to no expert: their outputs are unspecified."""
+    gate_NF = grouped_matmul(x_ND, w_gate_EDF.astype(dtype), sizes_E, backend)
+    up_NF = grouped_matmul(x_ND, w_up_EDF.astype(dtype), sizes_E, backend)
+    return grouped_matmul(nn.silu(gate_NF) * up_NF, w_down_EFD.astype(dtype), sizes_E, backend)
+
+
 def dropless(x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, backend: str = "auto"):
     """Every token-slot computed, [T, D] in `dtype`: the T·K slots sorted by expert (a stable sort,
     so within an expert tokens keep their order), each expert's contiguous rows multiplied by its
-    weights (grouped matmuls on `backend`, model.grouped_matmul: no [E, T, ...] intermediate),
-    unsorted and summed with the gates (accumulated in float32)."""
+    weights (`sorted_experts`), unsorted and summed with the gates (accumulated in float32)."""
     T, K = experts_TK.shape
     E = w_gate_EDF.shape[0]
     experts_N = experts_TK.reshape(-1)
     order_N = jnp.argsort(experts_N, stable=True)
     sizes_E = jnp.bincount(experts_N, length=E).astype(jnp.int32)
-    x_ND = x_TD.astype(dtype)[order_N // K]
-    gate_NF = grouped_matmul(x_ND, w_gate_EDF.astype(dtype), sizes_E, backend)
-    up_NF = grouped_matmul(x_ND, w_up_EDF.astype(dtype), sizes_E, backend)
-    y_ND = grouped_matmul(nn.silu(gate_NF) * up_NF, w_down_EFD.astype(dtype), sizes_E, backend)
+    y_ND = sorted_experts(x_TD.astype(dtype)[order_N // K], sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, backend)
     # unsort with the inverse permutation: a gather, then a plain weighted sum over the K slots
     y_TKD = y_ND[jnp.argsort(order_N)].reshape(T, K, -1)
     out_TD = jnp.einsum("tkd,tk->td", y_TKD, gates_TK.astype(dtype), preferred_element_type=jnp.float32)
@@ -217,9 +222,8 @@ def _expert_parallel(x_BLD, experts_BLK, gates_BLK, weights, capacity: int, dtyp
     # reduce-scatters) at the shard_map's edge then move bfloat16, not the float32 params
     weights = tuple(w.astype(dtype) for w in weights)
     if not capacity:
-        pallas = grouped_matmul_backend(backend, dtype) in MEGABLOX
-        out_BLD = expert_parallel.dropless(functools.partial(dropless, backend=backend), x_BLD, experts_BLK, gates_BLK,
-                                           *weights, dtype, pallas=pallas)
+        out_BLD = expert_parallel.dropless(functools.partial(sorted_experts, backend=backend), x_BLD, experts_BLK,
+                                           gates_BLK, *weights, dtype)
         return out_BLD, jnp.zeros((), jnp.float32)
     position_BLK = dispatch_positions(experts_BLK, weights[0].shape[0])  # whole sequences' queues: GSPMD
     out_BLD = expert_parallel.with_capacity(dispatch_masks, buffered_experts, x_BLD, experts_BLK, gates_BLK,

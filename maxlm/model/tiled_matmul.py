@@ -10,11 +10,15 @@ cost grows with the number of experts (measured on 2 cores, bfloat16 forward+bac
 so a tile costs one [tile, D] x [D, F] matmul whatever the number of groups.
 
 Layout: group e's rows move to a run of ceil(sizes_E[e] / tile) tiles; tiles left over at the end
-(the bound below is static) and the padding rows of a group's last tile hold zeros. A loop over
-the used tiles only (`fori_loop` to a traced count) multiplies each by its group's weights. The
-backward pass (a custom VJP) is a second loop over the same tiles: x's gradient tile by tile, and
-the weights' gradient accumulated per group in float32 (padding rows are zeros, so they add
-nothing).
+(the bound below is static) and the padding rows of a group's last tile hold zeros. A `lax.scan`
+over the tiles multiplies each used one by its group's weights and skips (`lax.cond`) the rest.
+The backward pass (a custom VJP) is a second scan over the same tiles: x's gradient tile by tile,
+and the weights' gradient accumulated per group in float32 (padding rows are zeros, so they add
+nothing). The trip count is static so that the loop batches under `vmap` (the pipeline's stages)
+without a reduction over the batch; there a cond becomes a select, and unused tiles are computed.
+
+Inside `shard_map` it runs with the types unchecked (`check_vma=False`, as the megablox kernel
+must): its loops' carries start as plain zeros, which a checked shard_map would reject.
 """
 
 from __future__ import annotations
@@ -60,36 +64,36 @@ def _from_tiles(y_TtF, dest_N):
     return y_TtF.reshape(-1, y_TtF.shape[2])[dest_N]
 
 
-def _zeros(shape, dtype, *inputs):
-    """Zeros that vary over the mesh axes any of `inputs` varies over: inside `shard_map` a loop's
-    carry must start with the type its body gives it (`zeros_like` keeps that type; a sum joins them)."""
-    return sum(jnp.zeros_like(x, shape=shape, dtype=dtype) for x in inputs)
-
-
 def _tile_products(x_TtD, w_EDF, group_T, num_used):
     """[T, tile, F]: each of the first `num_used` tiles times its group's weights (float32
-    accumulation, x's dtype out); the unused tiles stay zero and cost nothing."""
-    def one_tile(t, y_TtF):
-        y_tF = jnp.dot(x_TtD[t], w_EDF[group_T[t]], preferred_element_type=jnp.float32)
-        return y_TtF.at[t].set(y_tF.astype(y_TtF.dtype))
+    accumulation, x's dtype out); the unused tiles are zeros, their matmuls skipped."""
+    zeros_tF = jnp.zeros(x_TtD.shape[1:2] + w_EDF.shape[2:], x_TtD.dtype)
 
-    y_TtF = _zeros(x_TtD.shape[:2] + w_EDF.shape[2:], x_TtD.dtype, x_TtD, w_EDF, group_T)
-    return jax.lax.fori_loop(0, num_used, one_tile, y_TtF)
+    def one_tile(_, tile_inputs):
+        t, x_tD, group = tile_inputs
+        product = lambda: jnp.dot(x_tD, w_EDF[group], preferred_element_type=jnp.float32).astype(x_TtD.dtype)  # noqa: E731
+        return None, jax.lax.cond(t < num_used, product, lambda: zeros_tF)
+
+    return jax.lax.scan(one_tile, None, (jnp.arange(x_TtD.shape[0]), x_TtD, group_T))[1]
 
 
 def _tile_gradients(x_TtD, dy_TtF, w_EDF, group_T, num_used):
     """x's gradient per tile ([T, tile, D]) and the weights' ([E, D, F], summed over each group's
     tiles in float32)."""
-    def one_tile(t, grads):
-        dx_TtD, dw_EDF = grads
-        group = group_T[t]
-        dx_tD = jnp.dot(dy_TtF[t], w_EDF[group].T, preferred_element_type=jnp.float32)
-        dw_DF = jnp.dot(x_TtD[t].T, dy_TtF[t], preferred_element_type=jnp.float32)
-        return dx_TtD.at[t].set(dx_tD.astype(dx_TtD.dtype)), dw_EDF.at[group].add(dw_DF)
+    zeros = (jnp.zeros(x_TtD.shape[1:], x_TtD.dtype), jnp.zeros(w_EDF.shape[1:], jnp.float32))
 
-    inputs = (x_TtD, dy_TtF, w_EDF, group_T)
-    grads = (_zeros(x_TtD.shape, x_TtD.dtype, *inputs), _zeros(w_EDF.shape, jnp.float32, *inputs))
-    dx_TtD, dw_EDF = jax.lax.fori_loop(0, num_used, one_tile, grads)
+    def one_tile(dw_EDF, tile_inputs):
+        t, x_tD, dy_tF, group = tile_inputs
+
+        def products():
+            dx_tD = jnp.dot(dy_tF, w_EDF[group].T, preferred_element_type=jnp.float32).astype(x_TtD.dtype)
+            return dx_tD, jnp.dot(x_tD.T, dy_tF, preferred_element_type=jnp.float32)
+
+        dx_tD, dw_DF = jax.lax.cond(t < num_used, products, lambda: zeros)
+        return dw_EDF.at[group].add(dw_DF), dx_tD  # the big accumulator stays out of the cond
+
+    dw_EDF, dx_TtD = jax.lax.scan(one_tile, jnp.zeros(w_EDF.shape, jnp.float32),
+                                  (jnp.arange(x_TtD.shape[0]), x_TtD, dy_TtF, group_T))
     return dx_TtD, dw_EDF.astype(w_EDF.dtype)
 
 
@@ -118,12 +122,4 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 def tiled_matmul(x_ND, w_EDF, sizes_E, tile: int = 128):
     """[N, F] in x's dtype: row block e of `x_ND` (sizes_E[e] rows, blocks in order) times w_EDF[e],
     `tile` rows at a time (float32 accumulation). Differentiable in x and w."""
-    w_EDF = w_EDF.astype(x_ND.dtype)
-    # Inside shard_map a custom VJP must return each gradient with its input's varying mesh axes,
-    # while the weights' gradient sums over rows that vary over more axes: adding zeros of the
-    # others' type gives all three inputs one type, and autodiff psums the weights' gradient back
-    # to theirs (the transpose of the implicit broadcast).
-    x_joined = x_ND + _zeros(x_ND.shape, x_ND.dtype, w_EDF, sizes_E)
-    w_joined = w_EDF + _zeros(w_EDF.shape, w_EDF.dtype, x_ND, sizes_E)
-    sizes_joined = sizes_E + _zeros(sizes_E.shape, sizes_E.dtype, x_ND, w_EDF)
-    return _tiled(x_joined, w_joined, sizes_joined, tile)
+    return _tiled(x_ND, w_EDF.astype(x_ND.dtype), sizes_E, tile)
