@@ -138,8 +138,11 @@ def _dropless_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF
     order_M = order_N[:M]
     mine_M = local_N[order_M] < E_local
     sizes_E = jnp.bincount(local_N, length=E_local + 1)[:E_local].astype(jnp.int32)
-    y_MD = compute(x_TD.astype(dtype)[order_M // K], sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
-    y_MD = jnp.where(mine_M[:, None], y_MD, jnp.zeros((), y_MD.dtype))  # rows past the local slots: unspecified
+    # rows past the local slots (only with expert axes) are unspecified both ways, in y and in x's
+    # gradient (megablox never writes them): zeroed on the way in and out
+    keep = (lambda a: jnp.where(mine_M[:, None], a, jnp.zeros((), a.dtype))) if ep else (lambda a: a)
+    x_MD = keep(x_TD.astype(dtype)[order_M // K])
+    y_MD = keep(compute(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype))
     # each slot's row is its rank in the sort; a rank of M or more is another device's slot: 0
     y_TKD = y_MD.at[jnp.argsort(order_N)].get(mode="fill", fill_value=0).reshape(T, K, D)
     gates_TK = jnp.where(mine_TK, gates_TK, 0.0)  # other devices' slots: their outputs come from there

@@ -17,9 +17,8 @@ What the kernel needs (read from its source, jax 0.12): float32 or bfloat16 oper
 sizes, and a row count divisible by the row tile. Rows are padded to the tile here and the padded
 rows cut from the output: they belong to no group, so the kernel never writes them (their values
 are whatever the memory held) and its weight gradient masks them out. Tiles (rows, contraction,
-output columns) are 512 rows (fewer for fewer rows) and the largest of 1024/512/256/128 dividing
-each column dimension (128 otherwise: the kernel masks a ragged last tile), as MaxText's v5p
-defaults (512, 1024, 1024).
+output columns) are 512 rows (fewer for fewer rows) and 1024 columns (fewer for narrower
+dimensions; the kernel masks a ragged last tile), as MaxText's v5p defaults (512, 1024, 1024).
 
 Neither a Pallas call nor the tiled loop is partitioned well by GSPMD, so under a mesh they run inside
 `jax.shard_map`: the (globally sorted) rows split evenly over the mesh axes of the `batch` rule,
@@ -42,8 +41,8 @@ from maxlm.errors import ConfigError
 from maxlm.model.attention import target_platform
 from maxlm.model.tiled_matmul import tiled_matmul
 
-ROW_TILES = (512, 256, 128)  # tried largest first
-COLUMN_TILES = (1024, 512, 256, 128)  # contraction and output columns: MaxText's 1024 on v5p
+ROW_TILES = (512, 128)  # the widest and the granule
+COLUMN_TILES = (1024, 128)  # contraction and output columns: MaxText's 1024 on v5p
 # Tests only, never in config.GROUPED_MATMUL: the megablox kernel run by the Pallas interpreter on
 # any backend (slow), so the model's megablox path can be checked on CPU.
 MEGABLOX_INTERPRET = "megablox_interpret"
@@ -70,12 +69,12 @@ def grouped_matmul_backend(name: str, dtype, platform: str | None = None) -> str
 
 def tiling(rows: int, contract: int, out: int) -> tuple[int, int, int]:
     """The kernel's (row, contraction, output-column) tiles: rows padded to a multiple of 128, at
-    most 512; the largest of COLUMN_TILES dividing each other dimension, 128 where none does.
-    Wider column tiles read the rows fewer times (bytes accessed fall with them)."""
-    def tile(size: int) -> int:
-        return next((t for t in COLUMN_TILES if size % t == 0), COLUMN_TILES[-1])
+    most 512; each other dimension rounded up to 128, at most 1024 (the kernel masks a ragged
+    last tile). Wider column tiles read the rows fewer times (bytes accessed fall with them)."""
+    def tile(size: int, widest: int) -> int:
+        return min(widest, -(-size // ROW_TILES[-1]) * ROW_TILES[-1])
 
-    return min(ROW_TILES[0], -(-rows // ROW_TILES[-1]) * ROW_TILES[-1]), tile(contract), tile(out)
+    return tile(rows, ROW_TILES[0]), tile(contract, COLUMN_TILES[0]), tile(out, COLUMN_TILES[0])
 
 
 def megablox_matmul(x_ND, w_EDF, sizes_E, interpret: bool = False):
