@@ -44,10 +44,16 @@ def test_local_sizes_split_the_groups_at_the_shard_edges():
                                                                    [0, 0, 0, 4]])
 
 
-def test_the_moe_layer_on_megablox_over_a_mesh_equals_ragged_dot():
-    """fsdp 4 x data 2: the sorted rows split 8 ways, groups straddling devices."""
+@pytest.mark.parametrize("axes", [
+    {"fsdp": 4, "data": 2},  # the sorted rows split 8 ways, groups straddling devices
+    {"expert": 4, "data": 2},  # expert parallelism: the kernel inside its shard_map, on each device's experts
+    {"expert": 2, "tensor": 2, "data": 2},  # ... on a slice of their hidden units, the partial sums psum'd
+], ids=["fsdp4_data2", "expert4_data2", "expert2_tensor2_data2"])
+def test_the_moe_layer_on_megablox_over_a_mesh_equals_ragged_dot(axes):
     cfg = config_lib.defaults()
-    cfg.mesh.fsdp, cfg.mesh.data = 4, 2
+    cfg.mesh.fsdp = 1
+    for axis, size in axes.items():
+        cfg.mesh[axis] = size
     mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
     x_BLD = jax.random.normal(jax.random.key(1), (8, 4, D))
     layer_cfg = moe_cfg(init_std=0.5)

@@ -83,12 +83,16 @@ def _specs():
     return ep, tensor, tokens, w_in, w_out
 
 
-def dropless(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
-    """`compute` (`moe.dropless`) with the experts split over the mesh's expert axes: [B, L, D]."""
+def dropless(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype,
+             pallas: bool = False):
+    """`compute` (`moe.dropless`) with the experts split over the mesh's expert axes: [B, L, D].
+    `pallas`: `compute` calls a Pallas kernel (megablox), whose outputs carry no varying-axes
+    type, so the shard_map cannot check them (check_vma off, as MaxText's MoE shard_map); the
+    specs and the collectives below say how each value varies."""
     ep, tensor, tokens, w_in, w_out = _specs()
     local = functools.partial(_dropless_local, compute, ep=ep, tensor=tensor, dtype=dtype)
-    return jax.shard_map(local, in_specs=(tokens,) * 3 + (w_in, w_in, w_out), out_specs=tokens)(
-        x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return jax.shard_map(local, in_specs=(tokens,) * 3 + (w_in, w_in, w_out), out_specs=tokens,
+                         check_vma=not pallas)(x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
 def with_capacity(dispatch_masks, compute, x_BLD, experts_BLK, gates_BLK, position_BLK, w_gate_EDF, w_up_EDF,

@@ -73,9 +73,12 @@ def megablox_matmul(x_ND, w_EDF, sizes_E, interpret: bool = False):
     N, D = x_ND.shape
     tiles = tiling(N, D, w_EDF.shape[2])
     padded_N = -(-N // tiles[0]) * tiles[0]
-    x_ND = jnp.pad(x_ND, ((0, padded_N - N), (0, 0)))
+    # Rows past the groups (expert parallelism hands the kernel room for more slots than are its
+    # experts') the kernel never writes, neither in y nor in x's gradient: zeros, both ways.
+    grouped_N1 = (jnp.arange(N) < jnp.sum(sizes_E))[:, None]
+    x_ND = jnp.pad(jnp.where(grouped_N1, x_ND, 0), ((0, padded_N - N), (0, 0)))
     y_NF = megablox.gmm(x_ND, w_EDF, sizes_E.astype(jnp.int32), x_ND.dtype, tiles, interpret=interpret)
-    return y_NF[:N]
+    return jnp.where(grouped_N1, y_NF[:N], 0)
 
 
 def local_sizes(sizes_E, num_shards: int, rows: int):

@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.config_rules import LOAD_BALANCE, ROUTERS  # noqa: F401  (the choices, as moe.ROUTERS)
 from maxlm.model import expert_parallel
-from maxlm.model.grouped_matmul import grouped_matmul
+from maxlm.model.grouped_matmul import MEGABLOX, grouped_matmul, grouped_matmul_backend
 
 
 def _dtype(model_cfg):
@@ -199,8 +199,9 @@ def _expert_parallel(x_BLD, experts_BLK, gates_BLK, weights, capacity: int, dtyp
     over the mesh's expert axis (maxlm/model/expert_parallel.py), the same numbers: ([B, L, D] in
     `dtype`, dropped)."""
     if not capacity:
-        return expert_parallel.dropless(functools.partial(dropless, backend=backend), x_BLD, experts_BLK, gates_BLK, *weights, dtype), \
-            jnp.zeros((), jnp.float32)
+        pallas = grouped_matmul_backend(backend, dtype) in MEGABLOX
+        return expert_parallel.dropless(functools.partial(dropless, backend=backend), x_BLD, experts_BLK, gates_BLK,
+                                        *weights, dtype, pallas=pallas), jnp.zeros((), jnp.float32)
     position_BLK = dispatch_positions(experts_BLK, weights[0].shape[0])  # whole sequences' queues: GSPMD
     out_BLD = expert_parallel.with_capacity(dispatch_masks, buffered_experts, x_BLD, experts_BLK, gates_BLK,
                                             position_BLK, *weights, capacity, dtype)
