@@ -3,7 +3,8 @@
     y_NF = grouped_matmul(x_ND, w_EDF, sizes_E, backend)
 
 Rows come sorted by group: the first sizes_E[0] rows of x_ND are multiplied by w_EDF[0], the next
-sizes_E[1] by w_EDF[1], ... (sum(sizes_E) = N). Two backends, the same numbers:
+sizes_E[1] by w_EDF[1], ... (sum(sizes_E) = N, or less under expert parallelism: the rows past
+the groups are zeros). Two backends, the same numbers:
 
   ragged_dot `jax.lax.ragged_dot`: XLA's own, on any backend (CPU, GPU, TPU).
   megablox   the Pallas grouped-matmul kernel for TPUs (`jax.experimental.pallas.ops.tpu.megablox`,
@@ -73,12 +74,19 @@ def megablox_matmul(x_ND, w_EDF, sizes_E, interpret: bool = False):
     N, D = x_ND.shape
     tiles = tiling(N, D, w_EDF.shape[2])
     padded_N = -(-N // tiles[0]) * tiles[0]
-    # Rows past the groups (expert parallelism hands the kernel room for more slots than are its
-    # experts') the kernel never writes, neither in y nor in x's gradient: zeros, both ways.
-    grouped_N1 = (jnp.arange(N) < jnp.sum(sizes_E))[:, None]
-    x_ND = jnp.pad(jnp.where(grouped_N1, x_ND, 0), ((0, padded_N - N), (0, 0)))
+    x_ND = jnp.pad(x_ND, ((0, padded_N - N), (0, 0)))
     y_NF = megablox.gmm(x_ND, w_EDF, sizes_E.astype(jnp.int32), x_ND.dtype, tiles, interpret=interpret)
-    return jnp.where(grouped_N1, y_NF[:N], 0)
+    return y_NF[:N]
+
+
+def _megablox_past_the_groups(x_ND, w_EDF, sizes_E, interpret: bool):
+    """`megablox_matmul` where the groups may end before the rows do (expert parallelism gives a
+    device room for more slots than its experts get): the kernel never writes those rows, in y
+    nor in x's gradient, so they are zeroed both ways, as ragged_dot gives them. Only here: an
+    extra pass over x and y that the other paths, whose groups fill the rows, need not pay."""
+    grouped_N1 = (jnp.arange(x_ND.shape[0]) < jnp.sum(sizes_E))[:, None]
+    y_NF = megablox_matmul(jnp.where(grouped_N1, x_ND, 0), w_EDF, sizes_E, interpret)
+    return jnp.where(grouped_N1, y_NF, 0)
 
 
 def local_sizes(sizes_E, num_shards: int, rows: int):
@@ -118,7 +126,9 @@ def grouped_matmul(x_ND, w_EDF, sizes_E, backend: str = "auto"):
     if backend in MEGABLOX:
         interpret = backend == MEGABLOX_INTERPRET
         mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or mesh.are_all_axes_manual:  # one device's rows already (in shard_map: expert parallelism)
+        if mesh.empty:
             return megablox_matmul(x_ND, w_EDF, sizes_E, interpret)
+        if mesh.are_all_axes_manual:  # one device's rows already (in shard_map: expert parallelism)
+            return _megablox_past_the_groups(x_ND, w_EDF, sizes_E, interpret)
         return _sharded_megablox(x_ND, w_EDF, sizes_E, interpret)
     return jax.lax.ragged_dot(x_ND, w_EDF, sizes_E)
