@@ -9,7 +9,12 @@ embeddings, RoPE theta 1e6, RMSNorm eps 1e-5, router auxiliary loss 0.001; 46.7B
 the TPU.
 
 FSDP over every chip (the experts' weights too, as a dense layer's: every device computes its own
-tokens with all eight experts' weights gathered layer by layer), full rematerialisation.
+tokens with all eight experts' weights gathered layer by layer), full rematerialisation. Not the
+expert axis (MaxText's v5p Mixtral layout): planned with 2 of the 32 layers, `mesh.expert=8`
+x `fsdp=4` peaks higher (33.2 GB against 26.0) and estimates 2.7x slower (0.85 s against 0.32
+s), `expert=2 x fsdp=16` peaks lower (15.9 GB) but estimates 1.35x slower (0.43 s), because
+maxlm's expert-parallel dispatch all-gathers the group's tokens and sizes each device's buffers
+for every slot of the group (docs/moe.md#presets).
 CI compiles it for the slice with libtpu and checks it fits (tests/test_tpu_plan.py):
 
     python -m maxlm.bench plan --config=configs/mixtral_8x7b_v5p64.py --target=v5p-64

@@ -9,13 +9,18 @@ embeddings, RoPE theta 1e6, RMSNorm eps 1e-6, router auxiliary loss 0.001 and an
 head's q and k before RoPE (qk-norm); maxlm builds all of that: 30,532,122,624 parameters, the
 published count, 3.35B active per token, and it exports as Qwen3MoeForCausalLM (docs/huggingface.md).
 
-The layout: the 16 GPUs form one FSDP mesh over both hosts (each host a process; the experts'
-weights sharded like a dense layer's and gathered layer by layer), full rematerialisation, the
-loss's logits 512 positions at a time (the vocabulary is 152K). Parameters, gradients and Adam
-state take 30.5 GB per GPU (16 bytes a parameter); what does not fit is the experts' compute: on GPUs XLA compiles ragged_dot
-into buffers that grow with all 128 experts, and the dropless sort is global (docs/moe.md#presets
-has the planned figures). CI compiles a 2-layer cut of it for the two hosts
-(tests/test_gpu_plan.py); the whole of it, deviceless (the flag: docs/moe.md#presets):
+The layout: expert parallelism, `mesh.expert=8` (each GPU holds 16 of the 128 experts and runs
+them on the slots its host's 8 GPUs route to them: the group's exchange stays on NVLink) times
+`fsdp=2` over the two hosts (the rest of the weights, and the experts' d_model, split in two;
+each host a process), 4 microbatches of 16 sequences, full
+rematerialisation, the loss's logits 512 positions at a time (the vocabulary is 152K).
+Parameters and Adam state take 31.0 GB per GPU. Dropless, it does NOT fit: on GPUs
+XLA compiles ragged_dot into copies of its rows for each local expert ([16 experts, 262,144
+slots, 2048] bf16, 17.2 GB each), so the step plans 120 GB per GPU (FSDP over the 16 GPUs:
+1.4 TB); with `model.capacity_factor=1.25` (GShard's dispatch, no ragged_dot) and no
+microbatches it plans 62 GB and fits (docs/moe.md#presets has the figures). CI compiles a
+2-layer cut of it for the two hosts (tests/test_gpu_plan.py); the whole of it, deviceless (the
+flag: docs/moe.md#presets):
 
     XLA_FLAGS=--xla_gpu_enable_cub_radix_sort=false \
         python -m maxlm.bench plan --config=configs/qwen3_30b_a3b_h100x16.py --target=h100x16
@@ -51,7 +56,9 @@ def get_config():
     c.model.remat = "full"
     c.model.logits_chunk_size = 512
     c.mesh.data = 1
-    c.mesh.fsdp = 16
+    c.mesh.fsdp = 2
+    c.mesh.expert = 8
+    c.optim.grad_accum_steps = 4
     c.optim.lr = 3e-4
     c.optim.warmup_steps = 2000
     c.checkpoint.every_steps = 1000

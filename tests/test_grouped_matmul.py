@@ -85,12 +85,19 @@ def test_local_sizes_split_the_groups_at_the_shard_edges():
                                                                    [0, 0, 0, 4]])
 
 
-@pytest.mark.parametrize("backend,tensor", [(INTERPRET, 1), (INTERPRET, 2), ("tiled", 1), ("tiled", 2)])
-def test_the_moe_layer_on_a_kernel_over_a_mesh_equals_ragged_dot(backend, tensor):
-    """(fsdp 4 or fsdp 2 x tensor 2) x data 2: each device sorts its own tokens and runs the kernel
-    on them (the hidden units split over tensor, partial outputs summed)."""
+@pytest.mark.parametrize("backend,axes", [
+    (INTERPRET, {"fsdp": 4, "data": 2}),  # each device sorts its own tokens, all experts' weights
+    (INTERPRET, {"expert": 4, "data": 2}),  # expert parallelism: the kernel on each device's experts
+    (INTERPRET, {"expert": 2, "tensor": 2, "data": 2}),  # ... on a slice of their hidden units, psum'd
+    ("tiled", {"fsdp": 2, "tensor": 2, "data": 2}),
+    ("tiled", {"expert": 4, "data": 2}),
+], ids=["megablox-fsdp4_data2", "megablox-expert4_data2", "megablox-expert2_tensor2_data2",
+        "tiled-fsdp2_tensor2_data2", "tiled-expert4_data2"])
+def test_the_moe_layer_on_a_kernel_over_a_mesh_equals_ragged_dot(backend, axes):
     cfg = config_lib.defaults()
-    cfg.mesh.fsdp, cfg.mesh.data, cfg.mesh.tensor = 4 // tensor, 2, tensor
+    cfg.mesh.fsdp = 1
+    for axis, size in axes.items():
+        cfg.mesh[axis] = size
     mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
     x_BLD = jax.random.normal(jax.random.key(1), (8, 4, D))
     layer_cfg = moe_cfg(init_std=0.5)

@@ -3,7 +3,8 @@
     y_NF = grouped_matmul(x_ND, w_EDF, sizes_E, backend)
 
 Rows come sorted by group: the first sizes_E[0] rows of x_ND are multiplied by w_EDF[0], the next
-sizes_E[1] by w_EDF[1], ... (sum(sizes_E) = N). Three backends, the same numbers:
+sizes_E[1] by w_EDF[1], ... (sum(sizes_E) = N; rows past the groups, as expert parallelism leaves,
+are unspecified and its caller zeroes them). Three backends, the same numbers:
 
   ragged_dot `jax.lax.ragged_dot`: XLA's own, on any backend (CPU, GPU, TPU). XLA:CPU computes it
              as a dense product over every group, so its cost grows with the number of experts.
