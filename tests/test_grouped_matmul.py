@@ -18,7 +18,7 @@ from maxlm import config as config_lib
 from maxlm.errors import ConfigError
 from maxlm.model import grouped_matmul as gm, moe
 from maxlm.train import mesh as mesh_lib
-from tests.test_moe import D, E, assert_close, moe_cfg
+from tests.test_moe import D, assert_close, moe_cfg
 
 INTERPRET = gm.MEGABLOX_INTERPRET
 

@@ -17,8 +17,7 @@ from maxlm import config as config_lib, model
 from maxlm.errors import ConfigError
 from maxlm.model import balance
 from maxlm.train import mesh as mesh_lib, router_metrics
-from tests.helpers import (ROOT, command_env, load_config, packed_batch, random_params, saved_state, train_rows,
-                           with_overrides)
+from tests.helpers import ROOT, command_env, load_config, packed_batch, random_params, saved_state, train_rows, with_overrides
 
 # 2 dense layers then 2 MoE layers: one of each a stage with mesh.stage=2
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.first_dense_layers": 2, "model.num_layers": 4,

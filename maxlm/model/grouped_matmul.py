@@ -9,7 +9,8 @@ are unspecified and its caller zeroes them). Three backends, the same numbers:
   ragged_dot `jax.lax.ragged_dot`: XLA's own, on any backend (CPU, GPU, TPU). XLA:CPU computes it
              as a dense product over every group, so its cost grows with the number of experts.
   tiled      maxlm's loop of dense tile matmuls (maxlm/model/tiled_matmul.py), on any backend;
-             "auto" on CPUs, where it is 8x ragged_dot with 8 experts and 32x with 64.
+             "auto" on CPUs, where it is 5x ragged_dot's speed with 8 experts and 16x with 64
+             (docs/performance.md#moe-side-by-side).
   megablox   the Pallas grouped-matmul kernel for TPUs (`jax.experimental.pallas.ops.tpu.megablox`,
              MaxText's `megablox=True`), with its own VJP: `gmm` for x's gradient and `tgmm` for
              the weights'. "auto" on TPUs.
