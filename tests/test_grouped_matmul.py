@@ -43,9 +43,10 @@ def test_megablox_equals_ragged_dot_outputs_and_gradients():
 
 
 @pytest.mark.parametrize("sizes", [[50, 0, 120, 30], [0, 0, 0, 200], [64, 64, 8, 64], [1, 1, 1, 197]])
-@pytest.mark.parametrize("tile", [8, 64, 256])
-def test_tiled_equals_ragged_dot_outputs_and_gradients(sizes, tile):
-    """Groups spanning many tiles (tile 8), filling whole tiles, empty, and smaller than one tile."""
+@pytest.mark.parametrize("tile,tiles_per_step", [(8, 1), (64, 1), (256, 1), (8, 3), (64, 4)])
+def test_tiled_equals_ragged_dot_outputs_and_gradients(sizes, tile, tiles_per_step):
+    """Groups spanning many tiles (tile 8), filling whole tiles, empty, and smaller than one tile;
+    one tile per loop step, and several (a step's tiles from different groups, unused ones)."""
     N, F = 200, 48
     keys = jax.random.split(jax.random.key(0), 3)
     x_ND = jax.random.normal(keys[0], (N, 32))
@@ -56,9 +57,9 @@ def test_tiled_equals_ragged_dot_outputs_and_gradients(sizes, tile):
     def loss(backend, x_ND, w_EDF):
         return jnp.sum(gm.grouped_matmul(x_ND, w_EDF, sizes_E, backend) * probe_NF)
 
-    tiled = jax.jit(lambda x, w: gm.tiled_matmul(x, w, sizes_E, tile))
-    assert_close(tiled(x_ND, w_EDF), jax.lax.ragged_dot(x_ND, w_EDF, sizes_E), 1e-6)
-    got = jax.jit(jax.grad(lambda x, w: jnp.sum(gm.tiled_matmul(x, w, sizes_E, tile) * probe_NF), (0, 1)))(x_ND, w_EDF)
+    tiled = lambda x, w: gm.tiled_matmul(x, w, sizes_E, tile, tiles_per_step)  # noqa: E731
+    assert_close(jax.jit(tiled)(x_ND, w_EDF), jax.lax.ragged_dot(x_ND, w_EDF, sizes_E), 1e-6)
+    got = jax.jit(jax.grad(lambda x, w: jnp.sum(tiled(x, w) * probe_NF), (0, 1)))(x_ND, w_EDF)
     want = jax.grad(loss, (1, 2))("ragged_dot", x_ND, w_EDF)
     for g, w in zip(got, want, strict=True):
         assert_close(g, w, 1e-5)
@@ -71,9 +72,10 @@ def test_tiled_runs_in_bfloat16_and_under_vmap():
     x_SND = jax.random.normal(keys[0], (2, 40, 16))
     w_SEDF = jax.random.normal(keys[1], (2, 3, 16, 24))
     sizes_SE = jnp.array([[10, 30, 0], [0, 5, 35]], jnp.int32)
-    got = jax.vmap(lambda x, w, s: gm.tiled_matmul(x, w, s, 8))(x_SND, w_SEDF, sizes_SE)
-    for s in range(2):
-        assert_close(got[s], jax.lax.ragged_dot(x_SND[s], w_SEDF[s], sizes_SE[s]), 1e-6)
+    for tiles_per_step in (1, 2):
+        got = jax.vmap(lambda x, w, s: gm.tiled_matmul(x, w, s, 8, tiles_per_step))(x_SND, w_SEDF, sizes_SE)
+        for s in range(2):
+            assert_close(got[s], jax.lax.ragged_dot(x_SND[s], w_SEDF[s], sizes_SE[s]), 1e-6)
     half = gm.tiled_matmul(x_SND[0].astype(jnp.bfloat16), w_SEDF[0].astype(jnp.bfloat16), sizes_SE[0], 8)
     assert half.dtype == jnp.bfloat16
     assert_close(half.astype(jnp.float32), jax.lax.ragged_dot(x_SND[0], w_SEDF[0], sizes_SE[0]), 0.1)

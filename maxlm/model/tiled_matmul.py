@@ -30,12 +30,14 @@ import jax
 import jax.numpy as jnp
 
 
-def _layout(sizes_E, rows: int, tile: int):
+def _layout(sizes_E, rows: int, tile: int, tiles_per_step: int):
     """Where each row goes and what each tile holds, for `rows` rows sorted by group:
     dest_N (each row's slot in the padded [num_tiles * tile] layout), src_P and valid_P (each slot's
-    row, and whether it holds one), group_T (each tile's group) and num_used (tiles holding rows)."""
+    row, and whether it holds one), group_T (each tile's group) and num_used (tiles holding rows).
+    num_tiles is a whole number of steps."""
     E = sizes_E.shape[0]
     num_tiles = -(-rows // tile) + E  # sum_e ceil(s_e / tile) <= ceil(rows / tile) + E - 1
+    num_tiles = -(-num_tiles // tiles_per_step) * tiles_per_step
     sizes_E = sizes_E.astype(jnp.int32)
     tiles_E = -(-sizes_E // tile)
     tile_starts_E = jnp.cumsum(tiles_E) - tiles_E
@@ -65,62 +67,79 @@ def _from_tiles(y_TtF, dest_N):
     return y_TtF.reshape(-1, y_TtF.shape[2])[dest_N]
 
 
-def _tile_products(x_TtD, w_EDF, group_T, num_used):
+def _steps(a_T, tiles_per_step: int):
+    """[T, ...] -> [T / tiles_per_step, tiles_per_step, ...]: the tiles each loop step takes."""
+    return a_T.reshape((-1, tiles_per_step) + a_T.shape[1:])
+
+
+def _tile_products(x_TtD, w_EDF, group_T, num_used, tiles_per_step: int):
     """[T, tile, F]: each of the first `num_used` tiles times its group's weights (float32
-    accumulation, x's dtype out); the unused tiles are zeros, their matmuls skipped."""
-    zeros_tF = jnp.zeros(x_TtD.shape[1:2] + w_EDF.shape[2:], x_TtD.dtype)
+    accumulation, x's dtype out), `tiles_per_step` tiles at a time as one batched matmul; steps
+    holding no used tile are zeros, their matmuls skipped."""
+    C = tiles_per_step
+    zeros_CtF = jnp.zeros((C,) + x_TtD.shape[1:2] + w_EDF.shape[2:], x_TtD.dtype)
 
-    def one_tile(_, tile_inputs):
-        t, x_tD, group = tile_inputs
-        product = lambda: jnp.dot(x_tD, w_EDF[group], preferred_element_type=jnp.float32).astype(x_TtD.dtype)  # noqa: E731
-        return None, jax.lax.cond(t < num_used, product, lambda: zeros_tF)
+    def one_step(_, step_inputs):
+        first_tile, x_CtD, group_C = step_inputs
+        product = lambda: jnp.einsum("ctd,cdf->ctf", x_CtD, w_EDF[group_C],  # noqa: E731
+                                     preferred_element_type=jnp.float32).astype(x_TtD.dtype)
+        return None, jax.lax.cond(first_tile < num_used, product, lambda: zeros_CtF)
 
-    return jax.lax.scan(one_tile, None, (jnp.arange(x_TtD.shape[0]), x_TtD, group_T))[1]
+    first_tiles = jnp.arange(0, x_TtD.shape[0], C)
+    y_SCtF = jax.lax.scan(one_step, None, (first_tiles, _steps(x_TtD, C), _steps(group_T, C)))[1]
+    return y_SCtF.reshape(x_TtD.shape[:2] + w_EDF.shape[2:])
 
 
-def _tile_gradients(x_TtD, dy_TtF, w_EDF, group_T, num_used):
+def _tile_gradients(x_TtD, dy_TtF, w_EDF, group_T, num_used, tiles_per_step: int):
     """x's gradient per tile ([T, tile, D]) and the weights' ([E, D, F], summed over each group's
-    tiles in float32)."""
-    zeros = (jnp.zeros(x_TtD.shape[1:], x_TtD.dtype), jnp.zeros(w_EDF.shape[1:], jnp.float32))
+    tiles in float32), `tiles_per_step` tiles at a time."""
+    C = tiles_per_step
+    zeros = (jnp.zeros((C,) + x_TtD.shape[1:], x_TtD.dtype), jnp.zeros((C,) + w_EDF.shape[1:], jnp.float32))
 
-    def one_tile(dw_EDF, tile_inputs):
-        t, x_tD, dy_tF, group = tile_inputs
+    def one_step(dw_EDF, step_inputs):
+        first_tile, x_CtD, dy_CtF, group_C = step_inputs
 
         def products():
-            dx_tD = jnp.dot(dy_tF, w_EDF[group].T, preferred_element_type=jnp.float32).astype(x_TtD.dtype)
-            return dx_tD, jnp.dot(x_tD.T, dy_tF, preferred_element_type=jnp.float32)
+            dx_CtD = jnp.einsum("ctf,cdf->ctd", dy_CtF, w_EDF[group_C],
+                                preferred_element_type=jnp.float32).astype(x_TtD.dtype)
+            return dx_CtD, jnp.einsum("ctd,ctf->cdf", x_CtD, dy_CtF, preferred_element_type=jnp.float32)
 
-        dx_tD, dw_DF = jax.lax.cond(t < num_used, products, lambda: zeros)
-        return dw_EDF.at[group].add(dw_DF), dx_tD  # the big accumulator stays out of the cond
+        dx_CtD, dw_CDF = jax.lax.cond(first_tile < num_used, products, lambda: zeros)
+        # the big accumulator stays out of the cond; a group's consecutive tiles add up (.add
+        # sums repeated indices), and unused tiles add zeros
+        return dw_EDF.at[group_C].add(dw_CDF), dx_CtD
 
-    dw_EDF, dx_TtD = jax.lax.scan(one_tile, jnp.zeros(w_EDF.shape, jnp.float32),
-                                  (jnp.arange(x_TtD.shape[0]), x_TtD, dy_TtF, group_T))
-    return dx_TtD, dw_EDF.astype(w_EDF.dtype)
+    first_tiles = jnp.arange(0, x_TtD.shape[0], C)
+    dw_EDF, dx_SCtD = jax.lax.scan(one_step, jnp.zeros(w_EDF.shape, jnp.float32),
+                                   (first_tiles, _steps(x_TtD, C), _steps(dy_TtF, C), _steps(group_T, C)))
+    return dx_SCtD.reshape(x_TtD.shape), dw_EDF.astype(w_EDF.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tiled(x_ND, w_EDF, sizes_E, tile: int):
-    dest_N, src_P, valid_P, group_T, num_used, num_tiles = _layout(sizes_E, x_ND.shape[0], tile)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _tiled(x_ND, w_EDF, sizes_E, tile: int, tiles_per_step: int):
+    dest_N, src_P, valid_P, group_T, num_used, num_tiles = _layout(sizes_E, x_ND.shape[0], tile, tiles_per_step)
     x_TtD = _to_tiles(x_ND, src_P, valid_P, num_tiles, tile)
-    return _from_tiles(_tile_products(x_TtD, w_EDF, group_T, num_used), dest_N)
+    return _from_tiles(_tile_products(x_TtD, w_EDF, group_T, num_used, tiles_per_step), dest_N)
 
 
-def _tiled_fwd(x_ND, w_EDF, sizes_E, tile: int):
-    return _tiled(x_ND, w_EDF, sizes_E, tile), (x_ND, w_EDF, sizes_E)
+def _tiled_fwd(x_ND, w_EDF, sizes_E, tile: int, tiles_per_step: int):
+    return _tiled(x_ND, w_EDF, sizes_E, tile, tiles_per_step), (x_ND, w_EDF, sizes_E)
 
 
-def _tiled_bwd(tile: int, residuals, dy_NF):
+def _tiled_bwd(tile: int, tiles_per_step: int, residuals, dy_NF):
     x_ND, w_EDF, sizes_E = residuals
-    dest_N, src_P, valid_P, group_T, num_used, num_tiles = _layout(sizes_E, x_ND.shape[0], tile)
+    dest_N, src_P, valid_P, group_T, num_used, num_tiles = _layout(sizes_E, x_ND.shape[0], tile, tiles_per_step)
     dx_TtD, dw_EDF = _tile_gradients(_to_tiles(x_ND, src_P, valid_P, num_tiles, tile),
-                                     _to_tiles(dy_NF, src_P, valid_P, num_tiles, tile), w_EDF, group_T, num_used)
+                                     _to_tiles(dy_NF, src_P, valid_P, num_tiles, tile), w_EDF, group_T,
+                                     num_used, tiles_per_step)
     return _from_tiles(dx_TtD, dest_N), dw_EDF, None
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-def tiled_matmul(x_ND, w_EDF, sizes_E, tile: int = 128):
+def tiled_matmul(x_ND, w_EDF, sizes_E, tile: int = 128, tiles_per_step: int = 1):
     """[N, F] in x's dtype: row block e of `x_ND` (sizes_E[e] rows, blocks in order) times w_EDF[e],
-    `tile` rows at a time (float32 accumulation). Differentiable in x and w."""
-    return _tiled(x_ND, w_EDF.astype(x_ND.dtype), sizes_E, tile)
+    `tile` rows at a time, `tiles_per_step` tiles per loop step (float32 accumulation).
+    Differentiable in x and w."""
+    return _tiled(x_ND, w_EDF.astype(x_ND.dtype), sizes_E, tile, tiles_per_step)
