@@ -2,8 +2,9 @@
 # Everything maxlm checks and measures on an NVIDIA GPU, in one command (about 9 minutes or less
 # on one H200), with whatever jax the machine has:
 #
-#   launch/gpu_check.sh OUT_DIR
+#   launch/gpu_check.sh OUT_DIR [CHECK...]
 #
+# CHECK names some of the checks below to run only those (default: all).
 # OUT_DIR gets one JSON file per check, its log, and summary.jsonl (one line per check: name, exit
 # status, seconds). docs/gpus.md records the figures, with the date and the machine.
 #   devices     jax and the GPUs it sees, and the peak FLOP/s maxlm divides by
@@ -13,10 +14,13 @@
 #   fp8_hlo     how many float8 GEMMs the fp8 train step compiles to, with and without Triton GEMMs
 #   bench_bf16, bench_fp8   maxlm.bench of the 1B model at seq 4096 (tokens/s, MFU, peak memory)
 #   resume      a short maxlm.train stopped by SIGTERM and resumed equals one run straight through
+#               (the runs, logs included, in OUT_DIR/resume_runs)
 # maxlm comes from this checkout (PYTHONPATH); its Python dependencies must be importable
 # (`make install ACCEL=cuda12|cuda13`, or the GPU image's own packages plus what is missing).
 set -uo pipefail
-OUT=$(mkdir -p "${1:?usage: launch/gpu_check.sh OUT_DIR}" && cd "$1" && pwd)
+OUT=$(mkdir -p "${1:?usage: launch/gpu_check.sh OUT_DIR [CHECK...]}" && cd "$1" && pwd)
+shift
+ONLY=" $* "
 cd "$(dirname "$0")/.."
 # $PYTHON, else launch/find_python.sh's rule (a GPU image's python3.12 or python3 with its own jax)
 PY=$(launch/find_python.sh) || exit 2
@@ -28,6 +32,7 @@ export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}  # a GPU or a failure, never a silen
 check() {  # check NAME LIMIT_SECONDS COMMAND...: stdout to NAME.json, stderr to NAME.log
   local name=$1 limit=$2 start=$SECONDS
   shift 2
+  [ "$ONLY" = "  " ] || [[ "$ONLY" == *" $name "* ]] || return 0
   echo "== $name"
   timeout "$limit" "$@" > "$OUT/$name.json" 2> "$OUT/$name.log"
   local rc=$?
@@ -67,7 +72,8 @@ check bench_fp8 150 "$PY" -m maxlm.bench "${BENCH[@]}" --config.model.fp8=true
 
 check resume 120 bash -c '
 set -euo pipefail
-runs=$(mktemp -d)
+runs="'"$OUT"'/resume_runs"  # both runs and their logs stay with the results
+rm -rf "$runs"; mkdir -p "$runs"
 train() { "'"$PY"'" -m maxlm.train --config=configs/tiny.py '"${PLATFORM[*]}"' \
             --config.steps=400 --config.log_every_steps=10 --config.checkpoint.every_steps=50 --workdir="$1"; }
 train "$runs/straight" > "$runs/straight.log" 2>&1

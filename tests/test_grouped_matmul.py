@@ -121,10 +121,10 @@ def test_the_moe_layer_on_a_kernel_over_a_mesh_equals_ragged_dot(backend, axes):
         assert_close(g, w, 1e-5)
 
 
-def test_auto_is_megablox_on_tpus_and_tiled_on_cpus(monkeypatch):
+def test_auto_is_megablox_on_tpus_and_tiled_on_cpus_and_gpus(monkeypatch):
     assert gm.grouped_matmul_backend("auto", jnp.bfloat16) == "tiled"  # CPU
     assert gm.grouped_matmul_backend("auto", jnp.float16, "cpu") == "tiled"
-    assert gm.grouped_matmul_backend("auto", jnp.bfloat16, "gpu") == "ragged_dot"
+    assert gm.grouped_matmul_backend("auto", jnp.bfloat16, "gpu") == "tiled"
     assert gm.grouped_matmul_backend("auto", jnp.bfloat16, "tpu") == "megablox"
     assert gm.grouped_matmul_backend("auto", jnp.float16, "tpu") == "ragged_dot"  # not the kernel's dtype
     assert gm.grouped_matmul_backend("ragged_dot", jnp.bfloat16, "tpu") == "ragged_dot"
@@ -152,3 +152,17 @@ def test_bench_grouped_matmul_times_each_cpu_backend_through_the_cli():
     assert all(t > 0 for t in result["fwd_bwd_sec_median"].values())
     dense = subprocess.run(cmd[:4] + ["--config=configs/tiny.py"], capture_output=True, text=True)
     assert dense.returncode == 2 and "model.num_experts > 0" in dense.stderr
+
+
+def test_the_tiling_keeps_padding_and_the_gathered_weights_bounded():
+    """256-row tiles only when the groups average 512 rows; tiles per step a power of two, the
+    weights one step gathers within STEP_WEIGHT_BYTES, never more tiles than there can be."""
+    from maxlm.model import tiled_matmul as tm
+    assert tm.default_tile(65536, 128) == 256 and tm.default_tile(65535, 128) == 128
+    qwen3 = jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16)  # 3 MiB a tile: 42 fit
+    assert tm.default_tiles_per_step(65536, qwen3, 256) == 32
+    mixtral = jax.ShapeDtypeStruct((8, 4096, 14336), jnp.bfloat16)  # 112 MiB: one at a time
+    assert tm.default_tiles_per_step(16384, mixtral, 256) == 1
+    small = jax.ShapeDtypeStruct((4, 32, 48), jnp.float32)
+    assert tm.default_tiles_per_step(200, small, 64) == 8  # ceil(200 / 64) + 4 experts = 8 tiles
+    assert tm.default_tiles_per_step(10, small, 64) == 4  # 1 + 4 = 5 tiles: the power of two below

@@ -399,6 +399,9 @@ def test_fp8_einsum_compiles_to_cublaslt_f8_gemm():
     w = jnp.ones((512, 1024), jnp.float32)
     forward = jax.jit(lambda x, w: fp8.fp8_einsum("bld,df->blf", x, w))
     assert "__cublas$lt$matmul$f8" in forward.lower(x, w).compile().as_text()
-    loss = lambda x, w: fp8.fp8_einsum("bld,df->blf", x, w).astype(jnp.float32).sum()
-    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+    # a random probe: with sum() the output gradient is a constant, which XLA folds into reductions
+    # instead of GEMMs (seen on an H200)
+    probe = jax.random.normal(jax.random.key(0), (8, 128, 1024))
+    loss = lambda x, w, p: (fp8.fp8_einsum("bld,df->blf", x, w).astype(jnp.float32) * p).sum()
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w, probe).compile().as_text()
     assert hlo.count("__cublas$lt$matmul$f8") >= 2, "the backward matmuls are not float8 GEMMs"

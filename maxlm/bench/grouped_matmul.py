@@ -37,21 +37,23 @@ def bench_grouped_matmul(cfg, rounds: int) -> dict:
     w_EDF = (jax.random.normal(keys[1], (E, D, F)) * D ** -0.5).astype(dtype)
     probe_NF = jax.random.normal(keys[2], (rows, F), jnp.float32)
 
+    # the group sizes are an argument, as in training: a constant would have XLA fold the layout
+    # (seconds of compilation, and a loop that the model never runs)
     def fwd_bwd(matmul):
-        def loss(x_ND, w_EDF):
-            return jnp.sum(matmul(x_ND, w_EDF).astype(jnp.float32) * probe_NF)
+        def loss(x_ND, w_EDF, sizes_E):
+            return jnp.sum(matmul(x_ND, w_EDF, sizes_E).astype(jnp.float32) * probe_NF)
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
-    fns = {name: fwd_bwd(lambda x, w, name=name: gm.grouped_matmul(x, w, sizes_E, name))
+    fns = {name: fwd_bwd(lambda x, w, s, name=name: gm.grouped_matmul(x, w, s, name))
            for name in backends(jax.default_backend())}
-    fns["dense"] = fwd_bwd(lambda x, w: x @ w[0])  # the floor: the same rows through one matrix
+    fns["dense"] = fwd_bwd(lambda x, w, s: x @ w[0])  # the floor: the same rows through one matrix
     for fn in fns.values():
-        jax.block_until_ready(fn(x_ND, w_EDF))  # compiles
+        jax.block_until_ready(fn(x_ND, w_EDF, sizes_E))  # compiles
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             start = time.perf_counter()
-            jax.block_until_ready(fn(x_ND, w_EDF))
+            jax.block_until_ready(fn(x_ND, w_EDF, sizes_E))
             times[name].append(time.perf_counter() - start)
     return {
         "benchmark": "grouped_matmul", "config": cfg.name, "device_kind": jax.devices()[0].device_kind,

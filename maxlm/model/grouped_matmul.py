@@ -7,10 +7,12 @@ sizes_E[1] by w_EDF[1], ... (sum(sizes_E) = N; rows past the groups, as expert p
 are unspecified and its caller zeroes them). Three backends, the same numbers:
 
   ragged_dot `jax.lax.ragged_dot`: XLA's own, on any backend (CPU, GPU, TPU). XLA:CPU computes it
-             as a dense product over every group, so its cost grows with the number of experts.
+             as a dense product over every group, so its cost grows with the number of experts;
+             on an H200 it ran at 1/84 of a dense matmul's speed with 128 experts, and its
+             buffers grow with rows x experts (a 4-layer Qwen3-30B-A3B step asked for 128 GiB).
   tiled      maxlm's loop of dense tile matmuls (maxlm/model/tiled_matmul.py), on any backend;
-             "auto" on CPUs, where it is 5x ragged_dot's speed with 8 experts and 16x with 64
-             (docs/performance.md#moe-side-by-side).
+             "auto" on CPUs and GPUs: on 2 CPU cores 5x ragged_dot's speed with 8 experts and 16x
+             with 64 (docs/performance.md#moe-side-by-side), on an H200 16x with 128 (docs/moe.md).
   megablox   the Pallas grouped-matmul kernel for TPUs (`jax.experimental.pallas.ops.tpu.megablox`,
              MaxText's `megablox=True`), with its own VJP: `gmm` for x's gradient and `tgmm` for
              the weights'. "auto" on TPUs.
@@ -53,14 +55,14 @@ MEGABLOX = ("megablox", MEGABLOX_INTERPRET)
 
 def grouped_matmul_backend(name: str, dtype, platform: str | None = None) -> str:
     """Resolves `model.grouped_matmul` for `platform` (default: `attention.target_platform()`):
-    "auto" is megablox on TPUs for float32/bfloat16 compute (the kernel's dtypes), tiled on CPUs,
-    ragged_dot otherwise; megablox anywhere but a TPU is a ConfigError."""
+    "auto" is megablox on TPUs for float32/bfloat16 compute (the kernel's dtypes), ragged_dot on
+    TPUs otherwise, tiled on CPUs and GPUs; megablox anywhere but a TPU is a ConfigError."""
     platform = platform or target_platform()
     kernel_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
     if name == "auto":
         if platform == "tpu" and kernel_dtype:
             return "megablox"
-        return "tiled" if platform == "cpu" else "ragged_dot"
+        return "ragged_dot" if platform == "tpu" else "tiled"
     if name == "megablox" and platform != "tpu":
         raise ConfigError(f"model.grouped_matmul='megablox' needs a TPU, not {platform}; use 'auto' or 'ragged_dot'")
     if name == "megablox" and not kernel_dtype:

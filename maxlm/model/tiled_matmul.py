@@ -138,8 +138,34 @@ def _tiled_bwd(tile: int, tiles_per_step: int, residuals, dy_NF):
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-def tiled_matmul(x_ND, w_EDF, sizes_E, tile: int = 128, tiles_per_step: int = 1):
+STEP_WEIGHT_BYTES = 128 << 20  # at most this much of the experts' weights gathered per loop step
+
+
+def default_tile(rows: int, num_groups: int) -> int:
+    """Rows per tile: 256 when the groups average at least 512 rows (the padding, half a tile per
+    group on average, is then at most a quarter of the rows), else 128. On an H200 at Qwen3-30B-A3B's
+    shapes, 256-row tiles ran 1.4x faster than 128-row ones (docs/moe.md)."""
+    return 256 if rows >= 2 * 256 * num_groups else 128
+
+
+def default_tiles_per_step(rows: int, w_EDF, tile: int) -> int:
+    """Tiles per loop step: a power of two, as many as keep the gathered weights (one [D, F] matrix
+    per tile) within STEP_WEIGHT_BYTES, and no more than the tiles there are. Fewer, fuller steps
+    matter most on GPUs, where each step costs kernel launches: one tile per step ran 5x slower
+    than 32 per step on an H200 at Qwen3-30B-A3B's shapes (docs/moe.md)."""
+    E, D, F = w_EDF.shape
+    fit = max(1, STEP_WEIGHT_BYTES // (D * F * jnp.dtype(w_EDF.dtype).itemsize))
+    most = min(fit, -(-rows // tile) + E)
+    return 1 << (most.bit_length() - 1)
+
+
+def tiled_matmul(x_ND, w_EDF, sizes_E, tile: int | None = None, tiles_per_step: int | None = None):
     """[N, F] in x's dtype: row block e of `x_ND` (sizes_E[e] rows, blocks in order) times w_EDF[e],
-    `tile` rows at a time, `tiles_per_step` tiles per loop step (float32 accumulation).
-    Differentiable in x and w."""
-    return _tiled(x_ND, w_EDF.astype(x_ND.dtype), sizes_E, tile, tiles_per_step)
+    `tile` rows at a time (None: `default_tile`), `tiles_per_step` tiles per loop step (None:
+    `default_tiles_per_step`), float32 accumulation. Differentiable in x and w."""
+    w_EDF = w_EDF.astype(x_ND.dtype)
+    if tile is None:
+        tile = default_tile(x_ND.shape[0], w_EDF.shape[0])
+    if tiles_per_step is None:
+        tiles_per_step = default_tiles_per_step(x_ND.shape[0], w_EDF, tile)
+    return _tiled(x_ND, w_EDF, sizes_E, tile, tiles_per_step)
