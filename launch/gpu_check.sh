@@ -74,14 +74,14 @@ check resume 120 bash -c '
 set -euo pipefail
 runs="'"$OUT"'/resume_runs"  # both runs and their logs stay with the results
 rm -rf "$runs"; mkdir -p "$runs"
-train() { "'"$PY"'" -m maxlm.train --config=configs/tiny.py '"${PLATFORM[*]}"' \
-            --config.steps=400 --config.log_every_steps=10 --config.checkpoint.every_steps=50 --workdir="$1"; }
-train "$runs/straight" > "$runs/straight.log" 2>&1
-train "$runs/stopped" > "$runs/stopped.log" 2>&1 &
-pid=$!
+train=("'"$PY"'" -m maxlm.train --config=configs/tiny.py '"${PLATFORM[*]}"'
+       --config.steps=400 --config.log_every_steps=10 --config.checkpoint.every_steps=50)
+"${train[@]}" --workdir="$runs/straight" > "$runs/straight.log" 2>&1
+"${train[@]}" --workdir="$runs/stopped" > "$runs/stopped.log" 2>&1 &
+pid=$!  # the trainer itself: a SIGTERM to a shell around it would leave it running
 until grep -q "\"step\": 20" "$runs/stopped/metrics.jsonl" 2>/dev/null; do sleep 0.2; done
 kill -TERM $pid; set +e; wait $pid; stopped_rc=$?; set -e
-train "$runs/stopped" > "$runs/resumed.log" 2>&1
+"${train[@]}" --workdir="$runs/stopped" > "$runs/resumed.log" 2>&1
 "'"$PY"'" - "$runs" "$stopped_rc" <<EOF
 import json, sys
 runs, rc = sys.argv[1], int(sys.argv[2])

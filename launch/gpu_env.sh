@@ -19,6 +19,11 @@ MAXLM_GPU_XLA_FLAGS=(
   # Every GEMM to cuBLAS/cuBLASLt: otherwise XLA may compile model.fp8's float8 dots as 16-bit
   # Triton GEMMs (maxlm/model/fp8.py).
   --xla_gpu_enable_triton_gemm=false
+  # Bitwise run-to-run determinism (same config and seed, same losses; a resume equal to a run
+  # straight through): deterministic GEMM algorithms and scatter-adds. Without it two runs of
+  # configs/tiny.py on an H200 parted at the 10th step (docs/gpus.md). Its cost in speed is not
+  # measured yet; --xla_gpu_deterministic_ops=false in XLA_FLAGS turns it off.
+  --xla_gpu_deterministic_ops=true
 )
 export XLA_FLAGS="${MAXLM_GPU_XLA_FLAGS[*]} ${XLA_FLAGS:-}"
 # Let XLA's allocator take 90% of each GPU up front (JAX's default 75% leaves memory idle on a

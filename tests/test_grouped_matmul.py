@@ -73,7 +73,7 @@ def test_tiled_runs_in_bfloat16_and_under_vmap():
     w_SEDF = jax.random.normal(keys[1], (2, 3, 16, 24))
     sizes_SE = jnp.array([[10, 30, 0], [0, 5, 35]], jnp.int32)
     for tiles_per_step in (1, 2):
-        got = jax.vmap(lambda x, w, s: gm.tiled_matmul(x, w, s, 8, tiles_per_step))(x_SND, w_SEDF, sizes_SE)
+        got = jax.vmap(lambda x, w, s, c=tiles_per_step: gm.tiled_matmul(x, w, s, 8, c))(x_SND, w_SEDF, sizes_SE)
         for s in range(2):
             assert_close(got[s], jax.lax.ragged_dot(x_SND[s], w_SEDF[s], sizes_SE[s]), 1e-6)
     half = gm.tiled_matmul(x_SND[0].astype(jnp.bfloat16), w_SEDF[0].astype(jnp.bfloat16), sizes_SE[0], 8)

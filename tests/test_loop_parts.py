@@ -195,3 +195,13 @@ def test_the_devices_of_each_process_are_grouped_by_process_not_by_position(monk
     monkeypatch.setattr(jax, "local_devices", lambda process_index: [d for d in devices if d.process_index == process_index])
     rows = faults.devices_by_process()
     assert [[d.process_index for d in row] for row in rows] == [[0, 0, 0, 0], [1, 1, 1, 1]]
+
+
+def test_xla_flag_reads_the_value_xla_takes(monkeypatch):
+    """The last setting on the line wins, as in XLA; a bare flag means true."""
+    from maxlm.train.loop import xla_flag
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true --xla_a=1 --xla_gpu_deterministic_ops=false --xla_b")
+    assert xla_flag("xla_gpu_deterministic_ops") == "false"
+    assert xla_flag("xla_b") == "true" and xla_flag("xla_a") == "1" and xla_flag("xla_c") is None
+    monkeypatch.delenv("XLA_FLAGS")
+    assert xla_flag("xla_gpu_deterministic_ops") is None

@@ -254,6 +254,16 @@ def checkpoint_meta(cfg, lr_scale: float, anomalies: anomaly.Anomalies, step: in
             "data_position": position, **data_position.record(cfg, train_data, position), **anomalies.meta()}
 
 
+def xla_flag(name: str) -> str | None:
+    """The value XLA takes for `--name` from XLA_FLAGS: the last one on the line wins."""
+    value = None
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        key, _, setting = flag.partition("=")
+        if key == f"--{name}":
+            value = setting or "true"
+    return value
+
+
 def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
     """The run's StepLogger; logs what the run is (model size, FLOPs, peak, kernels, parallelism)."""
     per_token = flops.flops_per_token(cfg.model, cfg.seq_len)
@@ -274,7 +284,11 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
                  "bubble %.1f%% (GPipe: (stages - 1) / (microbatches + stages - 1))",
                  cfg.mesh.sequence, stages, m.num_layers // stages, micro,
                  100 * model.bubble_fraction(stages, micro))
-    if m.fp8 and jax.default_backend() == "gpu" and fp8.TRITON_GEMM_OFF not in os.environ.get("XLA_FLAGS", ""):
+    if jax.default_backend() == "gpu" and xla_flag("xla_gpu_deterministic_ops") != "true":
+        console.warn("XLA_FLAGS lacks --xla_gpu_deterministic_ops=true (launch/gpu_env.sh sets it): on a GPU "
+                     "the losses are then not bitwise reproducible, nor a resume equal to a run straight "
+                     "through (autotuned GEMM algorithms, atomic scatter-adds)")
+    if m.fp8 and jax.default_backend() == "gpu" and xla_flag("xla_gpu_enable_triton_gemm") != "false":
         console.warn(f"model.fp8 without {fp8.TRITON_GEMM_OFF} (launch/gpu_env.sh sets it): XLA may compile "
                  "the float8 dots as 16-bit Triton GEMMs, not float8 ones")
     if m.fp8 and not fp8.is_native(jax.devices()[0]):
