@@ -12,10 +12,10 @@ The layout: the 16 GPUs form one FSDP mesh over both hosts (each host a process;
 weights sharded like a dense layer's and gathered layer by layer), full rematerialisation, the
 loss's logits 512 positions at a time (the vocabulary is 152K), and maxlm's tiled grouped matmul
 (`model.grouped_matmul=tiled`): each GPU sorts its own 131,072 token-slots and runs them through
-128-row tiles, so its buffers grow with its rows, not with rows x experts as XLA's GPU ragged_dot
-does. It fits: 52.4 GB planned per GPU of 76.4 GB usable (docs/moe.md#presets has the figures,
-and why ragged_dot cannot fit). The tiled loop's speed on an H100 is not measured yet (no GPU
-here). CI compiles a 2-layer cut of it for the two hosts (tests/test_gpu_plan.py); the whole of
+256-row tiles, 32 tiles a loop step, so its buffers grow with its rows, not with rows x experts
+as XLA's GPU ragged_dot does. It fits: 55.1 GB planned per GPU of 76.4 GB usable
+(docs/moe.md#presets has the figures, and why ragged_dot cannot fit). A 4-layer cut of it ran on
+one H200 at 12.4% MFU (docs/moe.md#compute); the whole of it has not run on GPUs yet. CI compiles a 2-layer cut of it for the two hosts (tests/test_gpu_plan.py); the whole of
 it, deviceless (the flag: docs/moe.md#presets):
 
     XLA_FLAGS=--xla_gpu_enable_cub_radix_sort=false \

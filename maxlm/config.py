@@ -221,7 +221,7 @@ def _model_defaults() -> _Section:
     s.bias_update_rate = 1e-3, POSITIVE  # load_balance=bias: each step's move of the bias (DeepSeek-V3's gamma)
     s.router_z_loss = 0.0, NON_NEGATIVE  # weight of the router's log²Z (ST-MoE uses 1e-3)
     s.capacity_factor = 0.0, NON_NEGATIVE  # 0: dropless; > 0: each expert takes this x its fair share, drops the rest
-    s.grouped_matmul = "auto", one_of(GROUPED_MATMUL)  # dropless experts' kernel; auto: megablox on TPUs, tiled on CPUs, else ragged_dot
+    s.grouped_matmul = "auto", one_of(GROUPED_MATMUL)  # dropless experts' kernel; auto: megablox on TPUs, tiled on CPUs and GPUs
     # DeepSeek-V3's multi-token prediction (maxlm/model/mtp.py): this many modules after the trunk,
     # module k predicting the token k + 1 ahead; the objective adds mtp_loss_weight x their mean loss
     s.mtp_depth = 0, NON_NEGATIVE_INT  # 0: off

@@ -12,10 +12,11 @@ the number of groups.
 
 Layout: group e's rows move to a run of ceil(sizes_E[e] / tile) tiles; tiles left over at the end
 (the bound below is static) and the padding rows of a group's last tile hold zeros. A `lax.scan`
-over the tiles multiplies each used one by its group's weights and skips (`lax.cond`) the rest.
-The backward pass (a custom VJP) is a second scan over the same tiles: x's gradient tile by tile,
-and the weights' gradient accumulated per group in float32 (padding rows are zeros, so they add
-nothing). The trip count is static so that the loop batches under `vmap` (the pipeline's stages)
+takes `tiles_per_step` tiles a step, gathers each one's group's weights and multiplies them as one
+batched matmul, and skips (`lax.cond`) the steps past the used tiles. Several tiles a step matter
+on GPUs, where every step costs kernel launches (`default_tiles_per_step`). The backward pass (a
+custom VJP) is a second scan over the same steps: x's gradient, and the weights' gradient
+accumulated per group in float32 (padding rows are zeros, so they add nothing). The trip count is static so that the loop batches under `vmap` (the pipeline's stages)
 without a reduction over the batch; there a cond becomes a select, and unused tiles are computed.
 
 Inside `shard_map` it runs with the types unchecked (`check_vma=False`, as the megablox kernel
