@@ -33,7 +33,7 @@ def sequential(params, x_MbLD, offset_Mb):
 
 
 # (stages, repeats, microbatches, layers)
-SCHEDULES = [(2, 2, 2, 4), (2, 2, 3, 8), (3, 2, 4, 6), (2, 3, 5, 6), (4, 2, 4, 8), (2, 1, 3, 4)]
+SCHEDULES = [(2, 2, 2, 4), (3, 2, 4, 6), (2, 3, 5, 6), (2, 1, 3, 4)]
 
 
 @pytest.mark.parametrize(("S", "R", "M", "N"), SCHEDULES, ids=lambda v: str(v))
@@ -66,8 +66,8 @@ def test_the_schedule_runs_each_layer_once_per_microbatch_in_order(S, R, M, N):
 def mesh_config(mesh: dict, **overrides):
     cfg = load_config("tiny")
     cfg.mesh.update(mesh)
-    cfg.model.update(num_heads=8, num_kv_heads=4, d_model=64, num_layers=4, pipeline_microbatches=2,
-                     pipeline_repeats=2)
+    cfg.seq_len = 16
+    cfg.model.update(num_layers=4, vocab_size=96, mlp_dim=64, pipeline_microbatches=2, pipeline_repeats=2)
     return config_lib.resolve(with_overrides(cfg, overrides), jax.device_count())
 
 
