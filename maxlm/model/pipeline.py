@@ -53,8 +53,14 @@ def _by_stage(params, specs, S: int, R: int):
     """The group's params [N, ...] as [S, R, N/(S·R), ...], [s, r] being chunk r·S + s; the stage
     axis where the layers' was."""
     def split(w, spec):
-        chunks = w.reshape(R, S, w.shape[0] // (S * R), *w.shape[1:]).swapaxes(0, 1)
-        return _constrain(chunks, (spec[0], None, None, *spec[1:]))
+        chunks = w.reshape(R, S, w.shape[0] // (S * R), *w.shape[1:])
+        if R > 1:  # stage s's chunks to stage s: an all-to-all over `stage`, which GSPMD otherwise
+            # does by gathering the whole group on each device; with R >= S the gradients' way back
+            # too (R < S cannot split R over the stages: GSPMD would replicate, so it gathers them)
+            if R >= S:
+                chunks = _constrain(chunks, (spec[0], None, None, *spec[1:]))  # the layers' own split
+            chunks = _constrain(chunks, (None, spec[0], None, *spec[1:]))
+        return _constrain(chunks.swapaxes(0, 1), (spec[0], None, None, *spec[1:]))
     return jax.tree.map(split, params, specs, is_leaf=lambda x: not isinstance(x, dict))
 
 
