@@ -123,3 +123,35 @@ def test_the_bubble_shrinks_with_the_repeats():
 def test_combinations_the_circular_pipeline_cannot_run_are_refused(mesh, overrides, message):
     with pytest.raises(config_lib.ConfigError, match=message):
         mesh_config({"fsdp": 1, **mesh}, **overrides)
+
+
+@pytest.mark.ci  # three CLI runs
+def test_the_cli_trains_a_circular_pipeline_resumes_bitwise_and_may_change_the_repeats(tmp_path, data_dirs):
+    """2 stages x 2 repeats x 4 data devices with eval and checkpoints: a copy of the run without its
+    last checkpoint resumes to the same losses and state; the checkpoint does not depend on R, so
+    another copy resumes with GPipe (R = 1) to the same losses within float rounding."""
+    flags = ["--config=configs/tiny.py", "--config.mesh.stage=2", "--config.mesh.data=4", "--config.steps=6",
+             "--config.model.num_layers=4", "--config.model.pipeline_microbatches=2",
+             "--config.checkpoint.every_steps=3", "--config.eval.every_steps=3", "--config.log_every_steps=1",
+             "--config.optim.warmup_steps=2", *(f"--config.{k}={v}" for k, v in data_dirs.items())]
+
+    def train(workdir, repeats):
+        result = subprocess.run([sys.executable, "-m", "maxlm.train", f"--workdir={workdir}", *flags,
+                                 f"--config.model.pipeline_repeats={repeats}"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300, env=command_env(tmp_path))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout + result.stderr
+
+    whole = tmp_path / "whole"
+    log = train(whole, 2)
+    assert "pipeline 2 stages x 2 layers, 2 microbatches, bubble 20.0% (circular" in log
+    assert "Involuntary full rematerialization" not in log
+    for name, repeats in (("resumed", 2), ("gpipe", 1)):
+        shutil.copytree(whole, tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoints" / "6")
+        train(tmp_path / name, repeats)
+    want, resumed, gpipe = (train_rows(tmp_path / name) for name in ("whole", "resumed", "gpipe"))
+    assert [resumed[s]["loss"] for s in (4, 5, 6)] == [want[s]["loss"] for s in (4, 5, 6)]
+    assert jax.tree.all(jax.tree.map(np.array_equal, saved_state(whole, 6), saved_state(tmp_path / "resumed", 6)))
+    np.testing.assert_allclose([gpipe[s]["loss"] for s in (4, 5, 6)], [want[s]["loss"] for s in (4, 5, 6)], rtol=1e-5)
+    assert want[6]["loss"] < want[1]["loss"]
