@@ -146,20 +146,32 @@ def _check_sequence(c, sequence: int):
 
 
 def _check_pipeline(c, mesh):
-    """Pipeline parallelism (`mesh.stage` > 1): N/S layers per stage, a GPipe schedule over
-    `model.pipeline_microbatches` microbatches of each (accumulation) microbatch."""
-    m, stages, micro = c.model, mesh["stage"], c.model.pipeline_microbatches
+    """Pipeline parallelism (`mesh.stage` > 1): N/(S·R) layers per chunk, R chunks per stage, a
+    GPipe (R = 1) or circular schedule over `model.pipeline_microbatches` microbatches of each
+    (accumulation) microbatch."""
+    m, stages, micro, repeats = c.model, mesh["stage"], c.model.pipeline_microbatches, c.model.pipeline_repeats
     if stages == 1:
+        if repeats > 1:
+            raise ConfigError(f"model.pipeline_repeats={repeats} > 1 needs mesh.stage > 1 (a circular "
+                              "pipeline loops the microbatches around the stages)")
         return
-    if m.num_layers % stages:
+    chunks = f"mesh.stage={stages}" if repeats == 1 else \
+        f"mesh.stage x model.pipeline_repeats = {stages} x {repeats} = {stages * repeats}"
+    if m.num_layers % (stages * repeats):
         raise ConfigError(
-            f"model.num_layers={m.num_layers} must be divisible by mesh.stage={stages} "
+            f"model.num_layers={m.num_layers} must be divisible by {chunks} "
             "(each pipeline stage holds the same number of layers)"
         )
-    if m.num_experts and m.first_dense_layers % stages:
+    if m.num_experts and m.first_dense_layers % (stages * repeats):
         raise ConfigError(
-            f"model.first_dense_layers={m.first_dense_layers} must be divisible by mesh.stage={stages} "
+            f"model.first_dense_layers={m.first_dense_layers} must be divisible by {chunks} "
             "(the dense layers, then the MoE layers, are each split evenly over the pipeline stages)"
+        )
+    if repeats > 1 and micro < stages:
+        raise ConfigError(
+            f"model.pipeline_microbatches={micro} must be >= mesh.stage={stages} with "
+            f"model.pipeline_repeats={repeats} > 1 (a microbatch goes round the stages again only "
+            "after it left the last one)"
         )
     if not m.scan_layers:
         raise ConfigError(f"mesh.stage={stages} > 1 needs model.scan_layers=True (stages split the "

@@ -194,6 +194,7 @@ def _model_defaults() -> _Section:
     s.init_std = 0.02, NON_NEGATIVE
     s.scan_layers = True, BOOL  # one compiled layer body (compile time flat in depth)
     s.pipeline_microbatches = 1, POSITIVE_INT  # with mesh.stage > 1: microbatches per step in the pipeline
+    s.pipeline_repeats = 1, POSITIVE_INT  # > 1: circular pipeline, each stage holding this many layer chunks
     s.remat = "none", one_of(REMAT)  # activation rematerialisation policy
     s.attention = "auto", one_of(ATTENTION)  # the log says which one ran
     # splash attention's query and key/value tiles: multiples of 128 dividing seq_len (0: the

@@ -66,16 +66,22 @@ CASES = [
      {"model.capacity_factor": 1.0, "model.mtp_depth": 1, "model.remat": "full", "model.pipeline_microbatches": 4,
       "batch_size": 16}),
     pytest.param({"stage": 2, "data": 2, "fsdp": 1, "expert": 2}, {}, marks=pytest.mark.ci),
+    # a circular pipeline: 4 dense then 4 MoE layers, each group 2 chunks of 1 layer a stage
+    ({"stage": 2, "data": 4, "fsdp": 1},
+     {"model.pipeline_repeats": 2, "model.num_layers": 8, "model.first_dense_layers": 4, "model.load_balance": "bias"}),
 ]
+# a distinct bias for each MoE layer (up to 4)
+ROUTER_BIAS = [[0.0, 0.1, -0.1, 0.05], [0.1, 0.0, 0.0, -0.1], [-0.1, 0.05, 0.1, 0.0], [0.05, -0.1, 0.0, 0.1]]
 
 
-@pytest.mark.parametrize(("mesh", "knobs"), CASES,
-                         ids=["stage2_data4_bias", "stage2_fsdp2_expert2_capacity_mtp_remat", "stage2_data2_expert2"])
+@pytest.mark.parametrize(("mesh", "knobs"), CASES, ids=["stage2_data4_bias", "stage2_fsdp2_expert2_capacity_mtp_remat",
+                                                        "stage2_data2_expert2", "stage2_repeats2_data4_bias"])
 def test_pipelined_moe_equals_unpipelined(mesh, knobs):
     cfg = moe_config(mesh, **knobs)
     params = random_params(cfg.model, std=0.1)
+    moe_layers = cfg.model.num_layers - cfg.model.first_dense_layers
     if cfg.model.load_balance == "bias":  # a bias that changes the selection, moved by a skewed load
-        params["layers"]["mlp"]["router_bias"] = jnp.asarray([[0.0, 0.1, -0.1, 0.05], [0.1, 0.0, 0.0, -0.1]])
+        params["layers"]["mlp"]["router_bias"] = jnp.asarray(ROUTER_BIAS[:moe_layers])
     batch = {k: jnp.asarray(v) for k, v in packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size).items()}
     want_loss, want_aux, want_grads, _ = loss_aux_grads(cfg, params, batch)  # no mesh: no pipeline
     loss, aux, grads, hlo = loss_aux_grads(cfg, params, batch, mesh_lib.make_mesh(cfg.mesh))
@@ -85,7 +91,7 @@ def test_pipelined_moe_equals_unpipelined(mesh, knobs):
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     assert_trees_close(grads, want_grads, rtol=1e-4, atol=1e-5)
     # the router's statistics, aggregate and per layer ([MoE layers, ...]), the MTP losses, the metrics
-    assert aux["router"]["layers"]["load_E"].shape == (2, 4)
+    assert aux["router"]["layers"]["load_E"].shape == (moe_layers, 4)
     assert_trees_close(aux["router"], want_aux["router"], rtol=1e-5, atol=1e-6)
     assert_trees_close(aux.get("mtp"), want_aux.get("mtp"), rtol=1e-5, atol=1e-6)
     assert_trees_close(router_metrics.of_step(cfg.model, aux["router"], params),

@@ -341,8 +341,8 @@ def hidden_states(model_cfg, params, batch: Batch) -> jax.Array:
 
 def pipelined_forward(model_cfg, params, batch: Batch, stages: int, with_mtp: bool) -> tuple[jax.Array, dict]:
     """`forward_intermediates` with each layer group (`layer_groups`: an MoE model's dense layers,
-    then its MoE layers) split over `stages` pipeline stages, one GPipe pass each
-    (maxlm/model/pipeline.py), on `model.pipeline_microbatches` strided microbatches
+    then its MoE layers) split over `stages` pipeline stages, one GPipe pass each (circular with
+    `model.pipeline_repeats` > 1: maxlm/model/pipeline.py), on `model.pipeline_microbatches` strided microbatches
     (`microbatches`). The same numbers: the router statistics are each microbatch's, combined
     into the whole batch's (`moe.whole_batch_stats`); the embedding, the final norm and the
     multi-token prediction modules run outside the pipeline, on the whole batch."""
@@ -366,7 +366,8 @@ def pipelined_forward(model_cfg, params, batch: Batch, stages: int, with_mtp: bo
 
         if REMAT_POLICIES[cfg.remat] is not None:
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
-        x_MbLD, stats = pipeline.run(layer, params[name], specs[name], x_MbLD, side_Mb, stages)
+        x_MbLD, stats = pipeline.run(layer, params[name], specs[name], x_MbLD, side_Mb, stages,
+                                     cfg.pipeline_repeats)
         if experts:
             sown["router_stats"] = moe.whole_batch_stats(stats)
     x_BLD = _constrain(x_MbLD.swapaxes(0, 1).reshape(B, L, cfg.d_model), ("batch", "length", "act_embed"))

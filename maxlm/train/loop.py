@@ -279,11 +279,13 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
              "scanned" if m.scan_layers else "unrolled", m.remat, m.dtype, "on" if m.fp8 else "off")
     log.info("optimizer: %s", optim.describe(cfg))
     if cfg.mesh.stage > 1 or cfg.mesh.sequence > 1:
-        stages, micro = cfg.mesh.stage, m.pipeline_microbatches
-        log.info("parallelism: sequence %d; pipeline %d stages x %d layers, %d microbatches, "
-                 "bubble %.1f%% (GPipe: (stages - 1) / (microbatches + stages - 1))",
+        stages, micro, repeats = cfg.mesh.stage, m.pipeline_microbatches, m.pipeline_repeats
+        schedule = "GPipe: (stages - 1) / (microbatches + stages - 1)" if repeats == 1 else \
+            f"circular, {repeats} chunks of {m.num_layers // (stages * repeats)} layers a stage: " \
+            "(stages - 1) / (repeats x microbatches + stages - 1)"
+        log.info("parallelism: sequence %d; pipeline %d stages x %d layers, %d microbatches, bubble %.1f%% (%s)",
                  cfg.mesh.sequence, stages, m.num_layers // stages, micro,
-                 100 * model.bubble_fraction(stages, micro))
+                 100 * model.bubble_fraction(stages, micro, repeats), schedule)
     if jax.default_backend() == "gpu" and xla_flag("xla_gpu_deterministic_ops") != "true":
         console.warn("XLA_FLAGS lacks --xla_gpu_deterministic_ops=true (launch/gpu_env.sh sets it): on a GPU "
                      "the losses are then not bitwise reproducible, nor a resume equal to a run straight "
