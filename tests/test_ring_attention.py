@@ -1,6 +1,8 @@
 """Ring attention (`model.context_parallel="ring"`) and its zig-zag load balancing
 (`model.context_load_balance`): the same numbers as plain attention, the config's rules."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,16 +87,17 @@ def _losses(cfg, steps, devices=None):
     return train_losses(cfg, steps, batch_for_step, devices)[0]
 
 
+@functools.lru_cache(maxsize=2)
 def _one_device_losses(steps):
     cfg = load_config("tiny")
     cfg.mesh.update(data=1, fsdp=1)
     return _losses(config_lib.resolve(cfg, 1), steps, jax.devices()[:1])
 
 
-@pytest.mark.parametrize("load_balance", [False, True], ids=["in_order", "zigzag"])
-def test_ring_training_equals_one_device(load_balance):
-    """3 train steps with sequence=4 × data=2 equal the 1-device run (packed rows with padding)."""
-    losses = _losses(ring_config(**{"model.context_load_balance": load_balance}), 3)
+def test_ring_training_equals_one_device():
+    """3 train steps with sequence=4 × data=2, zig-zag order, equal the 1-device run (packed rows
+    with padding). In order, over 20 steps: the ci test below."""
+    losses = _losses(ring_config(**{"model.context_load_balance": True}), 3)
     np.testing.assert_allclose(losses, _one_device_losses(3), rtol=1e-4)
 
 
@@ -105,6 +108,7 @@ def test_ring_training_equals_one_device_over_20_steps(load_balance):
     np.testing.assert_allclose(_losses(cfg, 20), _one_device_losses(20), rtol=1e-4)
 
 
+@pytest.mark.ci
 def test_ring_training_is_bitwise_deterministic():
     cfg = ring_config(**{"model.context_load_balance": True})
     np.testing.assert_array_equal(_losses(cfg, 2), _losses(cfg, 2))

@@ -270,9 +270,10 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
     log.info("optimizer: %s", optim.describe(cfg))
     if cfg.mesh.stage > 1 or cfg.mesh.sequence > 1:
         stages, micro = cfg.mesh.stage, m.pipeline_microbatches
-        log.info("parallelism: sequence %d; pipeline %d stages x %d layers, %d microbatches, "
+        log.info("parallelism: sequence %d (%s%s); pipeline %d stages x %d layers, %d microbatches, "
                  "bubble %.1f%% (GPipe: (stages - 1) / (microbatches + stages - 1))",
-                 cfg.mesh.sequence, stages, m.num_layers // stages, micro,
+                 cfg.mesh.sequence, m.context_parallel, ", zig-zag order" if m.context_load_balance else "",
+                 stages, m.num_layers // stages, micro,
                  100 * model.bubble_fraction(stages, micro))
     if m.fp8 and jax.default_backend() == "gpu" and fp8.TRITON_GEMM_OFF not in os.environ.get("XLA_FLAGS", ""):
         console.warn(f"model.fp8 without {fp8.TRITON_GEMM_OFF} (launch/gpu_env.sh sets it): XLA may compile "
