@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib
+from maxlm import config as config_lib, model
 from maxlm.model import attention, ring_attention, zigzag
 from maxlm.train import mesh as mesh_lib
 from tests.helpers import load_config, packed_batch, train_losses
@@ -130,3 +130,15 @@ def test_context_parallel_config_errors():
         cfg.mesh.update(stage=2, data=1, fsdp=1, sequence=4)
         config_lib.resolve(config_lib.apply_overrides(cfg, {"model.context_parallel": "ring"}), 8)
     assert ring_config(sequence=1, data=8).model.context_parallel == "ring"  # a no-op, allowed
+
+
+def test_ring_logits_come_back_in_the_batch_order():
+    """`apply` under zig-zag load balancing restores the order: the unsharded logits, per position."""
+    cfg = ring_config(**{"model.context_load_balance": True})
+    params = model.init_params(cfg.model, jax.random.key(0))
+    batch = {k: jnp.asarray(v) for k, v in padded_packed_batch(2, cfg.seq_len, cfg.model.vocab_size, 0).items()}
+    expected = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, batch)
+    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
+    with mesh_lib.activate(mesh, rules):
+        logits = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, mesh_lib.global_batch(batch, mesh, rules))
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
