@@ -22,6 +22,7 @@ from maxlm.config_rules import (
     LOAD_BALANCE,
     ROUTERS,  # noqa: F401  (the choices, as config_lib.REMAT etc.)
     ATTENTION,
+    CONTEXT_PARALLEL,
     BOOL,
     DTYPES,
     GROUPED_MATMUL,
@@ -42,6 +43,7 @@ from maxlm.config_rules import (
     SPLASH_BLOCK,
     Domain,
     between,
+    check_context_parallel,
     check_data,
     check_eval,
     check_model_and_optim,
@@ -197,6 +199,10 @@ def _model_defaults() -> _Section:
     s.pipeline_repeats = 1, POSITIVE_INT  # > 1: circular pipeline, each stage holding this many layer chunks
     s.remat = "none", one_of(REMAT)  # activation rematerialisation policy
     s.attention = "auto", one_of(ATTENTION)  # the log says which one ran
+    # how attention crosses mesh.sequence (docs/long-context.md): gather K/V whole, or pass K/V
+    # blocks around a ring (maxlm/model/ring_attention.py); load balancing: zig-zag token order
+    s.context_parallel = "all_gather", one_of(CONTEXT_PARALLEL)
+    s.context_load_balance = False, BOOL
     # splash attention's query and key/value tiles: multiples of 128 dividing seq_len (0: the
     # largest of 512, 256, 128 that divides it)
     s.splash_block_q = 0, NON_NEGATIVE_INT
@@ -338,6 +344,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
     check_model_and_optim(c)
     check_optimizer(c)
     axes.check_mesh(c, num_devices, num_granules)
+    check_context_parallel(c)
     check_data(c)
     check_eval(c)
     return c

@@ -28,6 +28,7 @@ QK_NORMS = ("none", "per_head", "full")  # model.qk_norm: see maxlm/model/transf
 ROUTERS = ("softmax", "sigmoid")  # model.router: see maxlm/model/moe.py
 LOAD_BALANCE = ("aux_loss", "bias", "none")  # model.load_balance: see maxlm/model/balance.py for bias
 GROUPED_MATMUL = ("auto", "ragged_dot", "tiled", "megablox")  # see grouped_matmul.grouped_matmul_backend
+CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")  # model.context_parallel: docs/long-context.md
 SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/model/attention.py)
 
 
@@ -274,3 +275,25 @@ def check_eval(c):
         names.append(os.path.splitext(os.path.basename(path))[0])
     if len(set(names)) != len(names):
         raise ConfigError(f"eval.sets names and eval.tasks file stems must all differ, got {names}")
+
+
+def check_context_parallel(c) -> None:
+    """`model.context_parallel` and `model.context_load_balance` against the resolved mesh (run
+    after `axes.check_mesh`). With mesh.sequence=1 both are no-ops: there is nothing to split."""
+    m, sequence = c.model, c.mesh.sequence
+    if m.context_parallel == "ulysses":
+        raise ConfigError("model.context_parallel='ulysses' is not built on this branch")
+    if m.context_load_balance and m.context_parallel != "ring":
+        raise ConfigError(f"model.context_load_balance=True needs model.context_parallel='ring', got "
+                          f"{m.context_parallel!r} (the all-gather mask is causal by array index)")
+    if sequence == 1 or m.context_parallel == "all_gather":
+        return
+    if c.mesh.stage > 1:
+        raise ConfigError(f"model.context_parallel={m.context_parallel!r} is not supported with mesh.stage="
+                          f"{c.mesh.stage} > 1 (the pipeline runs its stages under vmap); use 'all_gather'")
+    if m.context_load_balance and c.seq_len % (2 * sequence):
+        raise ConfigError(f"model.context_load_balance=True needs seq_len={c.seq_len} divisible by 2 x "
+                          f"mesh.sequence = {2 * sequence} (each device holds an early and a late chunk)")
+    if m.context_load_balance and m.mtp_depth:
+        raise ConfigError(f"model.context_load_balance=True is not supported with model.mtp_depth={m.mtp_depth} "
+                          "(its modules shift the targets along the length, which the reordering breaks)")

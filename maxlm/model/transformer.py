@@ -26,10 +26,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm.model import attention, backward_order, fp8, head, moe, mtp, pipeline, positions
+from maxlm.model import attention, backward_order, fp8, head, moe, mtp, pipeline, positions, ring_attention, zigzag
 
 Batch = dict[str, jax.Array]
 
@@ -135,6 +136,14 @@ class Attention(nn.Module):
             q_BLHDh = RMSNorm(cfg.norm_eps, dtype, qk_norm_axes(cfg, "heads"), name="q_norm")(q_BLHDh)
             k_BSKDh = RMSNorm(cfg.norm_eps, dtype, qk_norm_axes(cfg, "kv_heads"), name="k_norm")(k_BSKDh)
         q_BLHDh = _constrain(positions.rotary(cfg, q_BLHDh, positions_BL), ("batch", "length", "heads", "head_dim"))
+        # (init traces a 1 x 8 dummy batch the mesh cannot split: the plain path has the same parameters)
+        if ring_attention.active(cfg) and not self.is_initializing():  # the ring strategy: keys and values stay split, blocks travel
+            k_BSKDh = _constrain(positions.rotary(cfg, k_BSKDh, positions_BL), ("batch", "length", "kv_heads", "head_dim"))
+            v_BSKDh = _constrain(v_BSKDh, ("batch", "length", "kv_heads", "head_dim"))
+            n, length = zigzag.shards(cfg), q_BLHDh.shape[1]
+            token_index_L = jnp.asarray(zigzag.token_order(length, n) if n else np.arange(length), jnp.int32)
+            out_BLHDh = ring_attention.ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L)
+            return checkpoint_name(weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
         # Sequence parallelism, the all-gather strategy: queries stay split along the length (mesh
         # axis `sequence`), keys and values are gathered whole (length None), so each device
         # attends its query rows to every key. RoPE ran before the gather, on each token's own
@@ -216,7 +225,9 @@ class Transformer(nn.Module):
         # Init only needs the parameters' shapes (see Attention): the plain path's mask then.
         backend = "xla" if self.is_initializing() else attention.attention_backend(
             cfg.attention, dtype, tokens_BL.shape[1])
-        mask_B1LS = attention.document_mask(backend, segment_ids_BL, dtype)
+        # the ring masks each block itself: no [B, 1, L, S] mask
+        ring = ring_attention.active(cfg) and not self.is_initializing()
+        mask_B1LS = None if ring else attention.document_mask(backend, segment_ids_BL, dtype)
         block = _block_class(cfg)
         router_stats = []  # per MoE layer
         if cfg.scan_layers:  # one compiled layer body per group whatever the depth; params get a `layers` axis
@@ -332,8 +343,12 @@ def forward_intermediates(model_cfg, params, batch: Batch, with_mtp: bool) -> tu
 
 
 def hidden_states(model_cfg, params, batch: Batch) -> jax.Array:
-    """`forward`'s hidden states."""
-    return forward(model_cfg, params, batch)[0]
+    """`forward`'s hidden states, in the batch's order (also under `model.context_load_balance`)."""
+    n = zigzag.shards(model_cfg)
+    if not n:
+        return forward(model_cfg, params, batch)[0]
+    x_BLD = forward(model_cfg, params, zigzag.reorder(batch, n))[0]
+    return zigzag.restore(x_BLD, n, ("batch", "length", "act_embed"))
 
 
 # ----------------------------------------------------------------------------- pipeline parallelism
@@ -460,6 +475,8 @@ def loss_fn(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict]:
     `load_max`: the busiest expert's tokens over the mean, in any layer; `layers`: `forward`'s
     per-layer ones, [MoE layers, ...], for the per-layer metrics and the balancing bias) and with
     `model.mtp_depth` "mtp": each depth's mean cross-entropy [D] (maxlm/model/mtp.py)."""
+    if n := zigzag.shards(model_cfg):  # a sum over tokens: computed in zig-zag order, never put back
+        batch = zigzag.reorder(batch, n)
     x_BLD, sown = forward_intermediates(model_cfg, params, batch, with_mtp=True)
     router_stats = sown.get("router_stats")
     per_token = token_losses(model_cfg, params, batch, x_BLD)

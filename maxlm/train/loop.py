@@ -283,8 +283,9 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
         schedule = "GPipe: (stages - 1) / (microbatches + stages - 1)" if repeats == 1 else \
             f"circular, {repeats} chunks of {m.num_layers // (stages * repeats)} layers a stage: " \
             "(stages - 1) / (repeats x microbatches + stages - 1)"
-        log.info("parallelism: sequence %d; pipeline %d stages x %d layers, %d microbatches, bubble %.1f%% (%s)",
-                 cfg.mesh.sequence, stages, m.num_layers // stages, micro,
+        log.info("parallelism: sequence %d (%s%s); pipeline %d stages x %d layers, %d microbatches, bubble %.1f%% (%s)",
+                 cfg.mesh.sequence, m.context_parallel, ", zig-zag order" if m.context_load_balance else "",
+                 stages, m.num_layers // stages, micro,
                  100 * model.bubble_fraction(stages, micro, repeats), schedule)
     if jax.default_backend() == "gpu" and xla_flag("xla_gpu_deterministic_ops") != "true":
         console.warn("XLA_FLAGS lacks --xla_gpu_deterministic_ops=true (launch/gpu_env.sh sets it): on a GPU "

@@ -1,0 +1,189 @@
+"""Ring attention (`model.context_parallel="ring"`): context parallelism over `mesh.sequence`
+without ever holding the whole sequence's keys and values.
+
+    out_BLHDh = ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L)
+
+Inside `jax.shard_map`, each of the n devices of the ring axis holds its own query block and one
+key/value block of L/n tokens. n times, it attends its queries to the block it holds while that
+block moves on to the next device (`jax.lax.ppermute`; the next transfer is issued before the
+current block's compute, so XLA can overlap them). The softmax is online (flash attention's
+running max and sum, float32), so per-device memory is O(L/n), not O(L).
+
+The mask is `attention.attention_mask`'s (causal, within a document; padding, segment 0, attends
+to earlier padding) computed from what travels with each block: its segment ids and its tokens'
+indices in the original sequence (`token_index_L`: arange(L), or the zig-zag order of
+maxlm/model/load_balance.py). A block wholly in a row block's future (or in other documents) is
+skipped (`lax.cond`). Each device's first block is its own, which holds every row's diagonal, so
+no row's running max stays at -inf and no softmax row is ever empty.
+
+The backward pass is a ring too (`jax.custom_vjp`): the blocks go round again and their dK, dV
+accumulators travel with them, arriving home after n hops; the residuals are this device's q, k,
+v, output and log-sum-exp: O(L/n). Grouped-query heads as `xla_attention`: head h = kv_head·G + g.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+_MASKED = jnp.finfo(jnp.float32).min
+
+
+def ring_axis() -> str | None:
+    """The mesh axis the active logical rules split the length over, when it has size > 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    axes = nn.logical_to_mesh_axes(("length",))[0]
+    if axes is None:
+        return None
+    if not isinstance(axes, str):
+        axes = tuple(a for a in axes if mesh.shape[a] > 1)
+        if len(axes) > 1:
+            raise ValueError(f"ring attention runs over one mesh axis, the rules split the length over {axes}")
+        axes = axes[0] if axes else None
+    return axes if axes is not None and mesh.shape[axes] > 1 else None
+
+
+def active(model_cfg) -> bool:
+    """Whether attention runs as a ring here: `model.context_parallel="ring"` and a length split
+    over a mesh axis of size > 1 (with mesh.sequence=1 the ring is a no-op: plain attention)."""
+    return model_cfg.context_parallel == "ring" and ring_axis() is not None
+
+
+def ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L):
+    """Causal, per-document attention [B, L, H, Dh] as a ring over the length's mesh axis; batch and
+    heads split as the active rules say (kv heads as heads: the config makes them divisible)."""
+    axis = ring_axis()
+    if axis is None:
+        raise ValueError("ring_attention needs an active mesh whose rules split `length` over an axis of size > 1")
+    n = jax.sharding.get_abstract_mesh().shape[axis]
+    batch, length, heads = nn.logical_to_mesh_axes(("batch", "length", "heads"))
+    spec_BLHDh = PartitionSpec(batch, length, heads, None)
+    return jax.shard_map(
+        functools.partial(_ring, axis, n),
+        in_specs=(spec_BLHDh, spec_BLHDh, spec_BLHDh, PartitionSpec(batch, length), PartitionSpec(length)),
+        out_specs=spec_BLHDh,
+        check_vma=False,  # the custom VJP's outputs carry no varying-axes type; the specs say it all
+    )(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L)
+
+
+def _shift(axis: str, n: int, tree):
+    """`tree` sent one device on along the ring (device i's goes to i + 1)."""
+    return jax.lax.ppermute(tree, axis, perm=[(i, (i + 1) % n) for i in range(n)])
+
+
+def _block_mask(segment_ids_bL, index_L, block):
+    """[b, 1, 1, L, S]: query row may see key column (causal by original index, same document)."""
+    _, _, segment_ids_bS, index_S = block
+    causal_LS = index_S[None, :] <= index_L[:, None]
+    same_doc_bLS = segment_ids_bL[:, :, None] == segment_ids_bS[:, None, :]
+    return (causal_LS[None] & same_doc_bLS)[:, None, None]
+
+
+def _scores(q_bKGLDh, k_bSKDh, mask):
+    scores = jnp.einsum("bkgld,bskd->bkgls", q_bKGLDh, k_bSKDh, preferred_element_type=jnp.float32)
+    return jnp.where(mask, scores, _MASKED)
+
+
+def _heads_major(x_bLHDh, kv_heads: int):
+    """[b, L, H, Dh] → [b, K, G, L, Dh]."""
+    b, L, H, Dh = x_bLHDh.shape
+    return x_bLHDh.reshape(b, L, kv_heads, H // kv_heads, Dh).transpose(0, 2, 3, 1, 4)
+
+
+def _heads_minor(x_bKGLDh):
+    b, K, G, L, Dh = x_bKGLDh.shape
+    return x_bKGLDh.transpose(0, 3, 1, 2, 4).reshape(b, L, K * G, Dh)
+
+
+def _forward_step(q_bKGLDh, segment_ids_bL, index_L, block, acc):
+    """The online softmax's accumulators (out, running max, running sum) after one more block."""
+    mask = _block_mask(segment_ids_bL, index_L, block)
+
+    def attend(acc):
+        out, row_max, row_sum = acc
+        _, v_bSKDh, _, _ = block
+        scores = _scores(q_bKGLDh, block[0], mask)
+        new_max = jnp.maximum(row_max, scores.max(axis=-1))
+        probs = jnp.where(mask, jnp.exp(scores - new_max[..., None]), 0.0)
+        rescale = jnp.exp(row_max - new_max)
+        out = out * rescale[..., None] + jnp.einsum("bkgls,bskd->bkgld", probs.astype(v_bSKDh.dtype), v_bSKDh,
+                                                    preferred_element_type=jnp.float32)
+        return out, new_max, row_sum * rescale + probs.sum(axis=-1)
+
+    return jax.lax.cond(mask.any(), attend, lambda acc: acc, acc)
+
+
+def _ring_forward(axis, n, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
+    scale = jnp.asarray(1 / math.sqrt(q_bLHDh.shape[-1]), q_bLHDh.dtype)
+    q_bKGLDh = _heads_major(q_bLHDh * scale, k_bSKDh.shape[2])
+    rows = q_bKGLDh.shape[:-1]
+    acc = (jnp.zeros(q_bKGLDh.shape, jnp.float32), jnp.full(rows, -jnp.inf), jnp.zeros(rows, jnp.float32))
+    step = functools.partial(_forward_step, q_bKGLDh, segment_ids_bL, index_L)
+
+    def hop(carry, _):
+        block, acc = carry
+        arriving = _shift(axis, n, block)  # issued before this block's compute: they overlap
+        return (arriving, step(block, acc)), None
+
+    block = (k_bSKDh, v_bSKDh, segment_ids_bL, index_L)
+    (block, acc), _ = jax.lax.scan(hop, (block, acc), None, length=n - 1)
+    out, row_max, row_sum = step(block, acc)  # the last block: no transfer after it
+    out = out / row_sum[..., None]
+    log_sum_exp = row_max + jnp.log(row_sum)
+    out_bLHDh = _heads_minor(out).astype(q_bLHDh.dtype)
+    return out_bLHDh, (q_bKGLDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L, out.astype(q_bLHDh.dtype), log_sum_exp)
+
+
+def _backward_step(q_bKGLDh, dout, log_sum_exp, delta, segment_ids_bL, index_L, block, dq, dkv):
+    """dq and the travelling block's (dk, dv) after attending to it once more (flash backward)."""
+    mask = _block_mask(segment_ids_bL, index_L, block)
+
+    def grads(dq_dkv):
+        dq, (dk, dv) = dq_dkv
+        k_bSKDh, v_bSKDh, _, _ = block
+        probs = jnp.where(mask, jnp.exp(_scores(q_bKGLDh, k_bSKDh, mask) - log_sum_exp[..., None]), 0.0)
+        dv = dv + jnp.einsum("bkgls,bkgld->bskd", probs, dout)
+        dprobs = jnp.einsum("bkgld,bskd->bkgls", dout, v_bSKDh.astype(jnp.float32))
+        dscores = probs * (dprobs - delta[..., None])
+        dq = dq + jnp.einsum("bkgls,bskd->bkgld", dscores, k_bSKDh.astype(jnp.float32))
+        dk = dk + jnp.einsum("bkgls,bkgld->bskd", dscores, q_bKGLDh.astype(jnp.float32))
+        return dq, (dk, dv)
+
+    return jax.lax.cond(mask.any(), grads, lambda dq_dkv: dq_dkv, (dq, dkv))
+
+
+def _ring_backward(axis, n, residuals, dout_bLHDh):
+    q_bKGLDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L, out, log_sum_exp = residuals
+    dout = _heads_major(dout_bLHDh, q_bKGLDh.shape[1]).astype(jnp.float32)
+    delta = (dout * out.astype(jnp.float32)).sum(axis=-1)  # rowsum(dO ∘ O)
+    step = functools.partial(_backward_step, q_bKGLDh, dout, log_sum_exp, delta, segment_ids_bL, index_L)
+
+    def hop(carry, _):
+        block, dq, dkv = carry
+        arriving = _shift(axis, n, block)
+        dq, dkv = step(block, dq, dkv)
+        return (arriving, dq, _shift(axis, n, dkv)), None  # the accumulators travel with their block
+
+    block = (k_bSKDh, v_bSKDh, segment_ids_bL, index_L)
+    zeros_kv = jnp.zeros(k_bSKDh.shape, jnp.float32)
+    carry = (block, jnp.zeros(q_bKGLDh.shape, jnp.float32), (zeros_kv, zeros_kv))
+    (block, dq, dkv), _ = jax.lax.scan(hop, carry, None, length=n - 1)
+    dq, dkv = step(block, dq, dkv)
+    dk, dv = _shift(axis, n, dkv)  # the n-th hop brings them home
+    dq_bLHDh = _heads_minor(dq) / math.sqrt(q_bKGLDh.shape[-1])
+    return (dq_bLHDh.astype(q_bKGLDh.dtype), dk.astype(k_bSKDh.dtype), dv.astype(v_bSKDh.dtype), None, None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(axis, n, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
+    return _ring_forward(axis, n, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L)[0]
+
+
+_ring.defvjp(_ring_forward, _ring_backward)
