@@ -82,3 +82,45 @@ def test_no_scaling_keeps_the_unscaled_frequencies():
         unscaled_F = 1.0 / ours.rope_theta ** (np.arange(0, 16, 2) / 16)
         assert freq_F[0] == np.float32(unscaled_F[0])
         np.testing.assert_allclose(freq_F[-1], unscaled_F[-1] / ours.rope_scaling_factor, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+# configs/tiny.py trained at 16 tokens, scaled 4x: the test's 48 positions are mostly past it
+SCALED = {"llama3": {"model.rope_scaling": "llama3", "model.rope_scaling_factor": 4.0, "model.rope_original_max_len": 16,
+                     "model.rope_low_freq_factor": 1.0, "model.rope_high_freq_factor": 2.0},
+          "yarn": {"model.rope_scaling": "yarn", "model.rope_scaling_factor": 4.0, "model.rope_original_max_len": 16,
+                   "model.rope_beta_fast": 8.0, "model.rope_beta_slow": 0.5}}
+
+
+@pytest.mark.parametrize("kind, qk_norm", [("llama3", "none"), ("yarn", "none"), ("yarn", "per_head")],
+                         ids=["llama3-Llama", "yarn-Llama", "yarn-Qwen3"])
+def test_the_export_carries_the_scaling_to_transformers_and_imports_back(tmp_path, kind, qk_norm):
+    """The export's config.json has the scaling in transformers' names; transformers' model gives
+    maxlm's logits and greedy tokens; the folder imports back into the same run, and a run
+    without the scaling is refused naming model.rope_scaling."""
+    import functools
+
+    import jax
+
+    from maxlm import config as config_lib, model
+    from maxlm.hf import files as hf
+    from tests.helpers import random_params
+    from tests.test_hf import _abstract, _assert_bitwise_equal, _cfg, _sequence
+    from tests.test_hf_architectures import _greedy, _hf_greedy, _hf_model, _logits
+
+    cfg = _cfg({**SCALED[kind], "model.qk_norm": qk_norm, "model.rope_theta": 1e4})
+    params = random_params(cfg.model, seed=1)
+    hf.export(params, cfg, str(tmp_path))
+    hf_model = _hf_model(str(tmp_path))
+    rope = hf_model.config.rope_parameters
+    assert rope["rope_type"] == kind and rope["factor"] == 4.0 and rope["original_max_position_embeddings"] == 16
+    logits_of = functools.partial(jax.jit(functools.partial(model.apply, cfg.model)), params)
+    batch = _sequence(48, 259, seed=2)
+    np.testing.assert_allclose(_logits(hf_model, batch["inputs"]), logits_of(batch), atol=1e-4, rtol=0)
+    prompt = _sequence(20, 259, seed=3)["inputs"][0].tolist()
+    assert _hf_greedy(hf_model, prompt, 24) == _greedy(logits_of, prompt, 24, allowed=259)
+    _assert_bitwise_equal(hf.load_params(str(tmp_path), cfg.model, _abstract(cfg)), params)
+    plain = _cfg({"model.qk_norm": qk_norm})
+    with pytest.raises(config_lib.ConfigError, match=f"model.rope_scaling='none' but the checkpoint has '{kind}'"):
+        hf.load_params(str(tmp_path), plain.model, _abstract(plain))
