@@ -149,6 +149,8 @@ def _declared() -> _Section:
     c.eval.sets = ()  # more held-out sets: ((name, source), ...), each logged as eval/<name>/loss
     c.eval.tasks = ()  # task .jsonl files scored at each eval (maxlm/train/tasks.py): eval/<stem>/acc, ...
     c.eval.task_shots = 0, NON_NEGATIVE_INT  # few-shot examples before each task example
+    # the validation loss in this many equal spans of the position in the document: is the context used? (0: off)
+    c.eval.position_buckets = 8, NON_NEGATIVE_INT
 
     c.metrics = _Section()
     c.metrics.tensorboard = True, BOOL

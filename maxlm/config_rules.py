@@ -290,6 +290,9 @@ def check_eval(c):
     for key in ("eval.sets", "eval.tasks"):
         if not isinstance(value := _get(c, key), (tuple, list)):
             raise ConfigError(f"{key} must be a tuple, got {value!r}")
+    if c.eval.position_buckets > c.seq_len:
+        raise ConfigError(f"eval.position_buckets={c.eval.position_buckets} is more than seq_len={c.seq_len}: "
+                          "a bucket holds one position at least")
     names = []
     for entry in c.eval.sets:
         if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)

@@ -52,6 +52,7 @@ def test_mesh_fill():
         ({"eval.sets": (("hs", "/x"),), "eval.tasks": ("t/hs.jsonl",)}, "must all differ, got ['hs', 'hs']"),
         ({"eval.tasks": ("t/hs.json",)}, "eval.tasks entries are paths of .jsonl task files, got 't/hs.json'"),
         ({"eval.task_shots": -1}, "eval.task_shots must be an int >= 0, got -1"),
+        ({"eval.position_buckets": 65}, "eval.position_buckets=65 is more than seq_len=64"),
         ({"model.positions": "alibi"}, "model.positions must be one of ('rope', 'sinusoidal', 'learned'), got 'alibi'"),
         ({"model.max_positions": -1}, "model.max_positions must be an int >= 0, got -1"),
         ({"model.head_dim": 15}, "model.head_dim=15 must be even for RoPE (model.positions='rope')"),
