@@ -153,10 +153,11 @@ def test_eta_format():
     line = step_logger.format_line(100, {"loss": 2.34567, "tokens_per_sec": 41000.0, "mfu": 0.165},
                          eta_sec=3725)
     assert line == "step    100 | loss 2.3457 | tokens/s 41,000 | mfu 16.5% | eta 1h02m"
-    eval_line = step_logger.format_line(100, {"eval_loss": 2.5, "eval_perplexity": 12.18, "eval/web/loss": 2.71828,
+    eval_line = step_logger.format_line(100, {"eval_loss": 2.5, "eval_perplexity": 12.18, "eval/loss_by_position/0": 2.6,
+                                              "eval/loss_by_position/32": 2.41234, "eval/web/loss": 2.71828,
                                               "eval/hellaswag/acc": 0.3125})
     assert eval_line == ("step    100 | eval_loss 2.5000 | eval_ppl 12.18 | eval/web/loss 2.718 | "
-                         "eval/hellaswag/acc 0.3125")  # named sets and tasks after the rest
+                         "eval/hellaswag/acc 0.3125 | loss_by_position 2.600 2.412")  # sets, tasks, buckets after the rest
 
 
 def test_device_memory_only_where_reported():
