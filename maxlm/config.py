@@ -38,6 +38,7 @@ from maxlm.config_rules import (
     POSITIVE,
     POSITIVE_INT,
     QK_NORMS,
+    ROPE_SCALINGS,
     REMAT,
     SCHEDULES,
     SPLASH_BLOCK,
@@ -150,6 +151,8 @@ def _declared() -> _Section:
     c.eval.sets = ()  # more held-out sets: ((name, source), ...), each logged as eval/<name>/loss
     c.eval.tasks = ()  # task .jsonl files scored at each eval (maxlm/train/tasks.py): eval/<stem>/acc, ...
     c.eval.task_shots = 0, NON_NEGATIVE_INT  # few-shot examples before each task example
+    # the validation loss in this many equal spans of the position in the document: is the context used? (0: off)
+    c.eval.position_buckets = 8, NON_NEGATIVE_INT
 
     c.metrics = _Section()
     c.metrics.tensorboard = True, BOOL
@@ -189,6 +192,15 @@ def _model_defaults() -> _Section:
     s.tie_embeddings = False, BOOL
     s.rope_theta = 10000.0, POSITIVE
     s.positions = "rope", one_of(POSITIONS)  # rotary in attention, or added to the embeddings
+    # RoPE scaling for context extension (maxlm/model/positions.py; transformers' rope_parameters
+    # names): Llama 3.1's rule or YaRN, from a model trained at rope_original_max_len
+    s.rope_scaling = "none", one_of(ROPE_SCALINGS)
+    s.rope_scaling_factor = 0.0, NON_NEGATIVE  # > 1 with a scaling: how much longer (`factor`); 0: none
+    s.rope_original_max_len = 0, NON_NEGATIVE_INT  # the length trained at before (`original_max_position_embeddings`)
+    s.rope_low_freq_factor = 1.0, POSITIVE  # llama3: wavelengths above original/this are divided by factor
+    s.rope_high_freq_factor = 4.0, POSITIVE  # llama3: wavelengths below original/this are kept
+    s.rope_beta_fast = 32.0, POSITIVE  # yarn: rotations over the original length above which a frequency is kept
+    s.rope_beta_slow = 1.0, POSITIVE  # yarn: ... below which it is divided by factor
     s.max_positions = 0, NON_NEGATIVE_INT  # the learned table's rows (positions="learned"); 0: seq_len
     s.norm_eps = 1e-5, POSITIVE
     s.qk_norm = "none", one_of(QK_NORMS)  # RMSNorm of queries and keys before RoPE: each head's (Qwen3), or whole (OLMo 2)

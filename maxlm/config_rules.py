@@ -24,6 +24,7 @@ LR_BATCH_SCALING = ("none", "sqrt", "linear")  # optim.lr_batch_scaling
 REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
 ATTENTION = ("auto", "xla", "cudnn", "splash")  # see attention.attention_backend
 POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/model/positions.py
+ROPE_SCALINGS = ("none", "llama3", "yarn")  # model.rope_scaling: see maxlm/model/positions.py
 QK_NORMS = ("none", "per_head", "full")  # model.qk_norm: see maxlm/model/transformer.py Attention
 ROUTERS = ("softmax", "sigmoid")  # model.router: see maxlm/model/moe.py
 LOAD_BALANCE = ("aux_loss", "bias", "none")  # model.load_balance: see maxlm/model/balance.py for bias
@@ -227,6 +228,7 @@ def _check_positions(c) -> None:
     m = c.model
     if m.positions == "rope" and m.head_dim % 2:
         raise ConfigError(f"model.head_dim={m.head_dim} must be even for RoPE (model.positions='rope')")
+    _check_rope_scaling(m)
     if m.positions == "sinusoidal" and m.d_model % 2:
         raise ConfigError(f"model.d_model={m.d_model} must be even for model.positions='sinusoidal' "
                           "(sin/cos pairs)")
@@ -237,6 +239,32 @@ def _check_positions(c) -> None:
     if c.seq_len > m.max_positions:
         raise ConfigError(f"seq_len={c.seq_len} is longer than model.max_positions={m.max_positions}, "
                           "the learned position table's length")
+
+
+def _check_rope_scaling(m) -> None:
+    """model.rope_scaling's parameters: set with a scaling only, and each rule's own order."""
+    scaled = m.rope_scaling != "none"
+    if not scaled:
+        for key in ("rope_scaling_factor", "rope_original_max_len"):
+            if m[key]:
+                raise ConfigError(f"model.{key}={m[key]} is read by model.rope_scaling='llama3' or 'yarn' only, "
+                                  "got model.rope_scaling='none'")
+        return
+    if m.positions != "rope":
+        raise ConfigError(f"model.rope_scaling={m.rope_scaling!r} scales RoPE's frequencies, and "
+                          f"model.positions={m.positions!r}: use model.positions='rope' or model.rope_scaling='none'")
+    if m.rope_scaling_factor <= 1:
+        raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor} must be > 1 with model.rope_scaling="
+                          f"{m.rope_scaling!r} (how many times the original length the context grows)")
+    if m.rope_original_max_len == 0:
+        raise ConfigError(f"model.rope_original_max_len must be set with model.rope_scaling={m.rope_scaling!r}: "
+                          "the sequence length the model was trained at before the extension")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be more than "
+                          f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1's rule)")
+    if m.rope_scaling == "yarn" and m.rope_beta_fast <= m.rope_beta_slow:
+        raise ConfigError(f"model.rope_beta_fast={m.rope_beta_fast} must be more than "
+                          f"model.rope_beta_slow={m.rope_beta_slow} (YaRN's ramp)")
 
 
 def check_data(c):
@@ -263,6 +291,9 @@ def check_eval(c):
     for key in ("eval.sets", "eval.tasks"):
         if not isinstance(value := _get(c, key), (tuple, list)):
             raise ConfigError(f"{key} must be a tuple, got {value!r}")
+    if c.eval.position_buckets > c.seq_len:
+        raise ConfigError(f"eval.position_buckets={c.eval.position_buckets} is more than seq_len={c.seq_len}: "
+                          "a bucket holds one position at least")
     names = []
     for entry in c.eval.sets:
         if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)

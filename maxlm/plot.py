@@ -1,8 +1,10 @@
 """Training curves of one or more runs: `python -m maxlm.plot DIR [DIR ...] --out=curves.png`.
 
-Reads each `DIR/metrics.jsonl` (local or `gs://`, through maxlm/paths.py) and draws a 2 x 2 grid:
+Reads each `DIR/metrics.jsonl` (local or `gs://`, through maxlm/paths.py) and draws a 2 x 3 grid:
 train loss, eval loss, learning rate and tokens/s against the step, one line per run (the legend
-is the run directory's name). A resumed run repeats some steps in its file; the last row written
+is the run directory's name), and the last eval's loss by position in the document
+(`eval/loss_by_position/START`: `eval.position_buckets`), which falls with the position while the
+model uses its context. A resumed run repeats some steps in its file; the last row written
 for a step is the one drawn, as for every reader of metrics.jsonl. Rendering uses matplotlib's
 Agg backend, so no display is needed. A DIR without `metrics.jsonl` ends with one line on stderr
 and exit status 2.
@@ -35,6 +37,34 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, [by_step[s] for s in steps]
 
 
+def loss_by_position(rows: list[dict]) -> tuple[int | None, list[int], list[float]]:
+    """(step, buckets' first positions, their losses) of the last row with the loss by position
+    (None, [], [] if none has it)."""
+    prefix = metrics.LOSS_BY_POSITION + "/"
+    for row in reversed(rows):
+        buckets = sorted((int(k[len(prefix):]), float(v)) for k, v in row.items() if k.startswith(prefix))
+        if buckets:
+            return int(row["step"]), [b for b, _ in buckets], [v for _, v in buckets]
+    return None, [], []
+
+
+def _draw_loss_by_position(ax, runs) -> None:
+    drawn = False
+    for i, (label, rows) in enumerate(runs):
+        step, starts, values = loss_by_position(rows)
+        if starts:
+            ax.plot(starts, values, label=f"{label} (step {step})", color=f"C{i}", marker="o", markersize=3)
+            drawn = True
+    ax.set_title("eval loss by position (last eval)")
+    ax.set_xlabel("position in the document (bucket start)")
+    ax.grid(True, alpha=0.3)
+    if drawn:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, f"no {metrics.LOSS_BY_POSITION} in metrics.jsonl", ha="center", va="center",
+                transform=ax.transAxes, color="gray")
+
+
 def run_labels(workdirs: list[str]) -> list[str]:
     """Each run's directory name, or the path as given where two names are the same."""
     names = [paths.workdir_path(d).name for d in workdirs]
@@ -52,8 +82,10 @@ def plot_runs(workdirs: list[str], out: str) -> None:
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), layout="constrained")
-    for ax, (title, key) in zip(axes.flat, PANELS):
+    fig, axes = plt.subplots(2, 3, figsize=(16, 7.5), layout="constrained")
+    _draw_loss_by_position(axes[0, 2], runs)
+    axes[1, 2].axis("off")
+    for ax, (title, key) in zip(axes[:, :2].flat, PANELS):
         drawn = False
         for i, (label, rows) in enumerate(runs):
             steps, values = series(rows, key)

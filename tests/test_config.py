@@ -52,6 +52,7 @@ def test_mesh_fill():
         ({"eval.sets": (("hs", "/x"),), "eval.tasks": ("t/hs.jsonl",)}, "must all differ, got ['hs', 'hs']"),
         ({"eval.tasks": ("t/hs.json",)}, "eval.tasks entries are paths of .jsonl task files, got 't/hs.json'"),
         ({"eval.task_shots": -1}, "eval.task_shots must be an int >= 0, got -1"),
+        ({"eval.position_buckets": 65}, "eval.position_buckets=65 is more than seq_len=64"),
         ({"model.positions": "alibi"}, "model.positions must be one of ('rope', 'sinusoidal', 'learned'), got 'alibi'"),
         ({"model.max_positions": -1}, "model.max_positions must be an int >= 0, got -1"),
         ({"model.head_dim": 15}, "model.head_dim=15 must be even for RoPE (model.positions='rope')"),
@@ -59,6 +60,20 @@ def test_mesh_fill():
          "model.d_model=63 must be even for model.positions='sinusoidal'"),
         ({"model.positions": "learned", "model.max_positions": 32},
          "seq_len=64 is longer than model.max_positions=32, the learned position table's length"),
+        ({"model.rope_scaling": "yarn", "model.rope_scaling_factor": 1.0, "model.rope_original_max_len": 64},
+         "model.rope_scaling_factor=1.0 must be > 1 with model.rope_scaling='yarn'"),
+        ({"model.rope_scaling": "llama3", "model.rope_scaling_factor": 4.0},
+         "model.rope_original_max_len must be set with model.rope_scaling='llama3'"),
+        ({"model.rope_scaling_factor": 4.0}, "model.rope_scaling_factor=4.0 is read by model.rope_scaling='llama3' or "
+                                             "'yarn' only, got model.rope_scaling='none'"),
+        ({"model.rope_original_max_len": 64}, "model.rope_original_max_len=64 is read by model.rope_scaling="),
+        ({"model.rope_scaling": "llama3", "model.rope_scaling_factor": 4.0, "model.rope_original_max_len": 64,
+          "model.rope_low_freq_factor": 4.0}, "model.rope_high_freq_factor=4.0 must be more than model.rope_low_freq_factor=4.0"),
+        ({"model.rope_scaling": "yarn", "model.rope_scaling_factor": 4.0, "model.rope_original_max_len": 64,
+          "model.rope_beta_slow": 40.0}, "model.rope_beta_fast=32.0 must be more than model.rope_beta_slow=40.0"),
+        ({"model.rope_scaling": "yarn", "model.rope_scaling_factor": 4.0, "model.rope_original_max_len": 64,
+          "model.positions": "sinusoidal"}, "model.rope_scaling='yarn' scales RoPE's frequencies, and model.positions='sinusoidal'"),
+        ({"model.rope_scaling": "ntk"}, "model.rope_scaling must be one of ('none', 'llama3', 'yarn'), got 'ntk'"),
     ],
 )
 def test_config_errors(overrides, expected):
@@ -114,6 +129,8 @@ def test_to_json_round_trips():
         ("--config.model.num_kv_heads=3", "model.num_heads=4 must be divisible by model.num_kv_heads=3"),
         ("--config.model.nope=3", "unknown config key 'nope'"),
         ("--config.mesh.dcn_fsdp=2", "mesh.dcn_fsdp=2 must divide mesh.fsdp=1"),
+        ("--config.model.rope_scaling=yarn --config.model.rope_scaling_factor=0.5 --config.model.rope_original_max_len=64",
+         "model.rope_scaling_factor=0.5 must be > 1"),
         ("--config.steps=abc", "flag --config.steps=abc: invalid literal for int()"),
         ("--config=configs/missing.py", "No such file or directory: 'configs/missing.py'"),
     ],
@@ -121,7 +138,7 @@ def test_to_json_round_trips():
 def test_cli_config_error_exits_2_without_traceback(tmp_path, flag, expected):
     config = [] if flag.startswith("--config=") else ["--config=configs/tiny.py", "--config.mesh.fsdp=1"]
     result = subprocess.run(
-        [sys.executable, "-m", "maxlm.train", f"--workdir={tmp_path / 'run'}", *config, flag],
+        [sys.executable, "-m", "maxlm.train", f"--workdir={tmp_path / 'run'}", *config, *flag.split()],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env=command_env(tmp_path, devices=None),
     )

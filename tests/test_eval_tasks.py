@@ -69,7 +69,8 @@ def test_sets_and_tasks_are_logged_at_each_eval(trained):
     assert sorted(evals) == [50, 100]
     for row in evals.values():
         assert set(row) == {"step", "eval_loss", "eval_perplexity", "eval/stdlib/loss", "eval/stdlib/perplexity",
-                            "eval/held/loss", "eval/held/perplexity", "eval/cont/acc", "eval/cont/acc_norm"}
+                            "eval/held/loss", "eval/held/perplexity", "eval/cont/acc", "eval/cont/acc_norm",
+                            *(f"eval/loss_by_position/{start}" for start in range(0, cfg.seq_len, cfg.seq_len // 8))}
         assert row["eval/stdlib/loss"] == row["eval_loss"]  # the same batches through the same step
         assert row["eval/held/perplexity"] == pytest.approx(math.exp(row["eval/held/loss"]))
         assert row["eval/cont/acc"] == row["eval/cont/acc_norm"]  # equal lengths: nothing to normalize

@@ -174,9 +174,9 @@ def test_mismatches_are_one_clear_error(tmp_path):
         assert part in message
     # features maxlm's model has no counterpart for
     hf_cfg = json.loads((tmp_path / "config.json").read_text())
-    scaled = dict(hf_cfg, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0},
+    scaled = dict(hf_cfg, rope_parameters={"rope_type": "dynamic", "rope_theta": 5e5, "factor": 32.0},
                   attention_bias=True, model_type="mistral")
-    with pytest.raises(config_lib.ConfigError, match="rope type 'llama3'.*attention_bias=true") as e:
+    with pytest.raises(config_lib.ConfigError, match="rope type 'dynamic'.*attention_bias=true") as e:
         hf_architectures.check_config(scaled, cfg.model, "X")
     assert "mistral" in str(e.value)
     with pytest.raises(config_lib.ConfigError, match="config.json lacks num_hidden_layers"):

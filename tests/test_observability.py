@@ -153,10 +153,11 @@ def test_eta_format():
     line = step_logger.format_line(100, {"loss": 2.34567, "tokens_per_sec": 41000.0, "mfu": 0.165},
                          eta_sec=3725)
     assert line == "step    100 | loss 2.3457 | tokens/s 41,000 | mfu 16.5% | eta 1h02m"
-    eval_line = step_logger.format_line(100, {"eval_loss": 2.5, "eval_perplexity": 12.18, "eval/web/loss": 2.71828,
+    eval_line = step_logger.format_line(100, {"eval_loss": 2.5, "eval_perplexity": 12.18, "eval/loss_by_position/0": 2.6,
+                                              "eval/loss_by_position/32": 2.41234, "eval/web/loss": 2.71828,
                                               "eval/hellaswag/acc": 0.3125})
     assert eval_line == ("step    100 | eval_loss 2.5000 | eval_ppl 12.18 | eval/web/loss 2.718 | "
-                         "eval/hellaswag/acc 0.3125")  # named sets and tasks after the rest
+                         "eval/hellaswag/acc 0.3125 | loss_by_position 2.600 2.412")  # sets, tasks, buckets after the rest
 
 
 def test_device_memory_only_where_reported():
@@ -272,6 +273,43 @@ def test_plot_of_two_runs_is_a_png(run, tmp_path):
     assert missing.stderr.strip().splitlines() == [
         f"maxlm: plot: no metrics.jsonl in {tmp_path / 'nowhere'} (is it a training run's workdir?)"]
     assert not (tmp_path / "x.png").exists()
+
+
+# --- loss by position ---------------------------------------------------------
+
+
+def test_eval_loss_by_position_is_each_spans_loss_in_jsonl_tensorboard_and_the_plot(run):
+    """eval.position_buckets=8 (the default) at seq_len 64: eval/loss_by_position/0, /8, ..., /56,
+    each the mean loss of the validation tokens at those positions in their document, recomputed
+    here from the step-8 checkpoint token by token; the same scalars in TensorBoard; the plot's."""
+    from maxlm import model
+    from maxlm.data import make_dataset
+    from maxlm.train import runs
+
+    last = [r for r in run.rows if "eval_loss" in r][-1]
+    assert last["step"] == STEPS and run.cfg.eval.position_buckets == 8
+    starts = list(range(0, 64, 8))
+    got = {int(k.rsplit("/", 1)[1]): v for k, v in last.items() if k.startswith("eval/loss_by_position/")}
+    assert sorted(got) == starts
+    loaded = runs.load_run(str(run.workdir))
+    cfg, mesh, rules = loaded["config"], loaded["mesh"], loaded["rules"]
+    dataset = make_dataset(cfg, "validation")
+    token_losses = jax.jit(lambda p, b: model.token_losses(cfg.model, p, b))
+    loss_sums, counts = np.zeros(8), np.zeros(8)
+    with mesh_lib.activate(mesh, rules):
+        for i in range(cfg.eval.steps):
+            batch = mesh_lib.read_batch(dataset, i, mesh, rules)
+            per_token = jax.device_get(token_losses(loaded["params"], batch))
+            bucket = np.asarray(batch["positions"]) // 8
+            np.add.at(loss_sums, bucket, per_token["cross_entropy"] * per_token["weights"])
+            np.add.at(counts, bucket, per_token["weights"])
+    assert counts.min() > 0
+    np.testing.assert_allclose([got[s] for s in starts], loss_sums / counts, rtol=1e-5)
+    assert np.isclose(np.dot(loss_sums / counts, counts) / counts.sum(), last["eval_loss"], rtol=1e-5)
+    acc = event_accumulator(run.workdir)
+    for start in starts:
+        assert acc.Scalars(f"eval/loss_by_position/{start}")[-1].value == pytest.approx(got[start], rel=1e-6)
+    assert plot.loss_by_position(run.rows) == (STEPS, starts, [got[s] for s in starts])
 
 
 def test_plot_series_keeps_the_last_row_of_a_step():

@@ -346,3 +346,52 @@ def test_a_resume_with_another_batch_size_is_refused_naming_it_or_continues_afte
         assert meta["anomaly"]["skips"] == [[4, position - 4]]  # the jump, so later resumes read the same
     assert np.array_equal(after.row_ids(2), next_rows)  # tokens: exactly the rows after those read
     assert not set(np.concatenate(read)) & set(after.row_ids(2))
+
+
+EXTENDED = {"seq_len": 128, "model.rope_scaling": "llama3", "model.rope_scaling_factor": 2.0,
+            "model.rope_original_max_len": 64}  # two_layer_run's 64 tokens, twice as long
+
+
+def test_seq_len_changes_on_resume_only_with_a_new_rope_and_rope_theta_may_change(two_layer_run, data_dirs):
+    """A seq_len change with the checkpoint's position encoding is an accident: exit 2 naming
+    seq_len whatever data.resume_position says. With a new rope scaling or theta it is a context
+    extension, and data.resume_position decides where the data goes on (same: refused, naming
+    seq_len). rope_theta alone may change between phases."""
+    for mode in ("same", "tokens", "start"):
+        with pytest.raises(ConfigError, match=r"seq_len=128 but the checkpoint .* was trained at seq_len=64, with the "
+                                              r"same position encoding .*model.rope_scaling='none'"):
+            loop.check_start(tiny(data_dirs, seq_len=128, **{"data.resume_position": mode}), str(two_layer_run))
+    with pytest.raises(ConfigError, match=r"seq_len=128 \(checkpoint: 64\).*data.resume_position=tokens"):
+        loop.check_start(tiny(data_dirs, **EXTENDED), str(two_layer_run))
+    for extension in (EXTENDED, {"seq_len": 128, "model.rope_theta": 5e5}):
+        loop.check_start(tiny(data_dirs, **extension, **{"data.resume_position": "tokens"}), str(two_layer_run))
+    loop.check_start(tiny(data_dirs, steps=8, **{"model.rope_theta": 5e5}), str(two_layer_run))
+
+
+def test_a_context_extension_resumes_as_a_fresh_run_from_the_checkpoint_would_start(two_layer_run, data_dirs, tmp_path):
+    """Resuming two_layer_run (step 4, 32 rows of 64 tokens read) at seq_len 128 with llama3
+    scaling: the step and optimizer state go on, the data after the 2048 tokens read (16 rows of
+    128: data position 2), and the losses are bit for bit those of a fresh workdir started from the
+    same checkpoint with the new config (checkpoint.restore_from, full state)."""
+    extended = {**EXTENDED, "steps": 6, "data.resume_position": "tokens"}
+    resumed = tmp_path / "resumed"
+    shutil.copytree(two_layer_run, resumed)
+    loop.train_and_evaluate(tiny(data_dirs, **extended), str(resumed))
+    fresh = tmp_path / "fresh"
+    loop.train_and_evaluate(tiny(data_dirs, **extended, **{"checkpoint.restore_from": str(two_layer_run / "checkpoints" / "4")}),
+                            str(fresh))
+
+    def losses(workdir):
+        return {r["step"]: r["loss"] for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+                if "loss" in r and r["step"] > 4}
+
+    assert losses(resumed) == losses(fresh) and sorted(losses(resumed)) == [5, 6]
+    assert all(np.isfinite(list(losses(resumed).values())))
+    meta = checkpoint.read_json(str(resumed / "checkpoints" / "6"), "meta")
+    assert meta["data_position"] == 2 + 2 and meta["data"]["keys"]["seq_len"] == 128
+    assert meta["data"]["encoding"]["model.rope_scaling"] == "llama3"
+    cfg = tiny(data_dirs, **extended)
+    tx = optim.make_optimizer(cfg)
+    abstract = state_lib.abstract_state(cfg, tx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    state, _ = checkpoint.restore_state(str(resumed / "checkpoints" / "6"), abstract)
+    assert int(state["step"]) == 6 and schedule_counts(state["opt_state"]) == [6]

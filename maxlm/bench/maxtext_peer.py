@@ -57,6 +57,7 @@ def check_expressible(cfg, target: str = "") -> None:
         "mesh.stage or mesh.sequence > 1 (MaxText's pipeline and context parallelism are other schemes)":
             cfg.mesh.stage != 1 or cfg.mesh.sequence != 1,
         f"model.positions={m.positions!r} (MaxText's llama2 block has RoPE only)": m.positions != "rope",
+        f"model.rope_scaling={m.rope_scaling!r} (not mapped to MaxText's rope settings)": m.rope_scaling != "none",
         "model.label_smoothing (MaxText's pre-training loss has none)": m.label_smoothing,
         "model.fp8": m.fp8,
         f"model.qk_norm={m.qk_norm!r} (MaxText's llama2 and mixtral blocks have no qk-norm)": m.qk_norm != "none",

@@ -89,12 +89,29 @@ def architecture(m, what: str) -> Arch:
 
 # ----------------------------------------------------------------------------- export
 
+# model.rope_scaling's parameters: {rope type: {transformers' rope_parameters name: maxlm model key}}
+ROPE_PARAMETERS = {
+    "llama3": {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max_len"},
+    "yarn": {"factor": "rope_scaling_factor", "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
+             "original_max_position_embeddings": "rope_original_max_len"},
+}
+
+
+def rope_scaling(m) -> dict:
+    """transformers' `rope_type` and scaling parameters of `model.rope_scaling`."""
+    if m.rope_scaling == "none":
+        return {"rope_type": "default"}
+    return {"rope_type": m.rope_scaling, **{name: m[key] for name, key in ROPE_PARAMETERS[m.rope_scaling].items()}}
+
+
 
 def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
     """The `config.json` of the class `architecture` picks, equal to the run's model.
 
     RoPE's base is written both as `rope_theta` (transformers 4.x) and in `rope_parameters`
-    (5.x); the dtype as `torch_dtype` (4.x) and `dtype` (5.x).
+    (5.x), its scaling both as `rope_scaling` (4.x) and in `rope_parameters`; the dtype as
+    `torch_dtype` (4.x) and `dtype` (5.x).
     """
     m = cfg.model
     arch = architecture(m, "the Hugging Face export")
@@ -110,7 +127,7 @@ def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
         "vocab_size": m.vocab_size,
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "rope_parameters": {"rope_theta": m.rope_theta, **rope_scaling(m)},
         "tie_word_embeddings": bool(m.tie_embeddings),
         "max_position_embeddings": cfg.seq_len,
         "torch_dtype": dtype,
@@ -123,6 +140,8 @@ def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
         "initializer_range": m.init_std,
         "use_cache": True,
     }
+    if m.rope_scaling != "none":  # transformers 4.x's place for it
+        config["rope_scaling"] = rope_scaling(m)
     # read by transformers' training only, with output_router_logits=True
     aux_loss = m.load_balance_weight if m.load_balance == "aux_loss" else 0.0
     if arch is LLAMA:
@@ -146,14 +165,28 @@ def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
 # ----------------------------------------------------------------------------- import
 
 
-def _rope(hf: dict) -> tuple[float, str]:
-    """(theta, rope type) of an HF config, either layout (`rope_parameters` or `rope_theta` +
-    `rope_scaling`)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
+def _rope(hf: dict) -> tuple[dict, list[str]]:
+    """({maxlm model key: value} of RoPE's base and scaling, [what maxlm cannot represent]) of an
+    HF config, either layout (`rope_parameters`, or `rope_theta` + `rope_scaling`)."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kinds = [params.get("rope_type"), scaling.get("rope_type"), scaling.get("type")]
-    return float(theta), next((k for k in kinds if k and k != "default"), "default")
+    kind = params.get("rope_type") or params.get("type") or "default"
+    mapped = {"rope_theta": float(theta), "rope_scaling": "none", "rope_scaling_factor": 0.0, "rope_original_max_len": 0}
+    if kind == "default":
+        return mapped, []
+    if kind not in ROPE_PARAMETERS:
+        return mapped, [f"rope type {kind!r} (maxlm scales RoPE by {' or '.join(ROPE_PARAMETERS)} only)"]
+    defaults = {"beta_fast": 32.0, "beta_slow": 1.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": hf.get("max_position_embeddings")}
+    mapped["rope_scaling"] = kind
+    for name, key in ROPE_PARAMETERS[kind].items():
+        value = params.get(name) or defaults.get(name)
+        mapped[key] = int(value) if key == "rope_original_max_len" else float(value)
+    # YaRN's variants that maxlm's (transformers' defaults) does not have
+    unsupported = [f"{kind} {name}={params[name]!r} (maxlm's attention factor is 0.1·ln(factor) + 1, its "
+                   "correction range truncated)" for name in ("attention_factor", "mscale", "mscale_all_dim", "truncate")
+                   if params.get(name) is not None and not (name == "truncate" and params[name])]
+    return mapped, unsupported
 
 
 def _moe_keys(arch: Arch, hf: dict) -> tuple[dict, list[str]]:
@@ -187,7 +220,7 @@ def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
         raise config_lib.ConfigError(f"config.json lacks {', '.join(missing)} "
                                      f"(is it a {' or '.join(a.hf_class for a in ARCHITECTURES.values())} config?)")
     heads = hf["num_attention_heads"]
-    theta, rope_type = _rope(hf)
+    rope, unsupported = _rope(hf)
     mapped = {
         "num_layers": hf["num_hidden_layers"],
         "d_model": hf["hidden_size"],
@@ -197,10 +230,9 @@ def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
         "mlp_dim": hf["intermediate_size"],
         "vocab_size": hf["vocab_size"],
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "rope_theta": theta,
+        **rope,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
     }
-    unsupported = []
     model_type = hf.get("model_type", "llama")
     arch = ARCHITECTURES.get(model_type)
     archs = hf.get("architectures") or [arch.hf_class if arch else "?"]
@@ -218,8 +250,6 @@ def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
             mapped["num_experts"] = 0
     if hf.get("sliding_window") is not None and hf.get("use_sliding_window", arch is MIXTRAL):
         unsupported.append(f"sliding_window={hf['sliding_window']} (maxlm's attention is full causal)")
-    if rope_type != "default":
-        unsupported.append(f"rope type {rope_type!r} (maxlm has plain RoPE only, no rope scaling)")
     if hf.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={hf['hidden_act']!r} (maxlm's MLP is SwiGLU: silu)")
     for key in ("attention_bias", "mlp_bias"):

@@ -9,6 +9,7 @@ and prints one JSON object:
 
     {"step", "split", "loss", "perplexity", "accuracy", "tokens", "batches", "checkpoint"}
 
+(and "loss_by_position" with `eval.position_buckets`: `evaluate`).
 `loss` is the mean next-token cross-entropy (nats/token) over the non-padding tokens of the first
 `eval_steps` batches of the split (default `eval.steps`): the validation batches the training
 loop's own eval reads, with the same jitted step, so at a step where the run evaluated, `loss`
@@ -28,32 +29,53 @@ import json
 import math
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from maxlm import model
 from maxlm.data.errors import DataError
-from maxlm.train import mesh as mesh_lib, runs, state as state_lib, tasks as tasks_lib
+from maxlm.train import mesh as mesh_lib, metrics, runs, state as state_lib, tasks as tasks_lib
 
 
-def eval_step(model_cfg, params, batch) -> dict:
-    """Sums over one batch's non-padding tokens: cross-entropy, correct argmax predictions, tokens."""
+def eval_step(model_cfg, params, batch, position_buckets: int = 0) -> dict:
+    """Sums over one batch's non-padding tokens: cross-entropy, correct argmax predictions, tokens;
+    with `position_buckets` K, also the cross-entropy and tokens [K] of each bucket of positions
+    in the document (`bucket_of`)."""
     per_token = model.token_losses(model_cfg, params, batch)
     weights_BL = per_token["weights"]
-    return {"loss_sum": (per_token["cross_entropy"] * weights_BL).sum(),
-            "correct": (per_token["correct"] * weights_BL).sum(), "num_tokens": weights_BL.sum()}
+    loss_BL = per_token["cross_entropy"] * weights_BL
+    out = {"loss_sum": loss_BL.sum(), "correct": (per_token["correct"] * weights_BL).sum(),
+           "num_tokens": weights_BL.sum()}
+    if position_buckets:
+        bucket_BL = bucket_of(batch["positions"], batch["positions"].shape[1], position_buckets)
+        # a masked sum per bucket: no [B, L, K] array, and the plain loss's sum stays as it was
+        out["bucket_loss_sum"] = jnp.stack([jnp.where(bucket_BL == k, loss_BL, 0).sum() for k in range(position_buckets)])
+        out["bucket_tokens"] = jnp.stack([jnp.where(bucket_BL == k, weights_BL, 0).sum() for k in range(position_buckets)])
+    return out
 
 
-def make_eval_step(model_cfg, mesh, rules):
+def bucket_of(positions, seq_len: int, buckets: int):
+    """The bucket of each position in its document: `buckets` equal spans of [0, seq_len), bucket k
+    holding positions [ceil(k·L/K), ceil((k+1)·L/K))."""
+    return positions * buckets // seq_len
+
+
+def bucket_starts(seq_len: int, buckets: int) -> list[int]:
+    """Each bucket's first position: what names it in the metrics (`eval/loss_by_position/START`)."""
+    return [-(-k * seq_len // buckets) for k in range(buckets)]
+
+
+def make_eval_step(model_cfg, mesh, rules, position_buckets: int = 0):
     """`eval_step` jitted with the parameters' and batch's shardings; the same function for the same
-    model and mesh, so evaluating again (or several checkpoints) compiles once."""
-    return _eval_step(json.dumps(model_cfg.to_dict(), sort_keys=True), mesh, rules)
+    model, mesh and buckets, so evaluating again (or several checkpoints) compiles once."""
+    return _eval_step(json.dumps(model_cfg.to_dict(), sort_keys=True), mesh, rules, position_buckets)
 
 
 @functools.lru_cache(maxsize=8)
-def _eval_step(model_json: str, mesh, rules):
+def _eval_step(model_json: str, mesh, rules, position_buckets: int):
     model_cfg = ml_collections.ConfigDict(json.loads(model_json))
     return jax.jit(
-        functools.partial(eval_step, model_cfg),
+        functools.partial(eval_step, model_cfg, position_buckets=position_buckets),
         in_shardings=(state_lib.param_shardings(model_cfg, mesh, rules),
                       mesh_lib.batch_sharding(mesh, rules)),
         out_shardings=mesh_lib.replicated(mesh),
@@ -69,17 +91,25 @@ def perplexity(loss: float) -> float:
 
 def evaluate(cfg, params, dataset, mesh, rules, num_batches: int) -> dict:
     """Loss, perplexity and next-token accuracy over batches 0..num_batches-1 of `dataset`, at most
-    one pass over it: past its last batch the split would start again and count rows twice."""
+    one pass over it: past its last batch the split would start again and count rows twice. With
+    `eval.position_buckets`, `loss_by_position` too: {bucket's first position: its mean loss}
+    (NaN for a bucket without tokens)."""
     num_batches = min(num_batches, dataset.steps_per_epoch)
-    step_fn = make_eval_step(cfg.model, mesh, rules)
+    buckets = cfg.eval.position_buckets
+    step_fn = make_eval_step(cfg.model, mesh, rules, buckets)
     with mesh_lib.activate(mesh, rules):
         sums = jax.device_get([step_fn(params, mesh_lib.read_batch(dataset, i, mesh, rules))
                                for i in range(num_batches)])
     totals = {key: sum(float(s[key]) for s in sums) for key in ("loss_sum", "correct", "num_tokens")}
     tokens = max(totals["num_tokens"], 1.0)
     loss = totals["loss_sum"] / tokens
-    return {"loss": loss, "perplexity": perplexity(loss), "accuracy": totals["correct"] / tokens,
-            "tokens": int(totals["num_tokens"]), "batches": num_batches}
+    out = {"loss": loss, "perplexity": perplexity(loss), "accuracy": totals["correct"] / tokens,
+           "tokens": int(totals["num_tokens"]), "batches": num_batches}
+    if buckets:
+        loss_K, tokens_K = (sum(s[key].astype("float64") for s in sums) for key in ("bucket_loss_sum", "bucket_tokens"))
+        out["loss_by_position"] = {start: float(lk / tk) if tk else math.nan
+                                   for start, lk, tk in zip(bucket_starts(cfg.seq_len, buckets), loss_K, tokens_K)}
+    return out
 
 
 # ----------------------------------------------------------------------------- eval.sets
@@ -174,10 +204,12 @@ def load_tasks(cfg, paths, shots: int, seed: int) -> list:
 
 
 def eval_row(cfg, params, data: EvalData, mesh, rules) -> dict:
-    """One eval's metrics row: `eval_loss`, `eval_perplexity`; `eval/<set>/loss`,
+    """One eval's metrics row: `eval_loss`, `eval_perplexity`; the validation loss by position
+    bucket (`eval/loss_by_position/START` each, with `eval.position_buckets`); `eval/<set>/loss`,
     `eval/<set>/perplexity` per set; `eval/<task>/<metric>` per task (`tasks.METRICS`)."""
     result = evaluate(cfg, params, data.validation, mesh, rules, cfg.eval.steps)
     row = {"eval_loss": result["loss"], "eval_perplexity": result["perplexity"]}
+    row.update({f"{metrics.LOSS_BY_POSITION}/{start}": value for start, value in result.get("loss_by_position", {}).items()})
     for name, on_set in evaluate_sets(cfg, params, data.sets, mesh, rules).items():
         row.update({f"eval/{name}/loss": on_set["loss"], f"eval/{name}/perplexity": on_set["perplexity"]})
     for prepared in data.tasks:

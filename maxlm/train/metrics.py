@@ -73,6 +73,11 @@ TENSORBOARD_TAGS = {
 }
 
 
+# the eval's loss by position bucket (maxlm/train/evaluate.py): one scalar per bucket, named
+# LOSS_BY_POSITION/START by its first position in the document
+LOSS_BY_POSITION = "eval/loss_by_position"
+
+
 def tensorboard_tag(name: str) -> str:
     return TENSORBOARD_TAGS.get(name, name)
 

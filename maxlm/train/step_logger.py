@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from maxlm.train import flops, router_metrics
+from maxlm.train import flops, metrics, router_metrics
 
 log = logging.getLogger("maxlm")
 
@@ -30,7 +30,11 @@ def format_line(step: int, row: dict, eta_sec: float | None = None) -> str:
     """One console line: `step 100 | loss 2.3456 | ... | tokens/s 41,000 | mfu 16.5% | eta 1h02m`."""
     parts = [f"step {step:>6}"]
     parts += [f"{label} " + fmt.format(row[key]) for key, label, fmt in CONSOLE if key in row]
-    parts += [f"{key} {value:.4g}" for key, value in row.items() if key.startswith("eval/")]  # sets, tasks
+    by_position = [f"{value:.3f}" for key, value in row.items() if key.startswith(metrics.LOSS_BY_POSITION + "/")]
+    parts += [f"{key} {value:.4g}" for key, value in row.items()  # sets, tasks
+              if key.startswith("eval/") and not key.startswith(metrics.LOSS_BY_POSITION + "/")]
+    if by_position:  # one field: the buckets' losses in position order
+        parts.append("loss_by_position " + " ".join(by_position))
     if eta_sec is not None:
         parts.append(f"eta {format_eta(eta_sec)}")
     return " | ".join(parts)
