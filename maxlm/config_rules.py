@@ -313,7 +313,8 @@ def check_context_parallel(c) -> None:
     after `axes.check_mesh`). With mesh.sequence=1 both are no-ops: there is nothing to split."""
     m, sequence = c.model, c.mesh.sequence
     if m.context_parallel == "ulysses":
-        raise ConfigError("model.context_parallel='ulysses' is not built on this branch")
+        raise ConfigError("model.context_parallel='ulysses' is not built yet (docs/long-context.md#ulysses); "
+                          "use 'ring' or 'all_gather'")
     if m.context_load_balance and m.context_parallel != "ring":
         raise ConfigError(f"model.context_load_balance=True needs model.context_parallel='ring', got "
                           f"{m.context_parallel!r} (the all-gather mask is causal by array index)")
