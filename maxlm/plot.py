@@ -55,13 +55,19 @@ def _draw_loss_by_position(ax, runs) -> None:
         if starts:
             ax.plot(starts, values, label=f"{label} (step {step})", color=f"C{i}", marker="o", markersize=3)
             drawn = True
-    ax.set_title("eval loss by position (last eval)")
-    ax.set_xlabel("position in the document (bucket start)")
+    _finish_panel(ax, "eval loss by position (last eval)", "position in the document (bucket start)", drawn,
+                  metrics.LOSS_BY_POSITION)
+
+
+def _finish_panel(ax, title: str, xlabel: str, drawn: bool, key: str) -> None:
+    """Title, axis label and grid; a legend, or a note that the runs hold no `key`."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
     ax.grid(True, alpha=0.3)
     if drawn:
         ax.legend(fontsize="small")
     else:
-        ax.text(0.5, 0.5, f"no {metrics.LOSS_BY_POSITION} in metrics.jsonl", ha="center", va="center",
+        ax.text(0.5, 0.5, f"no {key} in metrics.jsonl", ha="center", va="center",
                 transform=ax.transAxes, color="gray")
 
 
@@ -93,14 +99,7 @@ def plot_runs(workdirs: list[str], out: str) -> None:
                 ax.plot(steps, values, label=label, color=f"C{i}",
                         marker="o" if len(steps) < 30 else None, markersize=3)
                 drawn = drawn or any(math.isfinite(v) for v in values)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(True, alpha=0.3)
-        if drawn:
-            ax.legend(fontsize="small")
-        else:
-            ax.text(0.5, 0.5, f"no {key} in metrics.jsonl", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")
+        _finish_panel(ax, title, "step", drawn, key)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
