@@ -8,9 +8,11 @@ compiles its programs.
 
 import os
 
-os.environ["XLA_FLAGS"] = (
+from xla_flags import with_test_flags
+
+os.environ["XLA_FLAGS"] = with_test_flags(
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # whatever the caller's environment sets up
 

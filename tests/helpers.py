@@ -14,6 +14,7 @@ import numpy as np
 from etils import epath
 
 from maxlm import config as config_lib, model
+from xla_flags import with_test_flags
 from maxlm.train import checkpoint, checkpoint_fit, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -27,9 +28,11 @@ def command_env(home, devices: int | None = 8, **extra) -> dict:
     """The environment of a maxlm command a test starts: PATH, the CPU platform, `devices` fake CPU
     devices (None: one), `home` as HOME; no compilation cache (tests/conftest.py says why)."""
     env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(home)}
-    if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return {**env, **extra}
+    env["XLA_FLAGS"] = with_test_flags(f"--xla_force_host_platform_device_count={devices}" if devices else "")
+    env.update(extra)
+    if "XLA_FLAGS" in extra:
+        env["XLA_FLAGS"] = with_test_flags(extra["XLA_FLAGS"])
+    return env
 
 
 def free_port() -> int:

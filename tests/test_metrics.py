@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import os
+import subprocess
 import sys
 import types
 
@@ -246,6 +247,16 @@ def test_tensorboard_writer_creates_events_file(tmp_path):
     files = glob.glob(str(logdir / "events.out.tfevents*"))
     assert len(files) == 1 and os.path.getsize(files[0]) > 0
     assert "tensorflow" not in sys.modules  # tensorboardX must not pull TF in
+
+
+def test_tensorboard_writer_leaves_torch_unimported_and_importable(tmp_path):
+    """tensorboardX imports torch when installed (seconds of every run's start); the writer hides
+    it during that import, and a later `import torch` still works."""
+    pytest.importorskip("torch")
+    code = ("import sys; from maxlm.train import metrics; metrics.TensorBoardWriter(sys.argv[1]).close(); "
+            "print('torch' in sys.modules); import torch; print(torch.ones(1).item())")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "1.0"], out.stderr[-2000:]
 
 
 def test_tensorboard_writer_groups_names_and_records_hparams(tmp_path):
