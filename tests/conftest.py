@@ -53,3 +53,14 @@ def sp_model(tmp_path_factory):
         hard_vocab_limit=False, num_threads=1, minloglevel=2,
     )  # fmt: skip
     return d / "tok.model"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items):
+    """The tests of a module that share a module-scoped fixture (a trained run, reference losses)
+    run on one xdist worker (`--dist loadgroup`), so the fixture is built once, not once per worker:
+    each such fixture costs 10-40 s."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info and any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

@@ -14,7 +14,7 @@ import numpy as np
 from etils import epath
 
 from maxlm import config as config_lib, model
-from xla_flags import with_test_flags
+from xla_flags import with_test_flags, without_test_flags
 from maxlm.train import checkpoint, checkpoint_fit, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -24,14 +24,15 @@ def load_config(name: str):
     return config_lib.load_file(str(ROOT / "configs" / f"{name}.py"))
 
 
-def command_env(home, devices: int | None = 8, **extra) -> dict:
+def command_env(home, devices: int | None = 8, target_compile: bool = False, **extra) -> dict:
     """The environment of a maxlm command a test starts: PATH, the CPU platform, `devices` fake CPU
-    devices (None: one), `home` as HOME; no compilation cache (tests/conftest.py says why)."""
+    devices (None: one), `home` as HOME; no compilation cache (tests/conftest.py says why); the
+    tests' fast CPU compiles (tests/xla_flags.py), unless the command compiles for a GPU or TPU
+    `target_compile`."""
     env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(home)}
-    env["XLA_FLAGS"] = with_test_flags(f"--xla_force_host_platform_device_count={devices}" if devices else "")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}" if devices else ""
     env.update(extra)
-    if "XLA_FLAGS" in extra:
-        env["XLA_FLAGS"] = with_test_flags(extra["XLA_FLAGS"])
+    env["XLA_FLAGS"] = (without_test_flags if target_compile else with_test_flags)(env["XLA_FLAGS"])
     return env
 
 

@@ -24,7 +24,7 @@ H100_USABLE = 80e9  # the issue's bound: the planned peak stays under 80 GB
 
 def in_gpu_env(command: str, tmp_path, **extra) -> subprocess.CompletedProcess:
     """`command` in bash after `source launch/gpu_env.sh`, as the GPU launchers run maxlm."""
-    env = command_env(tmp_path, devices=None, **extra)
+    env = command_env(tmp_path, devices=None, target_compile=True, **extra)
     return subprocess.run(["bash", "-c", f"source launch/gpu_env.sh && {command}"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
 
@@ -103,6 +103,6 @@ def test_fp8_compiles_to_cublaslt_float8_gemms_on_an_h200(tmp_path):
 def test_a_target_that_cannot_be_compiled_for_is_one_line_exit_2(tmp_path, target, pythonpath, message):
     result = subprocess.run(
         [sys.executable, "-m", "maxlm.bench", "plan", "--config=configs/tiny.py", f"--target={target}"],
-        cwd=ROOT, env=command_env(tmp_path, devices=None, PYTHONPATH=pythonpath),
+        cwd=ROOT, env=command_env(tmp_path, devices=None, target_compile=True, PYTHONPATH=pythonpath),
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]

@@ -5,6 +5,7 @@ config.py, and importing maxlm changes nothing in the environment. Module and fu
 guides for reading (README.md), checked loosely: a concern is not split to fit a number."""
 
 import ast
+import functools
 import os
 import pathlib
 import subprocess
@@ -36,8 +37,9 @@ def group(module: str) -> str:
     return "config"  # maxlm, config, config_rules, axes, errors, console, paths, processes
 
 
+@functools.cache  # parsed once: the size check alone asks for them once per module
 def modules() -> dict[str, ast.Module]:
-    """{dotted name: parsed source} of every module in maxlm/."""
+    """{dotted name: parsed source} of every module in maxlm/ (read-only: the result is shared)."""
     out = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts

@@ -33,7 +33,8 @@ def run_plan(tmp_path, config: str, target: str, *flags: str, libtpu_args: str =
              if worker_flags else "")
     command = f"{setup}{sys.executable} -m maxlm.bench plan --config={config} --target={target} {' '.join(flags)}"
     return subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=command_env(tmp_path, devices=None, PYTHONPATH=TARGET_COMPILERS))
+                          env=command_env(tmp_path, devices=None, target_compile=True,
+                                                         PYTHONPATH=TARGET_COMPILERS))
 
 
 def plan(tmp_path, config: str, target: str, *flags: str, worker_flags: bool = True) -> dict:
