@@ -129,7 +129,8 @@ def _check_expert(c, expert: int):
 
 def _check_sequence(c, sequence: int):
     """Sequence parallelism (`mesh.sequence` > 1): each device holds seq_len / sequence positions of
-    every activation; attention all-gathers keys and values, which only the XLA backend does."""
+    every activation. Attention all-gathers keys and values or passes them around a ring, which only
+    the XLA backend does, or (Ulysses) trades the length split for a heads split."""
     if sequence == 1:
         return
     if c.seq_len % sequence:
@@ -137,10 +138,13 @@ def _check_sequence(c, sequence: int):
             f"seq_len={c.seq_len} must be divisible by mesh.sequence={sequence} (each device holds "
             f"seq_len / mesh.sequence positions)"
         )
+    if c.model.context_parallel == "ulysses":
+        return  # each device attends over whole rows: every backend applies (config_rules checks the heads)
     if c.model.attention in ("cudnn", "splash"):
         raise ConfigError(
             f"model.attention={c.model.attention!r} does not support mesh.sequence={sequence} > 1 "
-            "(its kernel needs the whole sequence on each device); use model.attention='xla' or 'auto'"
+            "with model.context_parallel=" f"{c.model.context_parallel!r} (its kernel needs the whole sequence "
+            "on each device); use model.attention='xla' or 'auto', or model.context_parallel='ulysses'"
         )
     c.model.attention = "xla"  # what "auto" means under sequence parallelism
 

@@ -211,8 +211,9 @@ def _model_defaults() -> _Section:
     s.pipeline_repeats = 1, POSITIVE_INT  # > 1: circular pipeline, each stage holding this many layer chunks
     s.remat = "none", one_of(REMAT)  # activation rematerialisation policy
     s.attention = "auto", one_of(ATTENTION)  # the log says which one ran
-    # how attention crosses mesh.sequence (docs/long-context.md): gather K/V whole, or pass K/V
-    # blocks around a ring (maxlm/model/ring_attention.py); load balancing: zig-zag token order
+    # how attention crosses mesh.sequence (docs/long-context.md): gather K/V whole, pass K/V blocks
+    # around a ring (maxlm/model/ring_attention.py), or trade the length split for a heads split
+    # (maxlm/model/ulysses.py); load balancing (ring): zig-zag token order
     s.context_parallel = "all_gather", one_of(CONTEXT_PARALLEL)
     s.context_load_balance = False, BOOL
     # splash attention's query and key/value tiles: multiples of 128 dividing seq_len (0: the

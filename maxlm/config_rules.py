@@ -312,9 +312,6 @@ def check_context_parallel(c) -> None:
     """`model.context_parallel` and `model.context_load_balance` against the resolved mesh (run
     after `axes.check_mesh`). With mesh.sequence=1 both are no-ops: there is nothing to split."""
     m, sequence = c.model, c.mesh.sequence
-    if m.context_parallel == "ulysses":
-        raise ConfigError("model.context_parallel='ulysses' is not built yet (docs/long-context.md#ulysses); "
-                          "use 'ring' or 'all_gather'")
     if m.context_load_balance and m.context_parallel != "ring":
         raise ConfigError(f"model.context_load_balance=True needs model.context_parallel='ring', got "
                           f"{m.context_parallel!r} (the all-gather mask is causal by array index)")
@@ -323,6 +320,12 @@ def check_context_parallel(c) -> None:
     if c.mesh.stage > 1:
         raise ConfigError(f"model.context_parallel={m.context_parallel!r} is not supported with mesh.stage="
                           f"{c.mesh.stage} > 1 (the pipeline runs its stages under vmap); use 'all_gather'")
+    if m.context_parallel == "ulysses" and m.num_heads % (sequence * c.mesh.tensor):
+        shards = sequence * c.mesh.tensor
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} must be divisible by mesh.sequence x mesh.tensor = {sequence} x "
+            f"{c.mesh.tensor} = {shards} with model.context_parallel='ulysses' (each device attends with "
+            f"num_heads / {shards} heads over the whole sequence)")
     if m.context_load_balance and c.seq_len % (2 * sequence):
         raise ConfigError(f"model.context_load_balance=True needs seq_len={c.seq_len} divisible by 2 x "
                           f"mesh.sequence = {2 * sequence} (each device holds an early and a late chunk)")

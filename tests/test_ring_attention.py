@@ -115,8 +115,6 @@ def test_ring_training_is_bitwise_deterministic():
 
 
 def test_context_parallel_config_errors():
-    with pytest.raises(config_lib.ConfigError, match="model.context_parallel='ulysses'"):
-        ring_config(**{"model.context_parallel": "ulysses"})
     with pytest.raises(config_lib.ConfigError, match="model.context_parallel"):
         ring_config(**{"model.context_parallel": "rings"})
     with pytest.raises(config_lib.ConfigError, match="model.context_load_balance=True needs model.context_parallel"):

@@ -61,12 +61,17 @@ def attention_mask(segment_ids_BL):
 
     Under sequence parallelism the rows (queries) are split like the tokens and the columns (keys)
     are whole: each device compares its own tokens' segment ids with all of the row's."""
+    segment_ids_BS = nn.with_logical_constraint(segment_ids_BL, ("batch", None))  # the keys' ids, gathered
+    return nn.with_logical_constraint(causal_mask(segment_ids_BL, segment_ids_BS), ("batch", None, "length", None))
+
+
+def causal_mask(segment_ids_BL, segment_ids_BS):
+    """`attention_mask`'s booleans [B, 1, L, S] from the segment ids of the same rows twice: as
+    the queries' [B, L] and as the keys' [B, S] (L = S), each with its own sharding."""
     length = segment_ids_BL.shape[1]
     causal_LS = jnp.tril(jnp.ones((length, length), dtype=bool))
-    segment_ids_BS = nn.with_logical_constraint(segment_ids_BL, ("batch", None))  # the keys' ids, gathered
     same_doc_BLS = segment_ids_BL[:, :, None] == segment_ids_BS[:, None, :]
-    return nn.with_logical_constraint((causal_LS[None] & same_doc_BLS)[:, None],
-                                      ("batch", None, "length", None))
+    return (causal_LS[None] & same_doc_BLS)[:, None]
 
 
 def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS):
@@ -200,7 +205,7 @@ def make_kernel(num_heads: int, seq_len: int, block_q: int, block_kv: int, inter
     )
 
 
-def _splash_local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q, block_kv, interpret):
+def splash_local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q, block_kv, interpret):
     """The kernel on one device's shard (or the whole arrays without a mesh)."""
     _, L, H, Dh = q_BLHDh.shape
     kernel = make_kernel(H, L, block_q, block_kv, interpret)
@@ -245,7 +250,7 @@ def splash_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q: int 
     `interpret=True` runs the kernel in the Pallas interpreter on any backend (slow; for tests).
     """
     block_q, block_kv = splash_tiles(q_BLHDh.shape[1], block_q, block_kv)
-    local = functools.partial(_splash_local, block_q=block_q, block_kv=block_kv, interpret=interpret)
+    local = functools.partial(splash_local, block_q=block_q, block_kv=block_kv, interpret=interpret)
     if jax.sharding.get_abstract_mesh().empty:
         return local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL)
     # The axes the active logical rules give batch and heads (none without rules: replicated).

@@ -30,7 +30,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm.model import attention, backward_order, fp8, head, moe, mtp, pipeline, positions, ring_attention, zigzag
+from maxlm.model import attention, backward_order, fp8, head, moe, mtp, pipeline, positions, ring_attention, ulysses, zigzag
 
 Batch = dict[str, jax.Array]
 
@@ -144,18 +144,24 @@ class Attention(nn.Module):
             token_index_L = jnp.asarray(zigzag.token_order(length, n) if n else np.arange(length), jnp.int32)
             out_BLHDh = ring_attention.ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L)
             return checkpoint_name(weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
+        # Init only needs the parameters' shapes, from a 1 x 8 dummy batch that a splash kernel
+        # could neither tile nor split over the mesh: the plain path traces the same parameters.
+        backend = "xla" if self.is_initializing() else cfg.attention
+        blocks = (cfg.splash_block_q, cfg.splash_block_kv)
+        if ulysses.applies(cfg, *x_BLD.shape[:2]) and not self.is_initializing():
+            # Ulysses: keys and values stay split like the queries; an all-to-all regroups all three
+            # by heads around attention (maxlm/model/ulysses.py).
+            k_BSKDh = _constrain(positions.rotary(cfg, k_BSKDh, positions_BL), ("batch", "length", "kv_heads", "head_dim"))
+            v_BSKDh = _constrain(v_BSKDh, ("batch", "length", "kv_heads", "head_dim"))
+            out_BLHDh = ulysses.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, blocks)
+            return checkpoint_name(weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
         # Sequence parallelism, the all-gather strategy: queries stay split along the length (mesh
         # axis `sequence`), keys and values are gathered whole (length None), so each device
         # attends its query rows to every key. RoPE ran before the gather, on each token's own
         # position. Without a sequence axis these constraints change nothing.
         k_BSKDh = _constrain(positions.rotary(cfg, k_BSKDh, positions_BL), ("batch", None, "kv_heads", "head_dim"))
         v_BSKDh = _constrain(v_BSKDh, ("batch", None, "kv_heads", "head_dim"))
-
-        # Init only needs the parameters' shapes, from a 1 x 8 dummy batch that a splash kernel
-        # could neither tile nor split over the mesh: the plain path traces the same parameters.
-        backend = "xla" if self.is_initializing() else cfg.attention
-        out_BLHDh = attention.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL,
-                                     (cfg.splash_block_q, cfg.splash_block_kv))
+        out_BLHDh = attention.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL, blocks)
         return checkpoint_name(weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
 
 
@@ -225,9 +231,10 @@ class Transformer(nn.Module):
         # Init only needs the parameters' shapes (see Attention): the plain path's mask then.
         backend = "xla" if self.is_initializing() else attention.attention_backend(
             cfg.attention, dtype, tokens_BL.shape[1])
-        # the ring masks each block itself: no [B, 1, L, S] mask
-        ring = ring_attention.active(cfg) and not self.is_initializing()
-        mask_B1LS = None if ring else attention.document_mask(backend, segment_ids_BL, dtype)
+        # the ring and Ulysses mask from the segment ids in each layer: no [B, 1, L, S] mask here
+        own_mask = not self.is_initializing() and (
+            ring_attention.active(cfg) or ulysses.applies(cfg, *tokens_BL.shape))
+        mask_B1LS = None if own_mask else attention.document_mask(backend, segment_ids_BL, dtype)
         block = _block_class(cfg)
         router_stats = []  # per MoE layer
         if cfg.scan_layers:  # one compiled layer body per group whatever the depth; params get a `layers` axis

@@ -1,0 +1,155 @@
+"""Ulysses context parallelism (`model.context_parallel="ulysses"`): the same numbers as plain
+attention, keys and values exchanged by all-to-all (never gathered whole), the config's rules."""
+
+import functools
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxlm import config as config_lib, model
+from maxlm.model import attention, ulysses
+from maxlm.train import mesh as mesh_lib
+from tests.helpers import ROOT, command_env, load_config, packed_batch, train_losses
+
+
+def ulysses_config(data=2, fsdp=1, sequence=4, tensor=1, heads=4, kv_heads=2, **overrides):
+    cfg = load_config("tiny")
+    cfg.mesh.update(data=data, fsdp=fsdp, sequence=sequence, tensor=tensor)
+    cfg.model.update(num_heads=heads, num_kv_heads=kv_heads)
+    config_lib.apply_overrides(cfg, {"model.context_parallel": "ulysses", **overrides})
+    return config_lib.resolve(cfg, data * fsdp * sequence * tensor)
+
+
+def padded_packed_batch(batch_size, seq_len, vocab_size, seed):
+    """`packed_batch` with several documents per row, and padding (segment 0) at some rows' ends."""
+    batch = packed_batch(batch_size, seq_len, vocab_size, seed=seed, docs_per_row=4)
+    batch["segment_ids"][::2, -seq_len // 5:] = 0
+    return batch
+
+
+def _qkv(B=2, L=32, H=4, K=2, Dh=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((B, L, H, Dh), (B, L, K, Dh), (B, L, K, Dh)))
+
+
+def _weighted_sum(fn):
+    """A scalar of the attention output that weights every output element differently."""
+    return lambda q, k, v: (fn(q, k, v) ** 2 * jnp.arange(1, q.shape[-1] + 1)).sum()
+
+
+@pytest.mark.parametrize("mesh, kv_heads", [
+    ({"data": 2, "sequence": 4}, 2),  # 2 kv heads over 4 devices: each repeated twice
+    ({"data": 2, "sequence": 2, "tensor": 2}, 4),  # heads over sequence x tensor, 1 kv head each: no repeats
+], ids=["kv_heads_repeated", "with_tensor"])
+def test_ulysses_output_and_gradients_equal_xla_attention(mesh, kv_heads):
+    """Several documents per row and padding: Ulysses' output and gradients are xla_attention's
+    with the full mask, whether kv heads are repeated to split or not, and with a tensor axis."""
+    cfg = ulysses_config(kv_heads=kv_heads, **{f"mesh.{k}": v for k, v in mesh.items()})
+    q, k, v = _qkv(K=kv_heads)
+    segment_ids = jnp.asarray(padded_packed_batch(2, q.shape[1], 10, seed=1)["segment_ids"])
+    expected = _weighted_sum(lambda q, k, v: attention.xla_attention(q, k, v, attention.attention_mask(segment_ids)))
+    split = _weighted_sum(lambda q, k, v: ulysses.attend("xla", q, k, v, segment_ids))
+    value, grads = jax.value_and_grad(expected, argnums=(0, 1, 2))(q, k, v)
+    with mesh_lib.activate(mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)):
+        assert ulysses.applies(cfg.model, *q.shape[:2])
+        split_value, split_grads = jax.jit(jax.value_and_grad(split, argnums=(0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(split_value, value, rtol=1e-5)
+    for name, a, b in zip("qkv", grads, split_grads):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
+
+
+def test_ulysses_with_the_splash_kernel_equals_xla_attention():
+    """Each device runs the configured kernel on whole rows: splash (the Pallas interpreter here)."""
+    cfg = ulysses_config()
+    q, k, v = _qkv(L=128, Dh=16)
+    segment_ids = jnp.asarray(padded_packed_batch(2, 128, 10, seed=2)["segment_ids"])
+    expected = attention.xla_attention(q, k, v, attention.attention_mask(segment_ids))
+    with mesh_lib.activate(mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)):
+        out = jax.jit(lambda q, k, v: ulysses.attend(attention.SPLASH_INTERPRET, q, k, v, segment_ids))(q, k, v)
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_ulysses_exchanges_by_all_to_all_and_never_gathers_keys():
+    """The compiled attention moves q, k, v and the output with all-to-alls; the only all-gather is
+    of the [B, L] segment ids (int32), never of a [B, L, K, Dh] array."""
+    cfg = ulysses_config()
+    q, k, v = _qkv(L=64)
+    segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+    with mesh_lib.activate(mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)):
+        hlo = jax.jit(functools.partial(ulysses.attend, "xla")).lower(q, k, v, segment_ids).compile().as_text()
+    assert hlo.count("all-to-all(") >= 4, hlo  # q, k, v there, the output back
+    gathers = [line for line in hlo.splitlines() if " all-gather(" in line or "all-gather-start(" in line]
+    assert gathers and all(line.split("=")[1].strip().startswith("s32[") for line in gathers), gathers
+
+
+def test_kv_repeats_make_the_kv_heads_split_evenly():
+    assert [ulysses.kv_repeats(k, 4) for k in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    assert ulysses.kv_repeats(2, 8) == 4 and ulysses.kv_repeats(6, 4) == 2
+
+
+def _losses(cfg, steps, devices=None):
+    batch_for_step = lambda step: padded_packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, step)
+    return train_losses(cfg, steps, batch_for_step, devices)[0]
+
+
+@functools.lru_cache(maxsize=2)
+def _one_device_losses(steps):
+    cfg = load_config("tiny")
+    cfg.mesh.update(data=1, fsdp=1)
+    return _losses(config_lib.resolve(cfg, 1), steps, jax.devices()[:1])
+
+
+def test_the_model_under_ulysses_gives_the_unsharded_logits():
+    """`apply` with sequence=4 x data=2 (grouped-query heads repeated) runs Ulysses in every layer
+    and gives the unsharded logits on packed rows with padding. Training: the ci test below."""
+    cfg = ulysses_config()
+    params = model.init_params(cfg.model, jax.random.key(0))
+    batch = {k: jnp.asarray(v) for k, v in padded_packed_batch(2, cfg.seq_len, cfg.model.vocab_size, 0).items()}
+    expected = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, batch)
+    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
+    with mesh_lib.activate(mesh, rules):
+        lowered = jax.jit(lambda p, b: model.apply(cfg.model, p, b)).lower(params, mesh_lib.global_batch(batch, mesh, rules))
+        assert "all_to_all" in lowered.as_text()
+        logits = lowered.compile()(params, mesh_lib.global_batch(batch, mesh, rules))
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
+
+
+@pytest.mark.ci
+def test_ulysses_training_equals_one_device_over_20_steps_and_is_bitwise_deterministic():
+    """20 train steps with sequence=4 x fsdp=2 equal the 1-device run (packed rows, padding), and a
+    rerun's first steps are bitwise the same."""
+    cfg = ulysses_config(data=1, fsdp=2)
+    losses = _losses(cfg, 20)
+    np.testing.assert_allclose(losses, _one_device_losses(20), rtol=1e-4)
+    np.testing.assert_array_equal(_losses(cfg, 2), losses[:2])
+
+
+def test_ulysses_config_rules():
+    with pytest.raises(config_lib.ConfigError, match=r"model.num_heads=4 must be divisible by mesh.sequence x "
+                                                     r"mesh.tensor = 4 x 2 = 8 with model.context_parallel='ulysses'"):
+        ulysses_config(data=1, sequence=4, tensor=2, heads=4, kv_heads=2)
+    with pytest.raises(config_lib.ConfigError, match="model.context_load_balance=True needs model.context_parallel='ring'"):
+        ulysses_config(**{"model.context_load_balance": True})
+    with pytest.raises(config_lib.ConfigError, match="not supported with mesh.stage=2"):
+        cfg = load_config("tiny")
+        cfg.mesh.update(stage=2, data=1, fsdp=1, sequence=4)
+        config_lib.resolve(config_lib.apply_overrides(cfg, {"model.context_parallel": "ulysses"}), 8)
+    assert ulysses_config(sequence=1, data=8).model.context_parallel == "ulysses"  # a no-op, allowed
+    # the kernels need whole rows, which Ulysses gives them: not refused under mesh.sequence
+    assert ulysses_config(**{"model.attention": "xla"}).model.attention == "xla"
+
+
+def test_the_cli_refuses_heads_that_do_not_split_before_compiling(tmp_path, data_dirs):
+    command = [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}",
+               *(f"--config.{k}={v}" for k, v in data_dirs.items()),
+               "--config.model.context_parallel=ulysses", "--config.mesh.sequence=8", "--config.mesh.fsdp=1"]
+    result = subprocess.run(command, cwd=ROOT, env=command_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "maxlm: config error: model.num_heads=4 must be divisible by mesh.sequence x mesh.tensor = 8 x 1 = 8 with "
+        "model.context_parallel='ulysses' (each device attends with num_heads / 8 heads over the whole sequence)")
+    assert not (tmp_path / "run" / "checkpoints").exists()
