@@ -55,12 +55,27 @@ def sp_model(tmp_path_factory):
     return d / "tok.model"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items):
-    """The tests of a module that share a module-scoped fixture (a trained run, reference losses)
-    run on one xdist worker (`--dist loadgroup`), so the fixture is built once, not once per worker:
-    each such fixture costs 10-40 s."""
+@pytest.hookimpl(trylast=True)  # after xdist's own hook, which no longer takes effect (below)
+def pytest_collection_modifyitems(config, items):
+    """Worker groups for `--dist loadgroup`.
+
+    The tests of a module that share a module-scoped fixture (a trained run, reference losses:
+    10-40 s each) join one group, so the fixture is built once, not once per worker.
+
+    xdist sends the tests whose node ids end in `@GROUP` to one worker. xdist 3.8 appends the
+    suffix by assigning `item._nodeid`, which pytest 9.2 no longer reads (a node's id is now
+    `item._id`, a NodeId), so every group, the `xdist_group` marks' included, was ignored. Until
+    xdist follows, the suffix is set here the way pytest 9.2 stores ids.
+    """
+    if not config.getvalue("loadgroup"):
+        return
+    from _pytest.nodeid import NodeId
+
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         if info and any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
+from xla_flags import with_test_flags, without_test_flags
 
 from maxlm import config as config_lib, model
-from xla_flags import with_test_flags, without_test_flags
 from maxlm.train import checkpoint, checkpoint_fit, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from xla_flags import without_test_flags
 
 from tests.helpers import ROOT
-from xla_flags import without_test_flags
 
 sys.path.insert(0, str(ROOT / "launch"))
 import sweep  # noqa: E402
