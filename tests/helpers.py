@@ -103,6 +103,38 @@ def packed_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int = 0, 
 
 
 
+def padded_packed_batch(batch_size, seq_len, vocab_size, seed):
+    """`packed_batch` with several documents per row, and padding (segment 0) at some rows' ends."""
+    batch = packed_batch(batch_size, seq_len, vocab_size, seed=seed, docs_per_row=4)
+    batch["segment_ids"][::2, -seq_len // 5:] = 0
+    return batch
+
+
+def random_qkv(B=2, L=32, H=4, K=2, Dh=8, seed=0):
+    """Random float32 q [B, L, H, Dh], k and v [B, L, K, Dh]."""
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((B, L, H, Dh), (B, L, K, Dh), (B, L, K, Dh)))
+
+
+def weighted_sum_of_squares(attend):
+    """A scalar of `attend(q, k, v)`'s output that weights every output element differently."""
+    return lambda q, k, v: (attend(q, k, v) ** 2 * jnp.arange(1, q.shape[-1] + 1)).sum()
+
+
+def padded_losses(cfg, steps: int, devices=None):
+    """`train_losses` on `padded_packed_batch(..., seed=step)`."""
+    batch_for_step = lambda step: padded_packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, step)  # noqa: E731
+    return train_losses(cfg, steps, batch_for_step, devices)[0]
+
+
+@functools.lru_cache(maxsize=2)
+def one_device_padded_losses(steps: int):
+    """`padded_losses` of configs/tiny.py on one device: what the context-parallel runs must equal."""
+    cfg = load_config("tiny")
+    cfg.mesh.update(data=1, fsdp=1)
+    return padded_losses(config_lib.resolve(cfg, 1), steps, jax.devices()[:1])
+
+
 def random_params(model_cfg, seed: int = 0, std: float = 0.05):
     """Random float32 parameters in init_params's layout (numpy draws: no init to compile): normal
     with `std`, the RMSNorm scales 1 + 0.2·normal (at their init, 1, a swapped norm would go

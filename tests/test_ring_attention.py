@@ -1,7 +1,6 @@
 """Ring attention (`model.context_parallel="ring"`) and its zig-zag load balancing
 (`model.context_load_balance`): the same numbers as plain attention, the config's rules."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ import pytest
 from maxlm import config as config_lib, model
 from maxlm.model import attention, ring_attention, zigzag
 from maxlm.train import mesh as mesh_lib
-from tests.helpers import load_config, packed_batch, train_losses
+from tests.helpers import load_config, one_device_padded_losses, padded_losses, padded_packed_batch, random_qkv, weighted_sum_of_squares
 
 
 def ring_config(data=2, fsdp=1, sequence=4, tensor=1, **overrides):
@@ -22,35 +21,18 @@ def ring_config(data=2, fsdp=1, sequence=4, tensor=1, **overrides):
     return config_lib.resolve(cfg, data * fsdp * sequence * tensor)
 
 
-def padded_packed_batch(batch_size, seq_len, vocab_size, seed):
-    """`packed_batch` with several documents per row, and padding (segment 0) at some rows' ends."""
-    batch = packed_batch(batch_size, seq_len, vocab_size, seed=seed, docs_per_row=4)
-    batch["segment_ids"][::2, -seq_len // 5:] = 0
-    return batch
-
-
-def _qkv(B=2, L=32, H=4, K=2, Dh=8, seed=0):
-    rng = np.random.default_rng(seed)
-    return tuple(jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((B, L, H, Dh), (B, L, K, Dh), (B, L, K, Dh)))
-
-
-def _sum_of_squares(fn):
-    """A scalar of the attention output that weights every output element differently."""
-    return lambda q, k, v: (fn(q, k, v) ** 2 * jnp.arange(1, q.shape[-1] + 1)).sum()
-
-
 @pytest.mark.parametrize("load_balance", [False, True], ids=["in_order", "zigzag"])
 def test_ring_output_and_gradients_equal_xla_attention(load_balance):
     """sequence=4 × data=2, GQA, several documents per row and padding: the ring's output and
     gradients are xla_attention's with the full mask, in the original order or zig-zag."""
     cfg = ring_config()
     mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
-    q, k, v = _qkv()
+    q, k, v = random_qkv()
     L = q.shape[1]
     segment_ids = jnp.asarray(padded_packed_batch(2, L, 10, seed=1)["segment_ids"])
-    expected = _sum_of_squares(lambda q, k, v: attention.xla_attention(q, k, v, attention.attention_mask(segment_ids)))
+    expected = weighted_sum_of_squares(lambda q, k, v: attention.xla_attention(q, k, v, attention.attention_mask(segment_ids)))
     order = zigzag.token_order(L, 4) if load_balance else np.arange(L)
-    ring = _sum_of_squares(lambda q, k, v: ring_attention.ring_attention(
+    ring = weighted_sum_of_squares(lambda q, k, v: ring_attention.ring_attention(
         q[:, order], k[:, order], v[:, order], segment_ids[:, order], jnp.asarray(order))[:, np.argsort(order)])
     value, grads = jax.value_and_grad(expected, argnums=(0, 1, 2))(q, k, v)
     with mesh_lib.activate(mesh, rules):
@@ -65,7 +47,7 @@ def test_ring_keeps_keys_split_and_passes_blocks():
     ring and never all-gathers them."""
     cfg = ring_config()
     mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
-    q, k, v = _qkv(L=64)
+    q, k, v = random_qkv(L=64)
     segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     with mesh_lib.activate(mesh, rules):
         hlo = jax.jit(lambda q, k, v: ring_attention.ring_attention(q, k, v, segment_ids, jnp.arange(64))) \
@@ -82,36 +64,24 @@ def test_zigzag_order_gives_each_device_an_early_and_a_late_chunk():
                                   batch["x"])
 
 
-def _losses(cfg, steps, devices=None):
-    batch_for_step = lambda step: padded_packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, step)
-    return train_losses(cfg, steps, batch_for_step, devices)[0]
-
-
-@functools.lru_cache(maxsize=2)
-def _one_device_losses(steps):
-    cfg = load_config("tiny")
-    cfg.mesh.update(data=1, fsdp=1)
-    return _losses(config_lib.resolve(cfg, 1), steps, jax.devices()[:1])
-
-
 def test_ring_training_equals_one_device():
     """3 train steps with sequence=4 × data=2, zig-zag order, equal the 1-device run (packed rows
     with padding). In order, over 20 steps: the ci test below."""
-    losses = _losses(ring_config(**{"model.context_load_balance": True}), 3)
-    np.testing.assert_allclose(losses, _one_device_losses(3), rtol=1e-4)
+    losses = padded_losses(ring_config(**{"model.context_load_balance": True}), 3)
+    np.testing.assert_allclose(losses, one_device_padded_losses(3), rtol=1e-4)
 
 
 @pytest.mark.ci
 @pytest.mark.parametrize("load_balance", [False, True], ids=["in_order", "zigzag"])
 def test_ring_training_equals_one_device_over_20_steps(load_balance):
     cfg = ring_config(data=1, fsdp=2, **{"model.context_load_balance": load_balance})
-    np.testing.assert_allclose(_losses(cfg, 20), _one_device_losses(20), rtol=1e-4)
+    np.testing.assert_allclose(padded_losses(cfg, 20), one_device_padded_losses(20), rtol=1e-4)
 
 
 @pytest.mark.ci
 def test_ring_training_is_bitwise_deterministic():
     cfg = ring_config(**{"model.context_load_balance": True})
-    np.testing.assert_array_equal(_losses(cfg, 2), _losses(cfg, 2))
+    np.testing.assert_array_equal(padded_losses(cfg, 2), padded_losses(cfg, 2))
 
 
 def test_context_parallel_config_errors():

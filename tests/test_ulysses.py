@@ -13,7 +13,7 @@ import pytest
 from maxlm import config as config_lib, model
 from maxlm.model import attention, ulysses
 from maxlm.train import mesh as mesh_lib
-from tests.helpers import ROOT, command_env, load_config, packed_batch, train_losses
+from tests.helpers import ROOT, command_env, load_config, one_device_padded_losses, padded_losses, padded_packed_batch, random_qkv, weighted_sum_of_squares
 
 
 def ulysses_config(data=2, fsdp=1, sequence=4, tensor=1, heads=4, kv_heads=2, **overrides):
@@ -24,23 +24,6 @@ def ulysses_config(data=2, fsdp=1, sequence=4, tensor=1, heads=4, kv_heads=2, **
     return config_lib.resolve(cfg, data * fsdp * sequence * tensor)
 
 
-def padded_packed_batch(batch_size, seq_len, vocab_size, seed):
-    """`packed_batch` with several documents per row, and padding (segment 0) at some rows' ends."""
-    batch = packed_batch(batch_size, seq_len, vocab_size, seed=seed, docs_per_row=4)
-    batch["segment_ids"][::2, -seq_len // 5:] = 0
-    return batch
-
-
-def _qkv(B=2, L=32, H=4, K=2, Dh=8, seed=0):
-    rng = np.random.default_rng(seed)
-    return tuple(jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((B, L, H, Dh), (B, L, K, Dh), (B, L, K, Dh)))
-
-
-def _weighted_sum(fn):
-    """A scalar of the attention output that weights every output element differently."""
-    return lambda q, k, v: (fn(q, k, v) ** 2 * jnp.arange(1, q.shape[-1] + 1)).sum()
-
-
 @pytest.mark.parametrize("mesh, kv_heads", [
     ({"data": 2, "sequence": 4}, 2),  # 2 kv heads over 4 devices: each repeated twice
     ({"data": 2, "sequence": 2, "tensor": 2}, 4),  # heads over sequence x tensor, 1 kv head each: no repeats
@@ -49,10 +32,10 @@ def test_ulysses_output_and_gradients_equal_xla_attention(mesh, kv_heads):
     """Several documents per row and padding: Ulysses' output and gradients are xla_attention's
     with the full mask, whether kv heads are repeated to split or not, and with a tensor axis."""
     cfg = ulysses_config(kv_heads=kv_heads, **{f"mesh.{k}": v for k, v in mesh.items()})
-    q, k, v = _qkv(K=kv_heads)
+    q, k, v = random_qkv(K=kv_heads)
     segment_ids = jnp.asarray(padded_packed_batch(2, q.shape[1], 10, seed=1)["segment_ids"])
-    expected = _weighted_sum(lambda q, k, v: attention.xla_attention(q, k, v, attention.attention_mask(segment_ids)))
-    split = _weighted_sum(lambda q, k, v: ulysses.attend("xla", q, k, v, segment_ids))
+    expected = weighted_sum_of_squares(lambda q, k, v: attention.xla_attention(q, k, v, attention.attention_mask(segment_ids)))
+    split = weighted_sum_of_squares(lambda q, k, v: ulysses.attend("xla", q, k, v, segment_ids))
     value, grads = jax.value_and_grad(expected, argnums=(0, 1, 2))(q, k, v)
     with mesh_lib.activate(mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)):
         assert ulysses.applies(cfg.model, *q.shape[:2])
@@ -65,7 +48,7 @@ def test_ulysses_output_and_gradients_equal_xla_attention(mesh, kv_heads):
 def test_ulysses_with_the_splash_kernel_equals_xla_attention():
     """Each device runs the configured kernel on whole rows: splash (the Pallas interpreter here)."""
     cfg = ulysses_config()
-    q, k, v = _qkv(L=128, Dh=16)
+    q, k, v = random_qkv(L=128, Dh=16)
     segment_ids = jnp.asarray(padded_packed_batch(2, 128, 10, seed=2)["segment_ids"])
     expected = attention.xla_attention(q, k, v, attention.attention_mask(segment_ids))
     with mesh_lib.activate(mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)):
@@ -77,7 +60,7 @@ def test_ulysses_exchanges_by_all_to_all_and_never_gathers_keys():
     """The compiled attention moves q, k, v and the output with all-to-alls; the only all-gather is
     of the [B, L] segment ids (int32), never of a [B, L, K, Dh] array."""
     cfg = ulysses_config()
-    q, k, v = _qkv(L=64)
+    q, k, v = random_qkv(L=64)
     segment_ids = jnp.ones(q.shape[:2], jnp.int32)
     with mesh_lib.activate(mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)):
         hlo = jax.jit(functools.partial(ulysses.attend, "xla")).lower(q, k, v, segment_ids).compile().as_text()
@@ -89,18 +72,6 @@ def test_ulysses_exchanges_by_all_to_all_and_never_gathers_keys():
 def test_kv_repeats_make_the_kv_heads_split_evenly():
     assert [ulysses.kv_repeats(k, 4) for k in (1, 2, 4, 8)] == [4, 2, 1, 1]
     assert ulysses.kv_repeats(2, 8) == 4 and ulysses.kv_repeats(6, 4) == 2
-
-
-def _losses(cfg, steps, devices=None):
-    batch_for_step = lambda step: padded_packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, step)
-    return train_losses(cfg, steps, batch_for_step, devices)[0]
-
-
-@functools.lru_cache(maxsize=2)
-def _one_device_losses(steps):
-    cfg = load_config("tiny")
-    cfg.mesh.update(data=1, fsdp=1)
-    return _losses(config_lib.resolve(cfg, 1), steps, jax.devices()[:1])
 
 
 def test_the_model_under_ulysses_gives_the_unsharded_logits():
@@ -123,9 +94,9 @@ def test_ulysses_training_equals_one_device_over_20_steps_and_is_bitwise_determi
     """20 train steps with sequence=4 x fsdp=2 equal the 1-device run (packed rows, padding), and a
     rerun's first steps are bitwise the same."""
     cfg = ulysses_config(data=1, fsdp=2)
-    losses = _losses(cfg, 20)
-    np.testing.assert_allclose(losses, _one_device_losses(20), rtol=1e-4)
-    np.testing.assert_array_equal(_losses(cfg, 2), losses[:2])
+    losses = padded_losses(cfg, 20)
+    np.testing.assert_allclose(losses, one_device_padded_losses(20), rtol=1e-4)
+    np.testing.assert_array_equal(padded_losses(cfg, 2), losses[:2])
 
 
 def test_ulysses_config_rules():
