@@ -329,6 +329,15 @@ def check_context_parallel(c) -> None:
     if m.context_load_balance and c.seq_len % (2 * sequence):
         raise ConfigError(f"model.context_load_balance=True needs seq_len={c.seq_len} divisible by 2 x "
                           f"mesh.sequence = {2 * sequence} (each device holds an early and a late chunk)")
+    if m.context_parallel == "ring" and (m.attention == "splash" or m.splash_block_q or m.splash_block_kv):
+        part = c.seq_len // sequence // (2 if m.context_load_balance else 1)  # a ring block's smallest part
+        for key, tile in (("attention", SPLASH_BLOCK), ("splash_block_q", m.splash_block_q),
+                          ("splash_block_kv", m.splash_block_kv)):
+            if tile and part % tile:
+                raise ConfigError(
+                    f"model.{key}={m[key]!r} with model.context_parallel='ring' needs seq_len={c.seq_len} / "
+                    f"mesh.sequence={sequence}{' / 2 (zig-zag chunks)' if m.context_load_balance else ''} = {part} "
+                    f"tokens, the part of a ring block splash attends to, divisible by its tile {tile}")
     if m.context_load_balance and m.mtp_depth:
         raise ConfigError(f"model.context_load_balance=True is not supported with model.mtp_depth={m.mtp_depth} "
                           "(its modules shift the targets along the length, which the reordering breaks)")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, model
-from maxlm.model import attention, ring_attention, zigzag
+from maxlm.model import attention, attention_plan, ring_attention, ring_splash, zigzag
 from maxlm.train import mesh as mesh_lib
 from tests.helpers import load_config, one_device_padded_losses, padded_losses, padded_packed_batch, random_qkv, weighted_sum_of_squares
 
@@ -108,5 +108,61 @@ def test_ring_logits_come_back_in_the_batch_order():
     expected = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, batch)
     mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
     with mesh_lib.activate(mesh, rules):
+        logits = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, mesh_lib.global_batch(batch, mesh, rules))
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("load_balance", [False, True], ids=["in_order", "zigzag"])
+def test_ring_with_splash_blocks_equals_xla_attention(load_balance):
+    """Each block through the splash kernel (the Pallas interpreter here; natively on TPUs), its
+    backward pass fed the whole rows' output and log-sum-exp: the output and gradients are
+    xla_attention's, in order and zig-zag (L/n = 128 tokens a block, 2 chunks of 128 in zig-zag)."""
+    cfg = ring_config()
+    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
+    L = 1024 if load_balance else 512
+    q, k, v = random_qkv(L=L, Dh=16)
+    segment_ids = jnp.asarray(padded_packed_batch(2, L, 10, seed=1)["segment_ids"])
+    expected = weighted_sum_of_squares(lambda q, k, v: attention.xla_attention(q, k, v, attention.attention_mask(segment_ids)))
+    order = zigzag.token_order(L, 4) if load_balance else np.arange(L)
+    splash = ring_splash.SplashBlocks(zigzag=load_balance, interpret=True)
+    ring = weighted_sum_of_squares(lambda q, k, v: ring_attention.ring_attention(
+        q[:, order], k[:, order], v[:, order], segment_ids[:, order], jnp.asarray(order), splash)[:, np.argsort(order)])
+    value, grads = jax.value_and_grad(expected, argnums=(0, 1, 2))(q, k, v)
+    with mesh_lib.activate(mesh, rules):
+        ring_value, ring_grads = jax.jit(jax.value_and_grad(ring, argnums=(0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(ring_value, value, rtol=1e-5)
+    for name, a, b in zip("qkv", grads, ring_grads):
+        # float32 rounding of gradients up to a few hundred: 2e-6 of the largest
+        np.testing.assert_allclose(b, a, atol=2e-6 * float(jnp.abs(a).max()), rtol=1e-5, err_msg=f"d{name}")
+
+
+def test_the_ring_runs_splash_per_block_where_the_config_asks():
+    """`model.attention` reaches the ring's blocks: auto is splash on a TPU when a block's part
+    (L/n, half that in zig-zag) tiles by 128, XLA einsums otherwise (and on GPUs and CPUs); the
+    start-up line and the plan say which."""
+    cfg = ring_config(seq_len=1024, **{"model.context_load_balance": True})
+    kernels = attention_plan.kernels(cfg, platform="tpu")
+    assert kernels == {"attention": "splash", "context_parallel": "ring over 4 devices, zig-zag, splash per block",
+                       "splash_blocks": [128, 128]}
+    halves = ring_config(seq_len=512, **{"model.context_load_balance": True})  # zig-zag chunks of 64
+    assert attention_plan.kernels(halves, platform="tpu")["attention"] == "xla"
+    assert attention_plan.kernels(ring_config(seq_len=512), platform="tpu")["splash_blocks"] == [128, 128]
+    assert attention_plan.kernels(cfg, platform="gpu")["attention"] == "xla"
+    assert attention_plan.kernels(ring_config(sequence=1, data=8), platform="tpu")["context_parallel"] == "none"
+    with pytest.raises(config_lib.ConfigError, match=r"model.attention='splash' .* = 64 tokens.* its tile 128"):
+        ring_config(seq_len=512, **{"model.context_load_balance": True, "model.attention": "splash"})
+
+
+def test_the_model_runs_the_ring_with_splash_blocks():
+    """The model under the ring with the (interpreted) splash kernel per block gives the
+    unsharded logits: the transformer passes its config's kernel to the ring."""
+    cfg = ring_config(seq_len=512, **{"model.num_layers": 1})
+    params = model.init_params(cfg.model, jax.random.key(0))
+    batch = {k: jnp.asarray(v) for k, v in padded_packed_batch(2, 512, cfg.model.vocab_size, seed=3).items()}
+    expected = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, batch)
+    cfg.model.attention = attention.SPLASH_INTERPRET  # tests only: resolve() knows no interpreter
+    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
+    with mesh_lib.activate(mesh, rules):
+        assert ring_attention.splash_blocks(cfg.model, jnp.float32, 512) is not None
         logits = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, mesh_lib.global_batch(batch, mesh, rules))
     np.testing.assert_allclose(logits, expected, atol=1e-5)

@@ -134,6 +134,19 @@ def test_the_tpu_presets_fit_their_slices_with_splash_compiled(tmp_path, config,
     assert result["attention"] == "splash" and "tpu_custom_call" in result["kernels"]
 
 
+@pytest.mark.slow
+@needs_libtpu
+def test_the_ring_compiles_splash_per_block_natively_for_a_v5p(tmp_path):
+    """Ring attention over 4 chips in zig-zag order, each block through splash compiled by Mosaic,
+    its backward kernels fed the whole rows' residuals (maxlm/model/ring_splash.py)."""
+    result = plan(tmp_path, "configs/tiny.py", "v5p-8", "--noestimate", "--config.seq_len=1024", "--config.batch_size=2",
+                  "--config.mesh.sequence=4", "--config.mesh.fsdp=1", "--config.model.context_parallel=ring",
+                  "--config.model.context_load_balance=True", "--config.model.dtype=bfloat16")
+    assert result["attention"] == "splash" and result["splash_blocks"] == [128, 128] and result["fits"]
+    assert result["context_parallel"] == "ring over 4 devices, zig-zag, splash per block"
+    assert "tpu_custom_call" in result["kernels"]
+
+
 @pytest.mark.ci  # about 95 s on a loaded 2-core machine
 @pytest.mark.slow
 @needs_libtpu

@@ -20,7 +20,7 @@ import numpy as np
 
 from maxlm import config as config_lib, model
 from maxlm.bench.targets import Target
-from maxlm.model import attention, grouped_matmul
+from maxlm.model import attention_plan, grouped_matmul
 from maxlm.train import flops, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ESTIMATE_MODEL = ("step_sec = max(hardware FLOPs / peak FLOP/s, bytes accessed / memory bandwidth) per "
@@ -52,16 +52,6 @@ def compile_step(cfg, devices):
         return train_fn.lower(state, batch, np.float32(1.0)).compile(), state, batch
 
 
-def _attention(cfg, platform: str) -> dict:
-    """The attention backend the step runs on `platform`, and splash's tiles when it is splash."""
-    m = cfg.model
-    backend = attention.attention_backend(m.attention, model.compute_dtype(m), cfg.seq_len, platform=platform)
-    if backend != "splash":
-        return {"attention": backend}
-    return {"attention": backend,
-            "splash_blocks": list(attention.splash_tiles(cfg.seq_len, m.splash_block_q, m.splash_block_kv))}
-
-
 def _model_size(cfg, platform: str) -> dict:
     """Total parameters and those one token uses (fewer in an MoE model); an MoE model's
     grouped-matmul backend on `platform`."""
@@ -90,7 +80,7 @@ def plan(cfg, target: Target | None = None, estimate: bool = True) -> dict:
         "process_count": len({d.process_index for d in devices}),
         "mesh": {axis: cfg.mesh[axis] for axis in config_lib.MESH_AXES},
         "dtype": cfg.model.dtype, "remat": cfg.model.remat, "scan_layers": cfg.model.scan_layers,
-        **_attention(cfg, devices[0].platform), "grad_accum_steps": cfg.optim.grad_accum_steps,
+        **attention_plan.kernels(cfg, devices[0].platform), "grad_accum_steps": cfg.optim.grad_accum_steps,
         "shard_state_over_data": cfg.optim.shard_state_over_data, "mu_dtype": cfg.optim.mu_dtype,
         **_model_size(cfg, devices[0].platform), "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
     }

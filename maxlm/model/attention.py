@@ -195,13 +195,18 @@ def make_kernel(num_heads: int, seq_len: int, block_q: int, block_kv: int, inter
     query tiles of `block_q` and key/value tiles of `block_kv` tokens."""
     causal = splash_mask.CausalMask((seq_len, seq_len))
     mask = splash_mask.MultiHeadMask(tuple(causal for _ in range(num_heads)))
-    sizes = splash_kernel.BlockSizes(
+    return splash_kernel.make_splash_mha(
+        mask, block_sizes=splash_block_sizes(block_q, block_kv), head_shards=1, q_seq_shards=1, interpret=interpret
+    )
+
+
+def splash_block_sizes(block_q: int, block_kv: int):
+    """Splash's tiles: `block_q` query and `block_kv` key/value tokens, the same for the forward
+    pass and both backward kernels."""
+    return splash_kernel.BlockSizes(
         block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
         block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
         block_q_dq=block_q, block_kv_dq=block_kv,
-    )
-    return splash_kernel.make_splash_mha(
-        mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
     )
 
 

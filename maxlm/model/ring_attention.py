@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from maxlm.model import attention, ring_splash
+
 _MASKED = jnp.finfo(jnp.float32).min
 
 
@@ -56,9 +58,30 @@ def active(model_cfg) -> bool:
     return model_cfg.context_parallel == "ring" and ring_axis() is not None
 
 
-def ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L):
+def block_backend(model_cfg, dtype, length: int, n: int, platform: str | None = None) -> str:
+    """The kernel each ring block of a `length`-token sequence over `n` devices runs: "splash" (or
+    the tests' interpreted splash) where `model.attention` resolves to splash for a block's
+    smallest part (L/n tokens, half that in zig-zag order), else "xla". cuDNN has no per-block
+    path: on GPUs the ring's blocks are XLA einsums."""
+    part = length // n // (2 if model_cfg.context_load_balance else 1)
+    backend = attention.attention_backend(model_cfg.attention, dtype, part, platform)
+    return backend if backend in attention.SPLASH else "xla"
+
+
+def splash_blocks(model_cfg, dtype, length: int) -> ring_splash.SplashBlocks | None:
+    """What `ring_attention` takes as `splash` under the active mesh: None for XLA blocks."""
+    backend = block_backend(model_cfg, dtype, length, jax.sharding.get_abstract_mesh().shape[ring_axis()])
+    if backend not in attention.SPLASH:
+        return None
+    return ring_splash.SplashBlocks(model_cfg.context_load_balance, model_cfg.splash_block_q,
+                                    model_cfg.splash_block_kv, interpret=backend == attention.SPLASH_INTERPRET)
+
+
+def ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L,
+                   splash: ring_splash.SplashBlocks | None = None):
     """Causal, per-document attention [B, L, H, Dh] as a ring over the length's mesh axis; batch and
-    heads split as the active rules say (kv heads as heads: the config makes them divisible)."""
+    heads split as the active rules say (kv heads as heads: the config makes them divisible).
+    Each block runs XLA einsums, or the splash kernel when `splash` says how (maxlm/model/ring_splash.py)."""
     axis = ring_axis()
     if axis is None:
         raise ValueError("ring_attention needs an active mesh whose rules split `length` over an axis of size > 1")
@@ -66,7 +89,7 @@ def ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L):
     batch, length, heads = nn.logical_to_mesh_axes(("batch", "length", "heads"))
     spec_BLHDh = PartitionSpec(batch, length, heads, None)
     return jax.shard_map(
-        functools.partial(_ring, axis, n),
+        functools.partial(_ring, axis, n, splash),
         in_specs=(spec_BLHDh, spec_BLHDh, spec_BLHDh, PartitionSpec(batch, length), PartitionSpec(length)),
         out_specs=spec_BLHDh,
         check_vma=False,  # the custom VJP's outputs carry no varying-axes type; the specs say it all
@@ -76,6 +99,33 @@ def ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L):
 def _shift(axis: str, n: int, tree):
     """`tree` sent one device on along the ring (device i's goes to i + 1)."""
     return jax.lax.ppermute(tree, axis, perm=[(i, (i + 1) % n) for i in range(n)])
+
+
+def _around(axis: str, n: int, block, acc, step):
+    """`acc` after `step(block, acc)` on each of the n blocks as they pass this device: its own
+    first, then each arriving one. The next hop is issued before a block's compute, so XLA can
+    overlap the transfer with it; the last block is not sent on."""
+    def hop(carry, _):
+        block, acc = carry
+        arriving = _shift(axis, n, block)
+        return (arriving, step(block, acc)), None
+
+    (block, acc), _ = jax.lax.scan(hop, (block, acc), None, length=n - 1)
+    return step(block, acc)
+
+
+def _around_with_gradients(axis: str, n: int, block, dq, dkv, step):
+    """(dq, dkv) after `dq, dkv = step(block, dq, dkv)` on each of the n blocks, where dkv, the
+    block's own gradient accumulators, travel with it and come home after the n-th hop."""
+    def hop(carry, _):
+        block, dq, dkv = carry
+        arriving = _shift(axis, n, block)
+        dq, dkv = step(block, dq, dkv)
+        return (arriving, dq, _shift(axis, n, dkv)), None
+
+    (block, dq, dkv), _ = jax.lax.scan(hop, (block, dq, dkv), None, length=n - 1)
+    dq, dkv = step(block, dq, dkv)
+    return dq, _shift(axis, n, dkv)
 
 
 def _block_mask(segment_ids_bL, index_L, block):
@@ -127,14 +177,8 @@ def _ring_forward(axis, n, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
     acc = (jnp.zeros(q_bKGLDh.shape, jnp.float32), jnp.full(rows, -jnp.inf), jnp.zeros(rows, jnp.float32))
     step = functools.partial(_forward_step, q_bKGLDh, segment_ids_bL, index_L)
 
-    def hop(carry, _):
-        block, acc = carry
-        arriving = _shift(axis, n, block)  # issued before this block's compute: they overlap
-        return (arriving, step(block, acc)), None
-
     block = (k_bSKDh, v_bSKDh, segment_ids_bL, index_L)
-    (block, acc), _ = jax.lax.scan(hop, (block, acc), None, length=n - 1)
-    out, row_max, row_sum = step(block, acc)  # the last block: no transfer after it
+    out, row_max, row_sum = _around(axis, n, block, acc, step)
     out = out / row_sum[..., None]
     log_sum_exp = row_max + jnp.log(row_sum)
     out_bLHDh = _heads_minor(out).astype(q_bLHDh.dtype)
@@ -165,25 +209,87 @@ def _ring_backward(axis, n, residuals, dout_bLHDh):
     delta = (dout * out.astype(jnp.float32)).sum(axis=-1)  # rowsum(dO ∘ O)
     step = functools.partial(_backward_step, q_bKGLDh, dout, log_sum_exp, delta, segment_ids_bL, index_L)
 
-    def hop(carry, _):
-        block, dq, dkv = carry
-        arriving = _shift(axis, n, block)
-        dq, dkv = step(block, dq, dkv)
-        return (arriving, dq, _shift(axis, n, dkv)), None  # the accumulators travel with their block
-
     block = (k_bSKDh, v_bSKDh, segment_ids_bL, index_L)
     zeros_kv = jnp.zeros(k_bSKDh.shape, jnp.float32)
-    carry = (block, jnp.zeros(q_bKGLDh.shape, jnp.float32), (zeros_kv, zeros_kv))
-    (block, dq, dkv), _ = jax.lax.scan(hop, carry, None, length=n - 1)
-    dq, dkv = step(block, dq, dkv)
-    dk, dv = _shift(axis, n, dkv)  # the n-th hop brings them home
+    dq, (dk, dv) = _around_with_gradients(axis, n, block, jnp.zeros(q_bKGLDh.shape, jnp.float32),
+                                          (zeros_kv, zeros_kv), step)
     dq_bLHDh = _heads_minor(dq) / math.sqrt(q_bKGLDh.shape[-1])
     return (dq_bLHDh.astype(q_bKGLDh.dtype), dk.astype(k_bSKDh.dtype), dv.astype(v_bSKDh.dtype), None, None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(axis, n, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
-    return _ring_forward(axis, n, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L)[0]
+# ----------------------------------------------------------------------------- splash blocks
 
 
-_ring.defvjp(_ring_forward, _ring_backward)
+def _relation(index_L, block) -> jax.Array:
+    """Where the block lies against this device's rows: ring_splash's EARLIER, SAME or LATER (its
+    first token's original index against ours: in order and in zig-zag alike)."""
+    first_S, first_L = block[3][0], index_L[0]
+    return jnp.where(first_S < first_L, ring_splash.EARLIER, jnp.where(first_S == first_L, ring_splash.SAME,
+                                                                      ring_splash.LATER))
+
+
+def _splash_ring_forward(axis, n, spec, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
+    scale = jnp.asarray(1 / math.sqrt(q_bLHDh.shape[-1]), q_bLHDh.dtype)
+    q_bHLDh = jnp.swapaxes(q_bLHDh * scale, 1, 2)  # the kernel does not scale; its layout is heads-major
+    tiles = spec.tiles(q_bLHDh.shape[1])
+
+    def step(block, acc):
+        out, lse = acc
+        k_bKSDh, v_bKSDh, segment_ids_bS, _ = block
+        block_out, block_lse = ring_splash.forward(spec, _relation(index_L, block), q_bHLDh, k_bKSDh, v_bKSDh,
+                                                   segment_ids_bL, segment_ids_bS, tiles)
+        new_lse = jnp.logaddexp(lse, block_lse)  # the merge of two normalised softmaxes
+        out = out * jnp.exp(lse - new_lse)[..., None] + block_out * jnp.exp(block_lse - new_lse)[..., None]
+        return out, new_lse
+
+    # the first block is this device's own, where every row sees its diagonal: lse is finite after it
+    acc = (jnp.zeros(q_bHLDh.shape, jnp.float32), jnp.full(q_bHLDh.shape[:-1], -jnp.inf, jnp.float32))
+    block = (jnp.swapaxes(k_bSKDh, 1, 2), jnp.swapaxes(v_bSKDh, 1, 2), segment_ids_bL, index_L)
+    out, lse = _around(axis, n, block, acc, step)
+    out = out.astype(q_bLHDh.dtype)
+    return jnp.swapaxes(out, 1, 2), (q_bHLDh, block, out, lse)
+
+
+def _splash_ring_backward(axis, n, spec, residuals, dout_bLHDh):
+    q_bHLDh, block, out, lse = residuals
+    index_L, segment_ids_bL = block[3], block[2]
+    dout = jnp.swapaxes(dout_bLHDh, 1, 2).astype(q_bHLDh.dtype)
+    tiles = spec.tiles(q_bHLDh.shape[2])
+
+    def step(block, dq, dkv):
+        k_bKSDh, v_bKSDh, segment_ids_bS, _ = block
+        block_dq, block_dk, block_dv = ring_splash.backward(
+            spec, _relation(index_L, block), q_bHLDh, k_bKSDh, v_bKSDh, segment_ids_bL, segment_ids_bS, out, lse,
+            dout, tiles)
+        return dq + block_dq, (dkv[0] + block_dk, dkv[1] + block_dv)
+
+    zeros_kv = jnp.zeros(block[0].shape, jnp.float32)
+    dq, (dk, dv) = _around_with_gradients(axis, n, block, jnp.zeros(q_bHLDh.shape, jnp.float32),
+                                          (zeros_kv, zeros_kv), step)
+    dq_bLHDh = jnp.swapaxes(dq, 1, 2) / math.sqrt(q_bHLDh.shape[-1])  # through the scaling of q
+    k_dtype = block[0].dtype
+    return (dq_bLHDh.astype(q_bHLDh.dtype), jnp.swapaxes(dk, 1, 2).astype(k_dtype),
+            jnp.swapaxes(dv, 1, 2).astype(k_dtype), None, None)
+
+
+# ----------------------------------------------------------------------------- the ring's VJP
+
+
+def _forward(axis, n, splash, *args):
+    if splash is None:
+        return _ring_forward(axis, n, *args)
+    return _splash_ring_forward(axis, n, splash, *args)
+
+
+def _backward(axis, n, splash, residuals, dout_bLHDh):
+    if splash is None:
+        return _ring_backward(axis, n, residuals, dout_bLHDh)
+    return _splash_ring_backward(axis, n, splash, residuals, dout_bLHDh)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ring(axis, n, splash, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
+    return _forward(axis, n, splash, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L)[0]
+
+
+_ring.defvjp(_forward, _backward)

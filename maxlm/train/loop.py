@@ -20,7 +20,7 @@ from maxlm import config as config_lib, console, model, paths
 from maxlm.data import make_dataset
 from maxlm.errors import ConfigError
 from maxlm.hf import files as hf
-from maxlm.model import attention, fp8
+from maxlm.model import attention_plan, fp8
 from maxlm.train import anomaly, checkpoint, checkpoint_fit, data_position, evaluate, faults, flops, loss_scale, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
 from maxlm.train.step_logger import StepLogger
 
@@ -275,8 +275,9 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
     log.info("model: %s parameters%s, %.3g training FLOPs/token; peak %.3g FLOP/s (%s, %s)",
              f"{model.count_params(m):,}", active, per_token, peak["total_flops_per_sec"], peak["device_kind"],
              peak["source"])
-    log.info("attention: %s, layers %s, remat %s, compute %s, fp8 %s",
-             attention.attention_backend(m.attention, m.dtype, cfg.seq_len),
+    kernels = attention_plan.kernels(cfg)
+    log.info("attention: %s (context parallel: %s), layers %s, remat %s, compute %s, fp8 %s",
+             kernels["attention"], kernels["context_parallel"],
              "scanned" if m.scan_layers else "unrolled", m.remat, m.dtype, "on" if m.fp8 else "off")
     log.info("optimizer: %s", optim.describe(cfg))
     if cfg.mesh.stage > 1 or cfg.mesh.sequence > 1:
@@ -284,9 +285,8 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
         schedule = "GPipe: (stages - 1) / (microbatches + stages - 1)" if repeats == 1 else \
             f"circular, {repeats} chunks of {m.num_layers // (stages * repeats)} layers a stage: " \
             "(stages - 1) / (repeats x microbatches + stages - 1)"
-        log.info("parallelism: sequence %d (%s%s); pipeline %d stages x %d layers, %d microbatches, bubble %.1f%% (%s)",
-                 cfg.mesh.sequence, m.context_parallel, ", zig-zag order" if m.context_load_balance else "",
-                 stages, m.num_layers // stages, micro,
+        log.info("parallelism: sequence %d; pipeline %d stages x %d layers, %d microbatches, bubble %.1f%% (%s)",
+                 cfg.mesh.sequence, stages, m.num_layers // stages, micro,
                  100 * model.bubble_fraction(stages, micro, repeats), schedule)
     if jax.default_backend() == "gpu" and xla_flag("xla_gpu_deterministic_ops") != "true":
         console.warn("XLA_FLAGS lacks --xla_gpu_deterministic_ops=true (launch/gpu_env.sh sets it): on a GPU "

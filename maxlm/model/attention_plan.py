@@ -1,0 +1,34 @@
+"""Which kernels run attention for a config: the start-up log's `attention:` line and the plan's
+`attention`, `context_parallel` and `splash_blocks` fields say the same thing from here.
+
+    kernels(cfg, platform=None) -> {"attention": "splash", "context_parallel": "ring over 4 devices,
+                                    zig-zag", "splash_blocks": [256, 256]}
+
+`attention` is what each device's attention runs: the backend for whole rows (all-gather,
+Ulysses), or for each block of the ring (`ring_attention.block_backend`: splash or XLA).
+"""
+
+from __future__ import annotations
+
+from maxlm.model import attention, ring_attention, ring_splash
+from maxlm.model.transformer import compute_dtype
+
+
+def kernels(cfg, platform: str | None = None) -> dict:
+    """The attention kernel, the context-parallel strategy in words, and splash's (query,
+    key/value) tiles when splash runs, for `cfg` compiled for `platform` (default: the mesh's)."""
+    m, n, length = cfg.model, cfg.mesh.sequence, cfg.seq_len
+    dtype = compute_dtype(m)
+    if n > 1 and m.context_parallel == "ring":
+        backend = ring_attention.block_backend(m, dtype, length, n, platform)
+        strategy = f"ring over {n} devices{', zig-zag' if m.context_load_balance else ''}, {backend} per block"
+        tiles = lambda: ring_splash.SplashBlocks(  # noqa: E731
+            m.context_load_balance, m.splash_block_q, m.splash_block_kv).tiles(length // n)
+    else:
+        backend = attention.attention_backend(m.attention, dtype, length, platform=platform)
+        strategy = {1: "none"}.get(n, f"{m.context_parallel} over {n} devices")
+        tiles = lambda: attention.splash_tiles(length, m.splash_block_q, m.splash_block_kv)  # noqa: E731
+    plan = {"attention": backend, "context_parallel": strategy}
+    if backend in attention.SPLASH:
+        plan["splash_blocks"] = list(tiles())
+    return plan
