@@ -192,6 +192,8 @@ def test_pipeline_config_errors():
 class FakeDevice:
     id: int
     process_index: int
+    platform: str = "cpu"
+    device_kind: str = "cpu"
 
 
 def test_sequence_axis_must_lie_within_a_process():
@@ -207,6 +209,17 @@ def test_sequence_axis_must_lie_within_a_process():
     # (4, 1, 2, 1) laid out with the sequence axis across processes
     with pytest.raises(config_lib.ConfigError, match="mesh.sequence=2 spans processes"):
         mesh_lib.check_sequence_local(devices.reshape(2, 4).T.reshape(1, 4, 1, 1, 2, 1), config_lib.MESH_AXES)
+
+
+def test_a_sequence_axis_the_topology_lays_across_processes_gets_each_process_a_block():
+    """4 processes x 4 devices, fsdp 4 x sequence 4: `process_local_grid` splits fsdp over the
+    processes and keeps each sequence group in one (make_mesh falls back to it when the physical
+    layout put the sequence axis across hosts)."""
+    devices = [FakeDevice(i, i // 4) for i in range(16)]
+    grid = mesh_lib.process_local_grid((1, 1, 4, 1, 4, 1), devices)
+    mesh_lib.check_sequence_local(grid, config_lib.MESH_AXES)
+    assert sorted(d.id for d in grid.flat) == list(range(16))
+    assert mesh_lib.process_local_grid((1, 1, 1, 1, 16, 1), devices) is None  # no outer axis to split
 
 
 # (stage, data, fsdp, sequence, tensor): every axis above 1, each in a mix with others.

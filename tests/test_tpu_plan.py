@@ -134,6 +134,18 @@ def test_the_tpu_presets_fit_their_slices_with_splash_compiled(tmp_path, config,
     assert result["attention"] == "splash" and "tpu_custom_call" in result["kernels"]
 
 
+@pytest.mark.ci  # an 8B compile at 128k tokens for v5p-64, about 2 minutes of CPU
+@needs_libtpu
+def test_the_128k_preset_fits_v5p64_with_the_ring_and_splash_per_block(tmp_path):
+    """Llama 3 8B at 131,072 tokens: each sequence over one host's 4 chips (the mesh keeps the
+    sequence axis within a host, though the topology's own layout would lay it across two)."""
+    result = plan(tmp_path, "configs/llama_8b_128k_v5p64.py", "v5p-64", "--noestimate")
+    assert result["fits"] and result["bytes_per_device"]["peak"] < 95 * 2**30, result["bytes_per_device"]
+    assert result["context_parallel"] == "ring over 4 devices, zig-zag, splash per block"
+    assert result["attention"] == "splash" and result["splash_blocks"] == [512, 512]
+    assert "tpu_custom_call" in result["kernels"] and result["seq_len"] == 131072
+
+
 @pytest.mark.slow
 @needs_libtpu
 def test_the_ring_compiles_splash_per_block_natively_for_a_v5p(tmp_path):

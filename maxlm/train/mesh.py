@@ -72,8 +72,10 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     `jax.make_mesh` orders devices to follow the physical topology (ICI rings on TPU), so the
     innermost axes (`tensor`, then `sequence`, then `expert`) get the fastest links. With a
     `mesh.dcn_*` > 1, a hybrid mesh (`hybrid_device_grid`) puts those axes' outer splits across
-    granules. Raises ConfigError when the dcn factors do not match the granules, or when the
-    `sequence` axis spans processes (`check_sequence_local`).
+    granules. Where the topology's layout puts the `sequence` axis across processes, the
+    processes' own blocks are used instead (`process_local_grid`). Raises ConfigError when the dcn
+    factors do not match the granules, or when the `sequence` axis still spans processes
+    (`check_sequence_local`).
     """
     shape = tuple(int(mesh_cfg[axis]) for axis in MESH_AXES)
     devices = jax.devices() if devices is None else devices
@@ -81,6 +83,8 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if math.prod(dcn_shape(mesh_cfg)) == 1:
         mesh = jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+        if not _sequence_is_local(mesh.devices, MESH_AXES) and (grid := process_local_grid(shape, devices)) is not None:
+            mesh = Mesh(grid, MESH_AXES, axis_types=axis_types)
     else:
         check_dcn(mesh_cfg, num_granules(devices))
         mesh = Mesh(hybrid_device_grid(mesh_cfg, devices), MESH_AXES, axis_types=axis_types)
@@ -88,19 +92,45 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     return mesh
 
 
-def check_sequence_local(grid: np.ndarray, axis_names, length_axes=("sequence",)) -> None:
-    """Raises ConfigError unless the devices that split one row's length (along `length_axes`) all
-    belong to one process. Each process then reads whole rows (`batch_parts`), as without sequence
-    parallelism; in practice: mesh.sequence x mesh.tensor divides the devices per process."""
+def process_local_grid(shape: tuple[int, ...], devices) -> np.ndarray | None:
+    """A [stage, data, fsdp, expert, sequence, tensor] device grid in which each process holds
+    whole blocks of the inner axes: the processes split the outer axes (fsdp first, then data,
+    expert, stage) and each arranges its own devices for the rest. None when the process count
+    does not factor into the outer axes. `jax.make_mesh` follows the physical topology instead,
+    which on a TPU pod can lay `sequence` across two hosts (a v5p-64's 4 x 4 x 2 chips, 4 a host)."""
+    processes = len({d.process_index for d in devices})
+    dcn, left = [1] * len(shape), processes
+    for axis in (MESH_AXES.index(a) for a in ("fsdp", "data", "expert", "stage")):
+        dcn[axis] = math.gcd(shape[axis], left)
+        left //= dcn[axis]
+    if left > 1:
+        return None
+    ici = tuple(n // d for n, d in zip(shape, dcn))
+    try:
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
+    except (ValueError, AssertionError, NotImplementedError):  # uneven processes, a layout it cannot make
+        return None
+
+
+def _sequence_is_local(grid: np.ndarray, axis_names, length_axes=("sequence",)) -> bool:
     names = list(axis_names)
     axes = [names.index(a) for a in length_axes if a in names]
     size = math.prod(grid.shape[a] for a in axes)
     if size == 1:
-        return
+        return True
     owner = np.vectorize(lambda d: d.process_index, otypes=[int])(grid)
     rest = [a for a in range(grid.ndim) if a not in axes]
     owner = owner.transpose(rest + axes).reshape(-1, size)
-    if (owner != owner[:, :1]).any():
+    return bool((owner == owner[:, :1]).all())
+
+
+def check_sequence_local(grid: np.ndarray, axis_names, length_axes=("sequence",)) -> None:
+    """Raises ConfigError unless the devices that split one row's length (along `length_axes`) all
+    belong to one process. Each process then reads whole rows (`batch_parts`), as without sequence
+    parallelism; in practice: mesh.sequence x mesh.tensor divides the devices per process."""
+    if not _sequence_is_local(grid, axis_names, length_axes):
+        size = math.prod(grid.shape[list(axis_names).index(a)] for a in length_axes if a in axis_names)
+        owner = np.vectorize(lambda d: d.process_index, otypes=[int])(grid)
         raise ConfigError(
             f"mesh.sequence={size} spans processes: the devices splitting one sequence must belong "
             f"to one process ({grid.size // len(set(owner.flat))} devices each here); make "
