@@ -1,8 +1,8 @@
 """Llama 3.2 1B (Meta, 2024): 1,235,814,400 parameters.
 
 16 layers, d_model 2048, 32 query heads and 8 kv heads of 64, SwiGLU 8192, vocabulary 128,256,
-tied embeddings, RoPE theta 500,000. (Llama 3's RoPE frequency scaling for long context is not
-modelled; it changes no parameter.)
+tied embeddings, RoPE theta 500,000, no RoPE scaling at this length (configs/llama_1b_64k_h100x8.py
+adds Llama 3's for 64k tokens).
 
 As shipped (batch 512 × 2048: 1M tokens a step) it fits one v5p-8's 4 chips: full
 rematerialisation and the loss's logits 512 positions at a time (89 GiB per chip, planned with

@@ -130,7 +130,7 @@ def _check_expert(c, expert: int):
 def _check_sequence(c, sequence: int):
     """Sequence parallelism (`mesh.sequence` > 1): each device holds seq_len / sequence positions of
     every activation. Attention all-gathers keys and values (XLA only), passes them around a ring
-    (XLA or splash per block), or (Ulysses) trades the length split for a heads split."""
+    (XLA, splash or cuDNN per block), or (Ulysses) trades the length split for a heads split."""
     if sequence == 1:
         return
     if c.seq_len % sequence:
@@ -141,13 +141,13 @@ def _check_sequence(c, sequence: int):
     if c.model.context_parallel == "ulysses":
         return  # each device attends over whole rows: every backend applies (config_rules checks the heads)
     ring = c.model.context_parallel == "ring"
-    if c.model.attention == "cudnn" or (c.model.attention == "splash" and not ring):
+    if c.model.attention in ("cudnn", "splash") and not ring:
         raise ConfigError(
             f"model.attention={c.model.attention!r} does not support mesh.sequence={sequence} > 1 "
             "with model.context_parallel=" f"{c.model.context_parallel!r} (its kernel needs the whole sequence "
-            "on each device); use model.attention='xla' or 'auto', or model.context_parallel='ulysses'"
-            + (" or 'ring' (splash per ring block)" if c.model.attention == "splash" else ""))
-    if not ring:  # the ring runs splash per block on TPUs (ring_attention.block_backend)
+            "on each device); use model.attention='xla' or 'auto', or model.context_parallel='ulysses' or "
+            "'ring' (the kernel per ring block)")
+    if not ring:  # the ring runs splash or cuDNN per block (ring_attention.block_backend)
         c.model.attention = "xla"  # what "auto" means under the all-gather strategy
 
 

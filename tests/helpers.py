@@ -197,3 +197,41 @@ def saved_state(workdir, step: int) -> dict:
 def saved_meta(workdir, step: int) -> dict:
     """The meta (step, data position, ...) saved with the checkpoint of `step` in `workdir`."""
     return checkpoint.read_json(_checkpoint_path(workdir, step), "meta")
+
+
+def ring_blocks_one_after_another(kernel, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, n: int, dout_BLHDh):
+    """The ring's fused-kernel computations (maxlm/model/ring_blocks.py) for n devices run one
+    after another on one device, no mesh: (out, dq, dk, dv) as the ring gives them, for checking
+    a kernel where there is a single accelerator. Each device's queries merge its own block, then
+    the others in ring order; the backward pass feeds every block the whole rows' output and
+    log-sum-exp."""
+    from maxlm.model import ring_blocks, zigzag
+
+    L, Dh = q_BLHDh.shape[1], q_BLHDh.shape[-1]
+    order = zigzag.token_order(L, n) if kernel.zigzag else np.arange(L)
+    heads_major = lambda x: jnp.swapaxes(x[:, order], 1, 2)  # noqa: E731  [B, H, L, Dh] in ring order
+    q = heads_major(q_BLHDh * jnp.asarray(1 / np.sqrt(Dh), q_BLHDh.dtype))
+    k, v, dout = heads_major(k_BSKDh), heads_major(v_BSKDh), heads_major(dout_BLHDh).astype(q.dtype)
+    segment_ids = segment_ids_BL[:, order]
+    index = jnp.asarray(order)
+    block = L // n
+    part = lambda x, i: x[..., i * block:(i + 1) * block, :] if x.ndim == 4 else x[..., i * block:(i + 1) * block]  # noqa: E731
+    outs, lses = [], []
+    for i in range(n):
+        acc = (jnp.zeros(part(q, i).shape, jnp.float32), jnp.full(part(q, i).shape[:-1], -jnp.inf, jnp.float32))
+        for j in [(i - hop) % n for hop in range(n)]:
+            acc = ring_blocks.merge(acc, *ring_blocks.forward(
+                kernel, ring_blocks.relation(part(index, i), part(index, j)), part(q, i), part(k, j), part(v, j),
+                part(segment_ids, i), part(segment_ids, j)))
+        outs.append(acc[0].astype(q.dtype))
+        lses.append(acc[1])
+    dq, dk, dv = [0.0] * n, [0.0] * n, [0.0] * n
+    for i in range(n):
+        for j in range(n):
+            grads = ring_blocks.backward(kernel, ring_blocks.relation(part(index, i), part(index, j)), part(q, i),
+                                         part(k, j), part(v, j), part(segment_ids, i), part(segment_ids, j), outs[i],
+                                         lses[i], part(dout, i))
+            dq[i], dk[j], dv[j] = dq[i] + grads[0], dk[j] + grads[1], dv[j] + grads[2]
+    back = np.argsort(order)
+    original = lambda parts: jnp.swapaxes(jnp.concatenate(parts, axis=2), 1, 2)[:, back]  # noqa: E731
+    return original(outs), original(dq) / np.sqrt(Dh), original(dk), original(dv)

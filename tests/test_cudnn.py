@@ -1,14 +1,16 @@
 """cuDNN attention: causal through the kernel's own mode, documents through `document_bias`.
 
 The CPU checks that bias + causal is exactly the XLA path's mask; on a GPU (launch/gpu_check.sh
-runs this file there), values and gradients are compared with the XLA path."""
+runs this file there), values and gradients are compared with the XLA path, for whole rows and
+for the ring's blocks."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm.model import attention
+from maxlm.model import attention, ring_blocks
+from tests.helpers import ring_blocks_one_after_another
 
 
 def packed_rows(batch: int, length: int, seed: int = 0) -> np.ndarray:
@@ -63,3 +65,25 @@ def test_cudnn_matches_xla_values_and_gradients(length):
         scale = float(jnp.abs(g_xla.astype(jnp.float32)).max())
         np.testing.assert_allclose(np.asarray(g_cudnn, np.float32), np.asarray(g_xla, np.float32),
                                    rtol=0, atol=3e-2 * scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
+@pytest.mark.parametrize("zigzag", [False, True], ids=["in_order", "zigzag"])
+def test_the_rings_cudnn_blocks_match_xla_values_and_gradients(zigzag):
+    """cuDNN per ring block (maxlm/model/ring_blocks.py: its forward's log-sum-exp, its backward
+    primitive fed the whole rows' residuals), 4 blocks run one after another on the one GPU."""
+    B, H, K, Dh, length = 2, 8, 2, 128, 4096
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (B, length, H, Dh), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, length, K, Dh), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, length, K, Dh), jnp.bfloat16)
+    dout = jax.random.normal(keys[3], (B, length, H, Dh), jnp.bfloat16)
+    segment_ids = jnp.asarray(packed_rows(B, length))
+    out, vjp = jax.vjp(lambda q, k, v: attention.xla_attention(q, k, v, attention.attention_mask(segment_ids)), q, k, v)
+    kernel = ring_blocks.BlockKernel("cudnn", zigzag=zigzag)
+    ring = jax.jit(lambda *a: ring_blocks_one_after_another(kernel, *a, segment_ids, 4, dout))(q, k, v)
+    for name, expected, got in zip(["out", "dq", "dk", "dv"], (out, *vjp(dout)), ring):
+        scale = float(jnp.abs(expected.astype(jnp.float32)).max())
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=0,
+                                   atol=3e-2 * scale, err_msg=name)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, model
-from maxlm.model import attention, attention_plan, ring_attention, ring_splash, zigzag
+from maxlm.model import attention, attention_plan, ring_attention, ring_blocks, zigzag
 from maxlm.train import mesh as mesh_lib
-from tests.helpers import load_config, one_device_padded_losses, padded_losses, padded_packed_batch, random_qkv, weighted_sum_of_squares
+from tests.helpers import load_config, one_device_padded_losses, padded_losses, padded_packed_batch, random_qkv, ring_blocks_one_after_another, weighted_sum_of_squares
 
 
 def ring_config(data=2, fsdp=1, sequence=4, tensor=1, **overrides):
@@ -124,9 +124,9 @@ def test_ring_with_splash_blocks_equals_xla_attention(load_balance):
     segment_ids = jnp.asarray(padded_packed_batch(2, L, 10, seed=1)["segment_ids"])
     expected = weighted_sum_of_squares(lambda q, k, v: attention.xla_attention(q, k, v, attention.attention_mask(segment_ids)))
     order = zigzag.token_order(L, 4) if load_balance else np.arange(L)
-    splash = ring_splash.SplashBlocks(zigzag=load_balance, interpret=True)
+    kernel = ring_blocks.BlockKernel(attention.SPLASH_INTERPRET, zigzag=load_balance)
     ring = weighted_sum_of_squares(lambda q, k, v: ring_attention.ring_attention(
-        q[:, order], k[:, order], v[:, order], segment_ids[:, order], jnp.asarray(order), splash)[:, np.argsort(order)])
+        q[:, order], k[:, order], v[:, order], segment_ids[:, order], jnp.asarray(order), kernel)[:, np.argsort(order)])
     value, grads = jax.value_and_grad(expected, argnums=(0, 1, 2))(q, k, v)
     with mesh_lib.activate(mesh, rules):
         ring_value, ring_grads = jax.jit(jax.value_and_grad(ring, argnums=(0, 1, 2)))(q, k, v)
@@ -138,8 +138,8 @@ def test_ring_with_splash_blocks_equals_xla_attention(load_balance):
 
 def test_the_ring_runs_splash_per_block_where_the_config_asks():
     """`model.attention` reaches the ring's blocks: auto is splash on a TPU when a block's part
-    (L/n, half that in zig-zag) tiles by 128, XLA einsums otherwise (and on GPUs and CPUs); the
-    start-up line and the plan say which."""
+    (L/n, half that in zig-zag) tiles by 128, cuDNN on a GPU with 16-bit compute, XLA einsums
+    otherwise; the start-up line and the plan say which."""
     cfg = ring_config(seq_len=1024, **{"model.context_load_balance": True})
     kernels = attention_plan.kernels(cfg, platform="tpu")
     assert kernels == {"attention": "splash", "context_parallel": "ring over 4 devices, zig-zag, splash per block",
@@ -147,7 +147,9 @@ def test_the_ring_runs_splash_per_block_where_the_config_asks():
     halves = ring_config(seq_len=512, **{"model.context_load_balance": True})  # zig-zag chunks of 64
     assert attention_plan.kernels(halves, platform="tpu")["attention"] == "xla"
     assert attention_plan.kernels(ring_config(seq_len=512), platform="tpu")["splash_blocks"] == [128, 128]
-    assert attention_plan.kernels(cfg, platform="gpu")["attention"] == "xla"
+    assert attention_plan.kernels(cfg, platform="gpu")["attention"] == "xla"  # float32: cuDNN has no kernel
+    bf16 = ring_config(seq_len=1024, **{"model.dtype": "bfloat16"})
+    assert attention_plan.kernels(bf16, platform="gpu")["context_parallel"] == "ring over 4 devices, cudnn per block"
     assert attention_plan.kernels(ring_config(sequence=1, data=8), platform="tpu")["context_parallel"] == "none"
     with pytest.raises(config_lib.ConfigError, match=r"model.attention='splash' .* = 64 tokens.* its tile 128"):
         ring_config(seq_len=512, **{"model.context_load_balance": True, "model.attention": "splash"})
@@ -163,6 +165,20 @@ def test_the_model_runs_the_ring_with_splash_blocks():
     cfg.model.attention = attention.SPLASH_INTERPRET  # tests only: resolve() knows no interpreter
     mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
     with mesh_lib.activate(mesh, rules):
-        assert ring_attention.splash_blocks(cfg.model, jnp.float32, 512) is not None
+        assert ring_attention.block_kernel(cfg.model, jnp.float32, 512) is not None
         logits = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, mesh_lib.global_batch(batch, mesh, rules))
     np.testing.assert_allclose(logits, expected, atol=1e-5)
+
+
+def test_the_ring_blocks_run_one_after_another_give_the_ring():
+    """tests.helpers.ring_blocks_one_after_another, which checks the cuDNN blocks on a single GPU
+    (tests/test_cudnn.py), gives xla_attention's output and gradients with the splash blocks."""
+    L = 512  # 2 devices in zig-zag order: chunks of 128
+    q, k, v = random_qkv(L=L, Dh=16)
+    segment_ids = jnp.asarray(padded_packed_batch(2, L, 10, seed=4)["segment_ids"])
+    dout = jnp.asarray(np.random.default_rng(5).normal(size=q.shape), jnp.float32)
+    out, vjp = jax.vjp(lambda q, k, v: attention.xla_attention(q, k, v, attention.attention_mask(segment_ids)), q, k, v)
+    kernel = ring_blocks.BlockKernel(attention.SPLASH_INTERPRET, zigzag=True)
+    ring = jax.jit(lambda *a: ring_blocks_one_after_another(kernel, *a, segment_ids, 2, dout))(q, k, v)
+    for name, expected, got in zip(["out", "dq", "dk", "dv"], (out, *vjp(dout)), ring):
+        np.testing.assert_allclose(got, expected, atol=2e-6 * float(jnp.abs(expected).max()), err_msg=name)

@@ -155,15 +155,17 @@ def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=No
 # ----------------------------------------------------------------------------- cuDNN
 
 
-def document_bias(segment_ids_BL, dtype):
+def document_bias(segment_ids_BL, dtype, segment_ids_BS=None):
     """cuDNN's document mask: [B, 1, L, S] additive bias, 0 within a document and a large negative
     across (the causal part is the kernel's own causal mode). Built once per step, outside the
-    layers, so a scanned stack shares it instead of saving one per layer."""
+    layers, so a scanned stack shares it instead of saving one per layer. The keys' ids
+    `segment_ids_BS` default to the queries' (a ring block passes its own)."""
     # cuDNN mishandles the difference of two -inf-like values; JAX's own binding uses these.
     blocked = {jnp.dtype(jnp.bfloat16): -2.0**41, jnp.dtype(jnp.float16): -2.0**15}.get(jnp.dtype(dtype))
     if blocked is None:
         raise ValueError(f"model.attention='cudnn' needs 16-bit compute (model.dtype), not {dtype}")
-    same_doc_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :]
+    segment_ids_BS = segment_ids_BL if segment_ids_BS is None else segment_ids_BS
+    same_doc_BLS = segment_ids_BL[:, :, None] == segment_ids_BS[:, None, :]
     return jnp.where(same_doc_BLS, 0, blocked).astype(dtype)[:, None]
 
 

@@ -10,7 +10,7 @@ Ulysses), or for each block of the ring (`ring_attention.block_backend`: splash 
 
 from __future__ import annotations
 
-from maxlm.model import attention, ring_attention, ring_splash
+from maxlm.model import attention, ring_attention, ring_blocks
 from maxlm.model.transformer import compute_dtype
 
 
@@ -22,8 +22,8 @@ def kernels(cfg, platform: str | None = None) -> dict:
     if n > 1 and m.context_parallel == "ring":
         backend = ring_attention.block_backend(m, dtype, length, n, platform)
         strategy = f"ring over {n} devices{', zig-zag' if m.context_load_balance else ''}, {backend} per block"
-        tiles = lambda: ring_splash.SplashBlocks(  # noqa: E731
-            m.context_load_balance, m.splash_block_q, m.splash_block_kv).tiles(length // n)
+        tiles = lambda: ring_blocks.BlockKernel(  # noqa: E731
+            backend, m.context_load_balance, m.splash_block_q, m.splash_block_kv).tiles(length // n)
     else:
         backend = attention.attention_backend(m.attention, dtype, length, platform=platform)
         strategy = {1: "none"}.get(n, f"{m.context_parallel} over {n} devices")

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from maxlm.model import attention, ring_splash
+from maxlm.model import attention, ring_blocks
 
 _MASKED = jnp.finfo(jnp.float32).min
 
@@ -59,29 +59,28 @@ def active(model_cfg) -> bool:
 
 
 def block_backend(model_cfg, dtype, length: int, n: int, platform: str | None = None) -> str:
-    """The kernel each ring block of a `length`-token sequence over `n` devices runs: "splash" (or
-    the tests' interpreted splash) where `model.attention` resolves to splash for a block's
-    smallest part (L/n tokens, half that in zig-zag order), else "xla". cuDNN has no per-block
-    path: on GPUs the ring's blocks are XLA einsums."""
+    """The kernel each ring block of a `length`-token sequence over `n` devices runs: what
+    `model.attention` resolves to for a block's smallest part (L/n tokens, half that in zig-zag
+    order): splash (or the tests' interpreted splash) on TPUs when it tiles by 128, cuDNN on
+    NVIDIA GPUs with 16-bit compute, else "xla"."""
     part = length // n // (2 if model_cfg.context_load_balance else 1)
-    backend = attention.attention_backend(model_cfg.attention, dtype, part, platform)
-    return backend if backend in attention.SPLASH else "xla"
+    return attention.attention_backend(model_cfg.attention, dtype, part, platform)
 
 
-def splash_blocks(model_cfg, dtype, length: int) -> ring_splash.SplashBlocks | None:
-    """What `ring_attention` takes as `splash` under the active mesh: None for XLA blocks."""
+def block_kernel(model_cfg, dtype, length: int) -> ring_blocks.BlockKernel | None:
+    """What `ring_attention` takes as `kernel` under the active mesh: None for XLA einsums."""
     backend = block_backend(model_cfg, dtype, length, jax.sharding.get_abstract_mesh().shape[ring_axis()])
-    if backend not in attention.SPLASH:
+    if backend == "xla":
         return None
-    return ring_splash.SplashBlocks(model_cfg.context_load_balance, model_cfg.splash_block_q,
-                                    model_cfg.splash_block_kv, interpret=backend == attention.SPLASH_INTERPRET)
+    return ring_blocks.BlockKernel(backend, model_cfg.context_load_balance, model_cfg.splash_block_q,
+                                   model_cfg.splash_block_kv)
 
 
 def ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L,
-                   splash: ring_splash.SplashBlocks | None = None):
+                   kernel: ring_blocks.BlockKernel | None = None):
     """Causal, per-document attention [B, L, H, Dh] as a ring over the length's mesh axis; batch and
     heads split as the active rules say (kv heads as heads: the config makes them divisible).
-    Each block runs XLA einsums, or the splash kernel when `splash` says how (maxlm/model/ring_splash.py)."""
+    Each block runs XLA einsums, or the fused `kernel` (splash, cuDNN: maxlm/model/ring_blocks.py)."""
     axis = ring_axis()
     if axis is None:
         raise ValueError("ring_attention needs an active mesh whose rules split `length` over an axis of size > 1")
@@ -89,7 +88,7 @@ def ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L,
     batch, length, heads = nn.logical_to_mesh_axes(("batch", "length", "heads"))
     spec_BLHDh = PartitionSpec(batch, length, heads, None)
     return jax.shard_map(
-        functools.partial(_ring, axis, n, splash),
+        functools.partial(_ring, axis, n, kernel),
         in_specs=(spec_BLHDh, spec_BLHDh, spec_BLHDh, PartitionSpec(batch, length), PartitionSpec(length)),
         out_specs=spec_BLHDh,
         check_vma=False,  # the custom VJP's outputs carry no varying-axes type; the specs say it all
@@ -217,30 +216,21 @@ def _ring_backward(axis, n, residuals, dout_bLHDh):
     return (dq_bLHDh.astype(q_bKGLDh.dtype), dk.astype(k_bSKDh.dtype), dv.astype(v_bSKDh.dtype), None, None)
 
 
-# ----------------------------------------------------------------------------- splash blocks
+# ----------------------------------------------------------------------------- fused kernels per block
 
 
 def _relation(index_L, block) -> jax.Array:
-    """Where the block lies against this device's rows: ring_splash's EARLIER, SAME or LATER (its
-    first token's original index against ours: in order and in zig-zag alike)."""
-    first_S, first_L = block[3][0], index_L[0]
-    return jnp.where(first_S < first_L, ring_splash.EARLIER, jnp.where(first_S == first_L, ring_splash.SAME,
-                                                                      ring_splash.LATER))
+    return ring_blocks.relation(index_L, block[3])
 
 
-def _splash_ring_forward(axis, n, spec, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
+def _fused_ring_forward(axis, n, kernel, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
     scale = jnp.asarray(1 / math.sqrt(q_bLHDh.shape[-1]), q_bLHDh.dtype)
-    q_bHLDh = jnp.swapaxes(q_bLHDh * scale, 1, 2)  # the kernel does not scale; its layout is heads-major
-    tiles = spec.tiles(q_bLHDh.shape[1])
+    q_bHLDh = jnp.swapaxes(q_bLHDh * scale, 1, 2)  # the kernels' layout is heads-major; q comes in scaled
 
     def step(block, acc):
-        out, lse = acc
         k_bKSDh, v_bKSDh, segment_ids_bS, _ = block
-        block_out, block_lse = ring_splash.forward(spec, _relation(index_L, block), q_bHLDh, k_bKSDh, v_bKSDh,
-                                                   segment_ids_bL, segment_ids_bS, tiles)
-        new_lse = jnp.logaddexp(lse, block_lse)  # the merge of two normalised softmaxes
-        out = out * jnp.exp(lse - new_lse)[..., None] + block_out * jnp.exp(block_lse - new_lse)[..., None]
-        return out, new_lse
+        return ring_blocks.merge(acc, *ring_blocks.forward(kernel, _relation(index_L, block), q_bHLDh, k_bKSDh,
+                                                           v_bKSDh, segment_ids_bL, segment_ids_bS))
 
     # the first block is this device's own, where every row sees its diagonal: lse is finite after it
     acc = (jnp.zeros(q_bHLDh.shape, jnp.float32), jnp.full(q_bHLDh.shape[:-1], -jnp.inf, jnp.float32))
@@ -250,17 +240,16 @@ def _splash_ring_forward(axis, n, spec, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_b
     return jnp.swapaxes(out, 1, 2), (q_bHLDh, block, out, lse)
 
 
-def _splash_ring_backward(axis, n, spec, residuals, dout_bLHDh):
+def _fused_ring_backward(axis, n, kernel, residuals, dout_bLHDh):
     q_bHLDh, block, out, lse = residuals
     index_L, segment_ids_bL = block[3], block[2]
     dout = jnp.swapaxes(dout_bLHDh, 1, 2).astype(q_bHLDh.dtype)
-    tiles = spec.tiles(q_bHLDh.shape[2])
 
     def step(block, dq, dkv):
         k_bKSDh, v_bKSDh, segment_ids_bS, _ = block
-        block_dq, block_dk, block_dv = ring_splash.backward(
-            spec, _relation(index_L, block), q_bHLDh, k_bKSDh, v_bKSDh, segment_ids_bL, segment_ids_bS, out, lse,
-            dout, tiles)
+        block_dq, block_dk, block_dv = ring_blocks.backward(
+            kernel, _relation(index_L, block), q_bHLDh, k_bKSDh, v_bKSDh, segment_ids_bL, segment_ids_bS, out, lse,
+            dout)
         return dq + block_dq, (dkv[0] + block_dk, dkv[1] + block_dv)
 
     zeros_kv = jnp.zeros(block[0].shape, jnp.float32)
@@ -275,21 +264,21 @@ def _splash_ring_backward(axis, n, spec, residuals, dout_bLHDh):
 # ----------------------------------------------------------------------------- the ring's VJP
 
 
-def _forward(axis, n, splash, *args):
-    if splash is None:
+def _forward(axis, n, kernel, *args):
+    if kernel is None:
         return _ring_forward(axis, n, *args)
-    return _splash_ring_forward(axis, n, splash, *args)
+    return _fused_ring_forward(axis, n, kernel, *args)
 
 
-def _backward(axis, n, splash, residuals, dout_bLHDh):
-    if splash is None:
+def _backward(axis, n, kernel, residuals, dout_bLHDh):
+    if kernel is None:
         return _ring_backward(axis, n, residuals, dout_bLHDh)
-    return _splash_ring_backward(axis, n, splash, residuals, dout_bLHDh)
+    return _fused_ring_backward(axis, n, kernel, residuals, dout_bLHDh)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ring(axis, n, splash, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
-    return _forward(axis, n, splash, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L)[0]
+def _ring(axis, n, kernel, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
+    return _forward(axis, n, kernel, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L)[0]
 
 
 _ring.defvjp(_forward, _backward)

@@ -142,8 +142,8 @@ class Attention(nn.Module):
             v_BSKDh = _constrain(v_BSKDh, ("batch", "length", "kv_heads", "head_dim"))
             n, length = zigzag.shards(cfg), q_BLHDh.shape[1]
             token_index_L = jnp.asarray(zigzag.token_order(length, n) if n else np.arange(length), jnp.int32)
-            splash = ring_attention.splash_blocks(cfg, dtype, length)  # or None: XLA einsums per block
-            out_BLHDh = ring_attention.ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L, splash)
+            kernel = ring_attention.block_kernel(cfg, dtype, length)  # splash, cuDNN, or None: XLA einsums
+            out_BLHDh = ring_attention.ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L, kernel)
             return checkpoint_name(weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
         # Init only needs the parameters' shapes, from a 1 x 8 dummy batch that a splash kernel
         # could neither tile nor split over the mesh: the plain path traces the same parameters.
