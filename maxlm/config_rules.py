@@ -317,9 +317,6 @@ def check_context_parallel(c) -> None:
                           f"{m.context_parallel!r} (the all-gather mask is causal by array index)")
     if sequence == 1 or m.context_parallel == "all_gather":
         return
-    if c.mesh.stage > 1:
-        raise ConfigError(f"model.context_parallel={m.context_parallel!r} is not supported with mesh.stage="
-                          f"{c.mesh.stage} > 1 (the pipeline runs its stages under vmap); use 'all_gather'")
     if m.context_parallel == "ulysses" and m.num_heads % (sequence * c.mesh.tensor):
         shards = sequence * c.mesh.tensor
         raise ConfigError(

@@ -105,10 +105,14 @@ def test_ulysses_config_rules():
         ulysses_config(data=1, sequence=4, tensor=2, heads=4, kv_heads=2)
     with pytest.raises(config_lib.ConfigError, match="model.context_load_balance=True needs model.context_parallel='ring'"):
         ulysses_config(**{"model.context_load_balance": True})
-    with pytest.raises(config_lib.ConfigError, match="not supported with mesh.stage=2"):
-        cfg = load_config("tiny")
-        cfg.mesh.update(stage=2, data=1, fsdp=1, sequence=4)
-        config_lib.resolve(config_lib.apply_overrides(cfg, {"model.context_parallel": "ulysses"}), 8)
+    cfg = load_config("tiny")
+    cfg.mesh.update(stage=2, data=1, fsdp=1, sequence=4)
+    cfg.model.pipeline_microbatches = 2
+    piped = config_lib.resolve(config_lib.apply_overrides(cfg, {"model.context_parallel": "ulysses"}), 8)
+    assert piped.model.attention == "xla"  # in a pipeline, on whole rows (tests/test_ring_attention.py runs it)
+    with pytest.raises(config_lib.ConfigError, match="model.attention='splash' is not supported with mesh.stage=2"):
+        config_lib.resolve(config_lib.apply_overrides(cfg, {"model.context_parallel": "ulysses",
+                                                            "model.attention": "splash", "seq_len": 128}), 8)
     assert ulysses_config(sequence=1, data=8).model.context_parallel == "ulysses"  # a no-op, allowed
     # the kernels need whole rows, which Ulysses gives them: not refused under mesh.sequence
     assert ulysses_config(**{"model.attention": "xla"}).model.attention == "xla"
