@@ -5,9 +5,11 @@
     loss, aux = model.loss_fn(cfg.model, params, batch)
 
 `transformer.py` is the network (blocks, the pipelined forward, the losses), `pipeline.py` its
-GPipe schedule over the mesh's `stage` axis; `moe.py` the mixture-of-experts MLP, `balance.py`
+GPipe and circular schedules over the mesh's `stage` axis; `moe.py` the mixture-of-experts MLP, `balance.py`
 its selection biases across the layers; `mtp.py` the multi-token prediction modules;
-`attention.py` its attention backends and packed mask, `positions.py` the position encodings,
+`attention.py` its attention backends and packed mask, `ring_attention.py`, `ring_blocks.py`,
+`zigzag.py` and `ulysses.py` the context-parallel strategies, `attention_plan.py` which kernels
+run, `positions.py` the position encodings,
 `head.py` the output projection, `fp8.py` float8 matmuls, `backward_order.py` the unrolled
 layers' backward order.
 Nothing here knows about meshes, optimizers or data files.
