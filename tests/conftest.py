@@ -67,7 +67,7 @@ def pytest_collection_modifyitems(config, items):
     `item._id`, a NodeId), so every group, the `xdist_group` marks' included, was ignored. Until
     xdist follows, the suffix is set here the way pytest 9.2 stores ids.
     """
-    if not getattr(config.option, "loadgroup", False):  # set by xdist under --dist loadgroup only
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
         return
     from _pytest.nodeid import NodeId
 

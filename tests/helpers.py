@@ -15,7 +15,7 @@ from etils import epath
 from xla_flags import with_test_flags, without_test_flags
 
 from maxlm import config as config_lib, model
-from maxlm.train import checkpoint, checkpoint_fit, mesh as mesh_lib, optim, state as state_lib, step as step_lib
+from maxlm.train import checkpoint, checkpoint_fit, flops, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -24,12 +24,19 @@ def load_config(name: str):
     return config_lib.load_file(str(ROOT / "configs" / f"{name}.py"))
 
 
+# The CPU peak (FLOP/s) the commands tests start divide by for MFU, instead of probing it at every
+# start (docs/testing.md): about the probe's reading on the 2-core host at the tests' XLA level 0
+# (72-81 GFLOP/s, 2026-12-05). test_metrics.py tests the probe itself.
+TEST_PEAK_FLOPS_PER_SEC = "8e10"
+
+
 def command_env(home, devices: int | None = 8, target_compile: bool = False, **extra) -> dict:
     """The environment of a maxlm command a test starts: PATH, the CPU platform, `devices` fake CPU
     devices (None: one), `home` as HOME; no compilation cache (tests/conftest.py says why); the
     tests' fast CPU compiles (tests/xla_flags.py), unless the command compiles for a GPU or TPU
-    `target_compile`."""
-    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(home)}
+    `target_compile`; a given CPU peak in place of the start-up probe (`TEST_PEAK_FLOPS_PER_SEC`)."""
+    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "HOME": str(home),
+           flops.PEAK_ENV: TEST_PEAK_FLOPS_PER_SEC}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}" if devices else ""
     env.update(extra)
     env["XLA_FLAGS"] = (without_test_flags if target_compile else with_test_flags)(env["XLA_FLAGS"])

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib
+from maxlm.errors import UserError
 from maxlm.train import flops, metrics
 
 
@@ -142,7 +143,8 @@ def test_mixed_kinds_and_bad_dtype_rejected():
         flops.peak_flops(fake_devices("TPU v4", 1), "int8")
 
 
-def test_cpu_probe_is_measured_cached_and_not_multiplied_by_fake_devices():
+def test_cpu_probe_is_measured_cached_and_not_multiplied_by_fake_devices(monkeypatch):
+    monkeypatch.delenv(flops.PEAK_ENV, raising=False)
     devices = jax.devices()
     assert len(devices) == 8 and devices[0].platform == "cpu"
     first = flops.peak_flops(devices, "float32")
@@ -160,9 +162,26 @@ def test_cpu_probe_is_measured_cached_and_not_multiplied_by_fake_devices():
     assert flops.measure_matmul_flops_per_sec.cache_info().hits == hits + 1
 
 
-def test_cpu_peak_is_the_float32_probe_whatever_the_model_dtype():
+def test_a_given_peak_takes_the_probes_place_and_not_the_tables(monkeypatch):
+    monkeypatch.setenv(flops.PEAK_ENV, "2.5e11")
+    hits, misses = flops.measure_matmul_flops_per_sec.cache_info()[:2]
+    assert flops.peak_flops(jax.devices(), "bfloat16") == {
+        "total_flops_per_sec": 2.5e11, "per_device_flops_per_sec": 2.5e11 / 8, "source": flops.PEAK_ENV,
+        "device_kind": jax.devices()[0].device_kind, "num_devices": 8, "platform": "cpu"}
+    assert flops.measure_matmul_flops_per_sec.cache_info()[:2] == (hits, misses)  # no probe
+    unknown = flops.peak_flops(fake_devices("Some accelerator", 2, platform="gpu"), "bfloat16")
+    assert unknown["total_flops_per_sec"] == 5e11 and unknown["source"] == flops.PEAK_ENV
+    assert flops.peak_flops(fake_devices("TPU v4", 2), "bf16")["total_flops_per_sec"] == 2 * 275e12
+    for bad in ("", "fast", "0", "-1e9", "inf", "nan"):
+        monkeypatch.setenv(flops.PEAK_ENV, bad)
+        with pytest.raises(UserError, match=f"{flops.PEAK_ENV} must be a positive number of FLOP/s, got {bad!r}"):
+            flops.peak_flops(jax.devices(), "float32")
+
+
+def test_cpu_peak_is_the_float32_probe_whatever_the_model_dtype(monkeypatch):
     # XLA:CPU runs bfloat16 matmuls as float32 ones: dividing by its slower bfloat16 kernel's
     # rate gave MFU above 1
+    monkeypatch.delenv(flops.PEAK_ENV, raising=False)
     devices = jax.devices()
     assert flops.peak_flops(devices, "bfloat16") == flops.peak_flops(devices, "float32")
 

@@ -28,12 +28,15 @@ With those rules the non-attention part of a training step is exactly
 the embedding tables (tokens; learned positions) and norm scales, plus the LM head.
 
 Peak FLOP/s comes from a table of dense (non-sparse) datasheet peaks for known
-accelerators, or, on CPU and unknown devices, from a short measured matmul.
+accelerators, or, on CPU and unknown devices, from a short measured matmul (or, in its place,
+the rate given in MAXLM_PEAK_FLOPS_PER_SEC; docs/performance.md).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import os
 import time
 from typing import Any
 
@@ -41,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxlm.errors import UserError
 from maxlm.model import moe
 
 # ---------------------------------------------------------------------------
@@ -235,11 +239,27 @@ def measure_matmul_flops_per_sec(device, dtype_name: str = "float32") -> float:
     return matmul_flops_per_sec(device, dtype_name, repeats=5)
 
 
+PEAK_ENV = "MAXLM_PEAK_FLOPS_PER_SEC"
+
+
+def given_peak() -> float:
+    """The rate in MAXLM_PEAK_FLOPS_PER_SEC, taken in place of the probe's measurement."""
+    value = os.environ[PEAK_ENV]
+    try:
+        rate = float(value)
+    except ValueError:
+        rate = math.nan
+    if not (math.isfinite(rate) and rate > 0):
+        raise UserError(f"{PEAK_ENV} must be a positive number of FLOP/s, got {value!r}")
+    return rate
+
+
 def peak_flops(devices, dtype: str) -> dict[str, Any]:
     """Peak FLOP/s to divide by for MFU, for a homogeneous list of devices.
 
     Known accelerators use the datasheet table (source="table"); CPU and
-    unknown kinds are measured with a short matmul probe (source="measured").
+    unknown kinds are measured with a short matmul probe (source="measured"),
+    or take MAXLM_PEAK_FLOPS_PER_SEC's rate where it is set (source: its name).
 
     On CPU, total_flops_per_sec is the host's measured rate, NOT
     num_devices x it: fake devices from --xla_force_host_platform_device_count
@@ -261,6 +281,8 @@ def peak_flops(devices, dtype: str) -> dict[str, Any]:
 
     per_device = None if platform == "cpu" else table_peak(first.device_kind, name)
     source = "table"
+    if per_device is None and PEAK_ENV in os.environ:
+        source, per_device = PEAK_ENV, given_peak()
     if per_device is None:
         source = "measured"
         per_device = measure_matmul_flops_per_sec(first, name)
