@@ -36,17 +36,23 @@ def test_document_bias_and_the_causal_mode_are_the_xla_mask():
         attention.document_bias(segment_ids, jnp.float32)
 
 
+def bfloat16_qkv_and_cotangent(length: int, cotangent_dtype, seed: int):
+    """Random bfloat16 q [2, L, 8, 128], k and v [2, L, 2, 128] (grouped-query), and an output
+    cotangent of `cotangent_dtype`."""
+    B, H, K, Dh = 2, 8, 2, 128
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(keys[0], (B, length, H, Dh), jnp.bfloat16),
+            jax.random.normal(keys[1], (B, length, K, Dh), jnp.bfloat16),
+            jax.random.normal(keys[2], (B, length, K, Dh), jnp.bfloat16),
+            jax.random.normal(keys[3], (B, length, H, Dh), cotangent_dtype))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
 @pytest.mark.parametrize("length", [256, 4096])
 def test_cudnn_matches_xla_values_and_gradients(length):
-    B, H, K, Dh = 2, 8, 2, 128
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (B, length, H, Dh), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (B, length, K, Dh), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (B, length, K, Dh), jnp.bfloat16)
-    cotangent = jax.random.normal(keys[3], (B, length, H, Dh), jnp.float32)
-    segment_ids = jnp.asarray(packed_rows(B, length))
+    q, k, v, cotangent = bfloat16_qkv_and_cotangent(length, jnp.float32, seed=0)
+    segment_ids = jnp.asarray(packed_rows(2, length))
 
     def loss(backend, q, k, v):
         mask = attention.document_mask(backend, segment_ids, jnp.bfloat16)
@@ -73,13 +79,9 @@ def test_cudnn_matches_xla_values_and_gradients(length):
 def test_the_rings_cudnn_blocks_match_xla_values_and_gradients(zigzag):
     """cuDNN per ring block (maxlm/model/ring_blocks.py: its forward's log-sum-exp, its backward
     primitive fed the whole rows' residuals), 4 blocks run one after another on the one GPU."""
-    B, H, K, Dh, length = 2, 8, 2, 128, 4096
-    keys = jax.random.split(jax.random.key(1), 4)
-    q = jax.random.normal(keys[0], (B, length, H, Dh), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (B, length, K, Dh), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (B, length, K, Dh), jnp.bfloat16)
-    dout = jax.random.normal(keys[3], (B, length, H, Dh), jnp.bfloat16)
-    segment_ids = jnp.asarray(packed_rows(B, length))
+    length = 4096
+    q, k, v, dout = bfloat16_qkv_and_cotangent(length, jnp.bfloat16, seed=1)
+    segment_ids = jnp.asarray(packed_rows(2, length))
     out, vjp = jax.vjp(lambda q, k, v: attention.xla_attention(q, k, v, attention.attention_mask(segment_ids)), q, k, v)
     kernel = ring_blocks.BlockKernel("cudnn", zigzag=zigzag)
     ring = jax.jit(lambda *a: ring_blocks_one_after_another(kernel, *a, segment_ids, 4, dout))(q, k, v)

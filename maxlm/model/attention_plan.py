@@ -19,16 +19,16 @@ def kernels(cfg, platform: str | None = None) -> dict:
     key/value) tiles when splash runs, for `cfg` compiled for `platform` (default: the mesh's)."""
     m, n, length = cfg.model, cfg.mesh.sequence, cfg.seq_len
     dtype = compute_dtype(m)
-    if n > 1 and m.context_parallel == "ring":
+    ring = n > 1 and m.context_parallel == "ring"
+    if ring:
         backend = ring_attention.block_backend(m, dtype, length, n, platform)
         strategy = f"ring over {n} devices{', zig-zag' if m.context_load_balance else ''}, {backend} per block"
-        tiles = lambda: ring_blocks.BlockKernel(  # noqa: E731
-            backend, m.context_load_balance, m.splash_block_q, m.splash_block_kv).tiles(length // n)
     else:
         backend = attention.attention_backend(m.attention, dtype, length, platform=platform)
         strategy = {1: "none"}.get(n, f"{m.context_parallel} over {n} devices")
-        tiles = lambda: attention.splash_tiles(length, m.splash_block_q, m.splash_block_kv)  # noqa: E731
     plan = {"attention": backend, "context_parallel": strategy}
     if backend in attention.SPLASH:
-        plan["splash_blocks"] = list(tiles())
+        tiles = ring_blocks.BlockKernel(backend, m.context_load_balance, m.splash_block_q, m.splash_block_kv) \
+            .tiles(length // n) if ring else attention.splash_tiles(length, m.splash_block_q, m.splash_block_kv)
+        plan["splash_blocks"] = list(tiles)
     return plan

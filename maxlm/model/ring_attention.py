@@ -219,17 +219,13 @@ def _ring_backward(axis, n, residuals, dout_bLHDh):
 # ----------------------------------------------------------------------------- fused kernels per block
 
 
-def _relation(index_L, block) -> jax.Array:
-    return ring_blocks.relation(index_L, block[3])
-
-
 def _fused_ring_forward(axis, n, kernel, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
     scale = jnp.asarray(1 / math.sqrt(q_bLHDh.shape[-1]), q_bLHDh.dtype)
     q_bHLDh = jnp.swapaxes(q_bLHDh * scale, 1, 2)  # the kernels' layout is heads-major; q comes in scaled
 
     def step(block, acc):
         k_bKSDh, v_bKSDh, segment_ids_bS, _ = block
-        return ring_blocks.merge(acc, *ring_blocks.forward(kernel, _relation(index_L, block), q_bHLDh, k_bKSDh,
+        return ring_blocks.merge(acc, *ring_blocks.forward(kernel, ring_blocks.relation(index_L, block[3]), q_bHLDh, k_bKSDh,
                                                            v_bKSDh, segment_ids_bL, segment_ids_bS))
 
     # the first block is this device's own, where every row sees its diagonal: lse is finite after it
@@ -248,7 +244,7 @@ def _fused_ring_backward(axis, n, kernel, residuals, dout_bLHDh):
     def step(block, dq, dkv):
         k_bKSDh, v_bKSDh, segment_ids_bS, _ = block
         block_dq, block_dk, block_dv = ring_blocks.backward(
-            kernel, _relation(index_L, block), q_bHLDh, k_bKSDh, v_bKSDh, segment_ids_bL, segment_ids_bS, out, lse,
+            kernel, ring_blocks.relation(index_L, block[3]), q_bHLDh, k_bKSDh, v_bKSDh, segment_ids_bL, segment_ids_bS, out, lse,
             dout)
         return dq + block_dq, (dkv[0] + block_dk, dkv[1] + block_dv)
 

@@ -179,13 +179,18 @@ def _splash_backward(kernel, causal, block_len, q_bHLDh, k_bKSDh, v_bKSDh, seg_q
 # ----------------------------------------------------------------------------- cuDNN
 
 
-def _cudnn_options(q_bHLDh, causal: bool) -> dict:
-    """The keyword arguments of cuDNN's attention primitives for a part, BNTH layout; q comes in
-    scaled by the ring, so the kernel's own scale is 1."""
+def _cudnn_mask(causal: bool):
     from jax._src.cudnn import fused_attention_stablehlo as cudnn  # jax's binding: private, pinned by the locks
 
-    mask_type = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
-    return dict(scale=1.0, seed=0, dropout_rate=0.0, variadic_args=(True, False), mask_type=mask_type,
+    return cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
+
+
+def _cudnn_options(causal: bool) -> dict:
+    """The keyword arguments of cuDNN's backward primitive for a part, BNTH layout, with a bias
+    and no bias gradient; q comes in scaled by the ring, so the kernel's own scale is 1."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    return dict(scale=1.0, seed=0, dropout_rate=0.0, variadic_args=(True, False), mask_type=_cudnn_mask(causal),
                 layout=cudnn.AttentionLayout.BNTH.value, sliding_window_length=None)
 
 
@@ -193,9 +198,8 @@ def _cudnn_forward(kernel, causal, block_len, q_bHLDh, k_bKSDh, v_bKSDh, seg_q_b
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     bias = attention.document_bias(seg_q_bL, q_bHLDh.dtype, seg_k_bS)
-    out, lse = cudnn.dot_product_attention(
-        q_bHLDh, k_bKSDh, v_bKSDh, bias=bias, scale=1.0, qkv_layout="BNTH", return_residual=True,
-        mask_type=cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK)
+    out, lse = cudnn.dot_product_attention(q_bHLDh, k_bKSDh, v_bKSDh, bias=bias, scale=1.0, qkv_layout="BNTH",
+                                           return_residual=True, mask_type=_cudnn_mask(causal))
     return out, lse.reshape(q_bHLDh.shape[:3])  # [b, H, L] (BNT in this layout)
 
 
@@ -207,5 +211,5 @@ def _cudnn_backward(kernel, causal, block_len, q_bHLDh, k_bKSDh, v_bKSDh, seg_q_
     grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
         q_bHLDh, k_bKSDh, v_bKSDh, bias, unused, unused, unused, unused, unused, unused, lse_bHL,
         out_bHLDh.astype(q_bHLDh.dtype), dout_bHLDh.astype(q_bHLDh.dtype), score_mod=None,
-        **_cudnn_options(q_bHLDh, causal))
+        **_cudnn_options(causal))
     return grads[:3]

@@ -130,10 +130,10 @@ def check_sequence_local(grid: np.ndarray, axis_names, length_axes=("sequence",)
     parallelism; in practice: mesh.sequence x mesh.tensor divides the devices per process."""
     if not _sequence_is_local(grid, axis_names, length_axes):
         size = math.prod(grid.shape[list(axis_names).index(a)] for a in length_axes if a in axis_names)
-        owner = np.vectorize(lambda d: d.process_index, otypes=[int])(grid)
+        processes = len({d.process_index for d in grid.flat})
         raise ConfigError(
             f"mesh.sequence={size} spans processes: the devices splitting one sequence must belong "
-            f"to one process ({grid.size // len(set(owner.flat))} devices each here); make "
+            f"to one process ({grid.size // processes} devices each here); make "
             "mesh.sequence (x mesh.tensor) divide the devices per process"
         )
 
