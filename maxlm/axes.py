@@ -17,7 +17,10 @@ DEFAULT_RULES = (
     # MoE layers is data parallelism too (MaxText's rule)
     ("batch", ("data", "fsdp", "expert")),
     ("experts", "expert"),  # MoE weights' experts dim: expert parallelism (maxlm/model/expert_parallel.py)
-    ("embed", "fsdp"),  # weights' d_model dim: ZeRO-3 (weights, grads and Adam state sharded)
+    # weights' d_model dim: ZeRO-3 (weights, grads and Adam state sharded), over the sequence axis
+    # too (MaxText's rule): its devices hold the same batch rows and would otherwise each keep a
+    # whole replica of the state, whose gradients they all-reduce instead of reduce-scatter
+    ("embed", ("fsdp", "sequence")),
     ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),  # Megatron
     ("head_dim", None),
     ("positions", None),  # the learned position table's rows (model.positions="learned"): whole
@@ -102,15 +105,17 @@ def check_mesh(c, num_devices: int, num_granules: int | None) -> None:
     for key in ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
         if m[key] % tensor:
             raise ConfigError(f"model.{key}={m[key]} must be divisible by mesh.tensor={tensor}")
-    if m.d_model % mesh["fsdp"]:
-        raise ConfigError(f"model.d_model={m.d_model} must be divisible by mesh.fsdp={mesh['fsdp']}")
     check_rules(c.mesh.rules)
+    embed = rule_axes(c.mesh.rules, "embed")
+    if m.d_model % math.prod(mesh[a] for a in embed):
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by "
+                          f"{_product(mesh, axes=embed)} (mesh.rules split the weights' d_model dim over them)")
 
 
-def _product(mesh, factors: dict | None = None) -> str:
+def _product(mesh, factors: dict | None = None, axes: tuple[str, ...] = BATCH_AXES) -> str:
     """"optim.grad_accum_steps x mesh.data x mesh.fsdp x mesh.expert = 2 x 1 x 4 x 2 = 16": the batch's
-    split spelled out, `factors` ({key: size}) before the mesh axes."""
-    named = {**(factors or {}), **{f"mesh.{a}": mesh[a] for a in BATCH_AXES}}
+    split (or `axes`') spelled out, `factors` ({key: size}) before the mesh axes."""
+    named = {**(factors or {}), **{f"mesh.{a}": mesh[a] for a in axes}}
     return f"{' x '.join(named)} = {' x '.join(map(str, named.values()))} = {math.prod(named.values())}"
 
 
@@ -195,6 +200,12 @@ def _check_pipeline(c, mesh):
             f"batch_size={c.batch_size} must be divisible by {_product(mesh, factors)} "
             "(each pipeline microbatch is split evenly over the data-parallel devices)"
         )
+
+
+def rule_axes(rules, name: str) -> tuple[str, ...]:
+    """The mesh axes `rules` map the logical axis `name` to (none if unnamed)."""
+    axes = dict(rules).get(name)
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(a for a in axes if a)
 
 
 def check_rules(rules):

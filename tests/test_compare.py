@@ -261,6 +261,40 @@ def test_a_tpu_plan_maps_the_mesh_chunks_and_splash_attention():
         maxtext_peer.check_expressible(issue_config(**{"model.logits_chunk_size": 64}))
 
 
+def long_context_v5p8(**overrides):
+    """Llama 3.2 1B on a v5p-8 at 32k tokens, the sequence split over its 4 chips."""
+    cfg = config_lib.apply_overrides(load_config("llama_1b_v5p8"), {
+        "seq_len": 32768, "batch_size": 4, "mesh.fsdp": 1, "mesh.sequence": 4, **overrides})
+    return config_lib.resolve(cfg, 4, 1, "tpu")
+
+
+@pytest.mark.parametrize("strategy, balanced, tokamax", [
+    ("ring", True, True), ("ring", False, True), ("ulysses", False, True), ("all_gather", False, None)])
+def test_a_tpu_plan_maps_context_parallelism_to_maxtexts(strategy, balanced, tokamax):
+    """Each strategy to MaxText's of the same name; its kernel as maxlm's (the all-gather's 'auto'
+    is XLA's attention: splash needs whole rows)."""
+    cfg = long_context_v5p8(**{"model.context_parallel": strategy, "model.context_load_balance": balanced,
+                               "model.attention": "auto"})
+    args = as_dict(maxtext_peer.maxtext_args(cfg, 1, "/tmp/out", target="v5p-8"))
+    assert (args["ici_context_parallelism"], args["context_parallel_strategy"],
+            args["context_parallel_load_balance"]) == ("4", strategy, str(balanced))
+    assert args.get("use_tokamax_splash") == (tokamax and "True")  # MaxText's ring and Ulysses need it
+    assert args["attention"] == ("dot_product" if strategy == "all_gather" else "flash")
+    assert args["max_target_length"] == "32768" and args["per_device_batch_size"] == "1"
+    # without a sequence axis MaxText's own default (all_gather, balanced) never matters
+    plain = as_dict(maxtext_peer.maxtext_args(config_lib.resolve(load_config("llama_1b_v5p8"), 4, 1, "tpu"),
+                                              1, "/tmp/out", target="v5p-8"))
+    assert plain["ici_context_parallelism"] == "1" and "context_parallel_strategy" not in plain
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+def test_a_ring_or_ulysses_without_splash_is_refused(strategy):
+    """MaxText's TPU ring and Ulysses run only in its splash kernel: XLA's attention is not comparable."""
+    cfg = long_context_v5p8(**{"model.context_parallel": strategy, "model.attention": "xla"})
+    with pytest.raises(ConfigError, match="without splash attention"):
+        maxtext_peer.maxtext_args(cfg, 1, "/tmp/out", target="v5p-8")
+
+
 @pytest.mark.parametrize("scanned", [False, True])
 def test_a_tpu_plan_compiles_both_sides_with_the_same_layer_layout(scanned):
     """`compare --target --layers=scanned` compiles both steps scanned (the presets' layout), the

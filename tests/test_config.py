@@ -32,6 +32,9 @@ def test_mesh_fill():
         ({"batch_size": 6, "mesh.data": 4, "mesh.fsdp": -1}, "batch_size=6 must be divisible by mesh.data x mesh.fsdp x mesh.expert = 4 x 2 x 1 = 8"),
         ({"model.num_heads": 6, "model.num_kv_heads": 4}, "model.num_heads=6 must be divisible by model.num_kv_heads=4"),
         ({"model.d_model": 66, "model.num_heads": 4}, "model.d_model=66 must be divisible by model.num_heads=4"),
+        # the weights' d_model dim is split over fsdp and sequence (ZeRO-3 over both)
+        ({"model.d_model": 260, "model.head_dim": 64, "mesh.fsdp": 2, "mesh.sequence": 4},
+         "model.d_model=260 must be divisible by mesh.fsdp x mesh.sequence = 2 x 4 = 8"),
         ({"optim.lr": 0.0}, "optim.lr must be a positive finite number, got 0.0"),
         ({"optim.lr": -1e-3}, "optim.lr must be a positive finite number"),
         ({"steps": 0}, "steps must be a positive finite number, got 0"),

@@ -70,7 +70,7 @@ def test_eval_on_another_mesh_and_device_count(run):
     other = config_lib.resolve(other, jax.device_count())
     rules, mesh = mesh_lib.rules_of(other.mesh), mesh_lib.make_mesh(other.mesh)
     params, _ = runs.restore_params(runs.checkpoint_path(str(workdir)), other, mesh, rules)
-    assert tuple(params["layers"]["attn"]["wq"].sharding.spec)[1:3] == ("fsdp", "tensor")
+    assert tuple(params["layers"]["attn"]["wq"].sharding.spec)[1:3] == (("fsdp", "sequence"), "tensor")
     result = evaluate_lib.evaluate(other, params, make_dataset(other, "validation"), mesh, rules, 2)
     assert result["loss"] == pytest.approx(eval_losses[10], rel=1e-5)
 

@@ -236,11 +236,11 @@ WQ = "['layers']['attn']['wq']"  # [layers, embed, heads, head_dim] = [2, 128, 4
 def test_moments_follow_their_parameter(name, moments):
     specs, _ = sharded_state(name)
     for moment in moments:
-        assert specs[f"['opt_state'][1][0].{moment}{W_UP}"] == "P('stage', 'fsdp', 'tensor')"
-        assert specs[f"['opt_state'][1][0].{moment}{EMBED}"] == "P('tensor', 'fsdp')"
+        assert specs[f"['opt_state'][1][0].{moment}{W_UP}"] == "P('stage', ('fsdp', 'sequence'), 'tensor')"
+        assert specs[f"['opt_state'][1][0].{moment}{EMBED}"] == "P('tensor', ('fsdp', 'sequence'))"
     zero1, _ = sharded_state(name, data=2, zero1=True)
     for moment in moments:  # ZeRO-1: the embed dim also over data (parameters: not, sharded_state checks)
-        assert zero1[f"['opt_state'][1][0].{moment}{W_UP}"] == "P('stage', ('fsdp', 'data'), 'tensor')"
+        assert zero1[f"['opt_state'][1][0].{moment}{W_UP}"] == "P('stage', ('fsdp', 'sequence', 'data'), 'tensor')"
 
 
 def test_adafactor_factored_moments_drop_the_averaged_dim():
@@ -248,19 +248,19 @@ def test_adafactor_factored_moments_drop_the_averaged_dim():
     parameter's spec without that dim; placeholders are replicated; ZeRO-1 adds `data` to them."""
     specs, state = sharded_state("adafactor", create=True)
     at = lambda field, path: specs[f"['opt_state'][1][0].{field}{path}"]  # noqa: E731
-    assert at("v_row", W_UP) == "P('stage', 'fsdp')" and at("v_col", W_UP) == "P('stage', 'tensor')"
-    assert at("v_row", EMBED) == "P('fsdp',)" and at("v_col", EMBED) == "P('tensor',)"
+    assert at("v_row", W_UP) == "P('stage', ('fsdp', 'sequence'))" and at("v_col", W_UP) == "P('stage', 'tensor')"
+    assert at("v_row", EMBED) == "P(('fsdp', 'sequence'),)" and at("v_col", EMBED) == "P('tensor',)"
     assert at("v", W_UP) == at("v", EMBED) == "P()"  # placeholders
-    assert at("v", WQ) == "P('stage', 'fsdp', 'tensor', None)" and at("v_row", WQ) == "P()"
+    assert at("v", WQ) == "P('stage', ('fsdp', 'sequence'), 'tensor', None)" and at("v_row", WQ) == "P()"
     assert at("count", "") == "P()"
     v_row = state["opt_state"][1][0].v_row["layers"]["mlp"]["w_up"]
     assert v_row.shape == (2, 128) and v_row.addressable_shards[0].data.shape == (2, 16)  # 1/8 each
 
     zero1, _ = sharded_state("adafactor", data=2, zero1=True)
     at = lambda field, path: zero1[f"['opt_state'][1][0].{field}{path}"]  # noqa: E731
-    assert at("v_row", W_UP) == "P('stage', ('fsdp', 'data'))"  # its embed dim, 128 over 4 x 2
+    assert at("v_row", W_UP) == "P('stage', ('fsdp', 'sequence', 'data'))"  # its embed dim, 128 over 4 x 2
     assert at("v_col", EMBED) == "P(('tensor', 'data'),)"  # no embed dim: the first that divides
-    assert at("v", WQ) == "P('stage', ('fsdp', 'data'), 'tensor', None)"
+    assert at("v", WQ) == "P('stage', ('fsdp', 'sequence', 'data'), 'tensor', None)"
     assert at("v", W_UP) == "P()"  # a (1,) placeholder stays replicated
 
 

@@ -60,23 +60,25 @@ def test_state_is_sharded_as_the_rules_say():
     _, state = run(cfg, steps=1)
     specs = mesh_lib.describe(state)
     wq = "['layers']['attn']['wq']"
-    # params: embed dim over fsdp (ZeRO-3), heads over tensor (Megatron); data replicates;
-    # the scanned `layers` axis is split over pipeline stages (`stage`, size 1 here).
-    assert specs[f"['params']{wq}"] == "P('stage', 'fsdp', 'tensor', None)"
-    assert specs["['params']['layers']['mlp']['w_down']"] == "P('stage', 'tensor', 'fsdp')"
-    assert specs["['params']['embed']"] == "P('tensor', 'fsdp')"
-    assert specs["['params']['final_norm']['scale']"] == "P('fsdp',)"
+    # params: embed dim over fsdp and sequence (ZeRO-3; sequence is 1 here), heads over tensor
+    # (Megatron); data replicates; the scanned `layers` axis is split over pipeline stages (`stage`,
+    # size 1 here).
+    embed = "('fsdp', 'sequence')"
+    assert specs[f"['params']{wq}"] == f"P('stage', {embed}, 'tensor', None)"
+    assert specs["['params']['layers']['mlp']['w_down']"] == f"P('stage', 'tensor', {embed})"
+    assert specs["['params']['embed']"] == f"P('tensor', {embed})"
+    assert specs["['params']['final_norm']['scale']"] == f"P({embed},)"
     # Adam's moments follow their parameter, so optimizer state is sharded the same way.
     moment_specs = {k: v for k, v in specs.items() if k.endswith(f".mu{wq}") or k.endswith(f".nu{wq}")}
     assert len(moment_specs) == 2
-    assert set(moment_specs.values()) == {"P('stage', 'fsdp', 'tensor', None)"}
+    assert set(moment_specs.values()) == {f"P('stage', {embed}, 'tensor', None)"}
     # And each device really holds only its shard: 1/(fsdp*tensor) of the matrix.
     wq_array = state["params"]["layers"]["attn"]["wq"]
     shard = wq_array.addressable_shards[0].data
     assert shard.size * 4 == wq_array.size
 
 
-@pytest.mark.parametrize("rule, spec", [(None, "P(None, 'fsdp')"), ("tensor", "P('tensor', 'fsdp')")],
+@pytest.mark.parametrize("rule, spec", [(None, "P(None, ('fsdp', 'sequence'))"), ("tensor", "P('tensor', ('fsdp', 'sequence'))")],
                          ids=["default", "positions_on_tensor"])
 def test_learned_position_table_is_sharded_as_the_rules_say(rule, spec):
     """[max_positions, D]: the embed dim over fsdp, like the token embedding's; the positions dim
@@ -97,6 +99,25 @@ def test_learned_position_table_is_sharded_as_the_rules_say(rule, spec):
     assert shapes["params"]["pos_embed"].shape == (cfg.seq_len, 64)
     table_sharding = shardings["params"]["pos_embed"]
     assert table_sharding.shard_shape((cfg.seq_len, 64)) == (cfg.seq_len // (2 if rule else 1), 32)
+
+
+def test_the_sequence_axis_splits_the_weights_and_their_moments_too():
+    """With mesh.sequence > 1 its devices hold the same batch rows; the state is split over them as
+    over fsdp (MaxText's rule), not replicated: fsdp 2 x sequence 2 x tensor 2 leaves each device
+    1/8 of a layer's query projection and of its Adam moments."""
+    cfg = load_config("tiny")
+    cfg.mesh.update(data=1, fsdp=2, sequence=2, tensor=2)
+    cfg.model.update(num_heads=8, num_kv_heads=4, d_model=64)
+    cfg = config_lib.resolve(cfg, jax.device_count())
+    tx = optim.make_optimizer(cfg)
+    rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
+    shapes = jax.eval_shape(functools.partial(state_lib.init_state, cfg, tx), jax.random.key(0))
+    shardings = state_lib.shardings(cfg, tx, mesh, rules, shapes)
+    by_path = {jax.tree_util.keystr(path): s for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    wq = [s for path, s in by_path.items() if path.endswith("['layers']['attn']['wq']")]
+    assert len(wq) == 3  # the parameter, Adam's mu and nu
+    shape = shapes["params"]["layers"]["attn"]["wq"].shape  # [layers, D, H, Dh]
+    assert {s.shard_shape(shape) for s in wq} == {(shape[0], 64 // 4, 8 // 2, shape[3])}
 
 
 def test_rules_are_config_data():

@@ -116,8 +116,8 @@ def test_zero1_shards_moments_over_data_and_keeps_the_numbers(reference):
     # every moment gains `data`: on its embed dim when it divides (wq: D=64 over fsdp×data = 4)
     assert all("data" in v for v in moments.values()), moments
     wq = "['layers']['attn']['wq']"
-    assert specs[f"['params']{wq}"] == "P('stage', 'fsdp', 'tensor', None)"
-    assert {v for k, v in moments.items() if k.endswith(wq)} == {"P('stage', ('fsdp', 'data'), 'tensor', None)"}
+    assert specs[f"['params']{wq}"] == "P('stage', ('fsdp', 'sequence'), 'tensor', None)"
+    assert {v for k, v in moments.items() if k.endswith(wq)} == {"P('stage', ('fsdp', 'sequence', 'data'), 'tensor', None)"}
 
 
 def test_zero1_falls_back_to_another_dim():

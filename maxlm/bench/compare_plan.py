@@ -19,7 +19,8 @@ compiled step's cost and memory analyses. Of each, per device:
 
 The config's logits chunks map to MaxText's vocabulary tiling of the same size
 (`num_vocab_tiling` = seq_len / model.logits_chunk_size); the mesh's data, fsdp and tensor axes
-to its `ici_*_parallelism`.
+to its `ici_*_parallelism`, and `mesh.sequence` with `model.context_parallel` to its context
+parallelism (`maxtext_peer.context_parallel_args`).
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def compare_plans(f) -> dict:
         "benchmark": "compare_plan", "peer": "maxtext", "peer_version": maxtext["version"], "target": f.target,
         "layers": f.layers,
         "per_device": results, "ratio": ratios, "ratio_is": "maxlm / maxtext",
-        "model": compare.model_summary(cfg, None), "mesh": {a: cfg.mesh[a] for a in ("data", "fsdp", "tensor")},
+        "model": compare.model_summary(cfg, None), "mesh": {a: cfg.mesh[a] for a in ("data", "fsdp", "sequence", "tensor")},
+        "context_parallel": peer.context_parallel_args(cfg),
         "logits_chunk_size": cfg.model.logits_chunk_size, "attention": peer.attention_of(cfg, "tpu"),
         "runtime": compare.probe(peer_python, compare.RUNTIME_PROBE) | {"libtpu": libtpu_version(peer_python)},
         "commands": {side.name: side.shell() for side in both},

@@ -20,7 +20,7 @@ import sys
 
 from maxlm import config as config_lib, model
 from maxlm.errors import ConfigError
-from maxlm.model import attention, grouped_matmul
+from maxlm.model import attention_plan, grouped_matmul
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # maxlm/bench/ is two below
 LOCK = os.path.join(REPO, "launch", "peers", "maxtext.lock")
@@ -54,8 +54,8 @@ def check_expressible(cfg, target: str = "") -> None:
     problems = {
         "more than one device (the comparison runs on one)":
             on_cpu and math.prod(cfg.mesh[a] for a in config_lib.MESH_AXES) != 1,
-        "mesh.stage or mesh.sequence > 1 (MaxText's pipeline and context parallelism are other schemes)":
-            cfg.mesh.stage != 1 or cfg.mesh.sequence != 1,
+        "mesh.stage > 1 (MaxText's pipeline is another scheme)": cfg.mesh.stage != 1,
+        **({} if on_cpu else context_parallel_problems(cfg)),  # on CPU: one device
         f"model.positions={m.positions!r} (MaxText's llama2 block has RoPE only)": m.positions != "rope",
         f"model.rope_scaling={m.rope_scaling!r} (not mapped to MaxText's rope settings)": m.rope_scaling != "none",
         "model.label_smoothing (MaxText's pre-training loss has none)": m.label_smoothing,
@@ -76,6 +76,32 @@ def check_expressible(cfg, target: str = "") -> None:
     found = [what for what, bad in problems.items() if bad]
     if found:
         raise ConfigError("MaxText cannot run this config the same way: " + "; ".join(found))
+
+
+def context_parallel_problems(cfg) -> dict[str, bool]:
+    """What of `mesh.sequence` > 1 MaxText's TPU context parallelism cannot run the same way. Its ring
+    and Ulysses run only in Tokamax's splash kernel. (Load balancing, maxlm's for the ring only,
+    is MaxText's `context_parallel_load_balance`.)"""
+    m = cfg.model
+    if cfg.mesh.sequence == 1:
+        return {}
+    splash = attention_plan.kernels(cfg, "tpu")["attention"] == "splash"
+    return {
+        f"model.context_parallel={m.context_parallel!r} without splash attention (MaxText's TPU ring and "
+        "Ulysses run in Tokamax's splash kernel only)": m.context_parallel != "all_gather" and not splash,
+    }
+
+
+def context_parallel_args(cfg) -> dict:
+    """MaxText's context-parallel overrides for `mesh.sequence`: the same strategy over an
+    `ici_context_parallelism` axis of the same size, with load balancing (zig-zag: MaxText's
+    dual-chunk order) as maxlm's. MaxText's ring and Ulysses require its Tokamax splash kernel."""
+    m = cfg.model
+    if cfg.mesh.sequence == 1:
+        return {"ici_context_parallelism": 1}
+    return {"ici_context_parallelism": cfg.mesh.sequence, "context_parallel_strategy": m.context_parallel,
+            "context_parallel_load_balance": m.context_load_balance,
+            **({"use_tokamax_splash": True} if m.context_parallel != "all_gather" else {})}
 
 
 def moe_problems(m) -> dict[str, bool]:
@@ -114,9 +140,7 @@ def moe_args(cfg, target: str) -> dict:
 
 def attention_of(cfg, platform: str) -> str:
     """MaxText's `attention` for the backend maxlm's step runs on `platform`."""
-    backend = attention.attention_backend(cfg.model.attention, model.compute_dtype(cfg.model), cfg.seq_len,
-                                          platform=platform)
-    return {"splash": "flash", "xla": "dot_product"}[backend]
+    return {"splash": "flash", "xla": "dot_product"}[attention_plan.kernels(cfg, platform)["attention"]]
 
 
 def maxtext_args(cfg, steps: int, workdir: str, target: str = "") -> list[str]:
@@ -131,7 +155,7 @@ def maxtext_args(cfg, steps: int, workdir: str, target: str = "") -> list[str]:
     if target:
         placement = {"hardware": "tpu", "attention": attention_of(cfg, "tpu"),
                      "ici_data_parallelism": cfg.mesh.data, "ici_fsdp_parallelism": cfg.mesh.fsdp,
-                     "ici_tensor_parallelism": cfg.mesh.tensor,
+                     "ici_tensor_parallelism": cfg.mesh.tensor, **context_parallel_args(cfg),
                      "num_vocab_tiling": cfg.seq_len // m.logits_chunk_size if m.logits_chunk_size else 1}
     args = {
         "run_name": "compare", "base_output_directory": workdir, **placement,
