@@ -78,6 +78,17 @@ def test_state_is_sharded_as_the_rules_say():
     assert shard.size * 4 == wq_array.size
 
 
+def planned_shardings(cfg):
+    """The state's shapes and the shardings create_sharded_state initialises it into (no compile
+    needed to read them), also as {keystr path: sharding}."""
+    tx = optim.make_optimizer(cfg)
+    rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
+    shapes = jax.eval_shape(functools.partial(state_lib.init_state, cfg, tx), jax.random.key(0))
+    shardings = state_lib.shardings(cfg, tx, mesh, rules, shapes)
+    by_path = {jax.tree_util.keystr(path): s for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    return shapes, shardings, by_path
+
+
 @pytest.mark.parametrize("rule, spec", [(None, "P(None, ('fsdp', 'sequence'))"), ("tensor", "P('tensor', ('fsdp', 'sequence'))")],
                          ids=["default", "positions_on_tensor"])
 def test_learned_position_table_is_sharded_as_the_rules_say(rule, spec):
@@ -88,12 +99,7 @@ def test_learned_position_table_is_sharded_as_the_rules_say(rule, spec):
     cfg.model.update(positions="learned", num_heads=8, num_kv_heads=4, d_model=64)
     cfg.mesh.rules = tuple((name, rule if name == "positions" else axes) for name, axes in cfg.mesh.rules)
     cfg = config_lib.resolve(cfg, jax.device_count())
-    tx = optim.make_optimizer(cfg)
-    rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
-    # the shardings create_sharded_state initialises the state into (no compile needed to read them)
-    shapes = jax.eval_shape(functools.partial(state_lib.init_state, cfg, tx), jax.random.key(0))
-    shardings = state_lib.shardings(cfg, tx, mesh, rules, shapes)
-    by_path = {jax.tree_util.keystr(path): s for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    shapes, shardings, by_path = planned_shardings(cfg)
     tables = {path: str(s.spec) for path, s in by_path.items() if path.endswith("['pos_embed']")}
     assert len(tables) == 3 and set(tables.values()) == {spec}  # params, Adam's mu and nu
     assert shapes["params"]["pos_embed"].shape == (cfg.seq_len, 64)
@@ -108,12 +114,7 @@ def test_the_sequence_axis_splits_the_weights_and_their_moments_too():
     cfg = load_config("tiny")
     cfg.mesh.update(data=1, fsdp=2, sequence=2, tensor=2)
     cfg.model.update(num_heads=8, num_kv_heads=4, d_model=64)
-    cfg = config_lib.resolve(cfg, jax.device_count())
-    tx = optim.make_optimizer(cfg)
-    rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
-    shapes = jax.eval_shape(functools.partial(state_lib.init_state, cfg, tx), jax.random.key(0))
-    shardings = state_lib.shardings(cfg, tx, mesh, rules, shapes)
-    by_path = {jax.tree_util.keystr(path): s for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    shapes, _, by_path = planned_shardings(config_lib.resolve(cfg, jax.device_count()))
     wq = [s for path, s in by_path.items() if path.endswith("['layers']['attn']['wq']")]
     assert len(wq) == 3  # the parameter, Adam's mu and nu
     shape = shapes["params"]["layers"]["attn"]["wq"].shape  # [layers, D, H, Dh]
