@@ -187,12 +187,6 @@ def _check_pipeline(c, mesh):
     if not m.scan_layers:
         raise ConfigError(f"mesh.stage={stages} > 1 needs model.scan_layers=True (stages split the "
                           "scanned layers)")
-    if m.attention in ("cudnn", "splash"):
-        raise ConfigError(
-            f"model.attention={m.attention!r} is not supported with mesh.stage={stages} > 1 (the "
-            "pipeline runs the stages under vmap); use model.attention='xla' or 'auto'"
-        )
-    m.attention = "xla"  # what "auto" means in the pipeline
     shards = c.optim.grad_accum_steps * micro * math.prod(mesh[a] for a in BATCH_AXES)
     if c.batch_size % shards:
         factors = {"optim.grad_accum_steps": c.optim.grad_accum_steps, "model.pipeline_microbatches": micro}

@@ -99,6 +99,10 @@ def check_platform(c, num_devices: int, platform: str | None) -> None:
     if c.model.grouped_matmul == "megablox" and platform not in (None, "tpu"):
         raise ConfigError(f"model.grouped_matmul='megablox' is a TPU kernel, and this runs on {platform!r}; "
                           "use 'auto' or 'ragged_dot'")
+    kernel_platform = {"splash": "tpu", "cudnn": "gpu"}.get(c.model.attention)
+    if kernel_platform and platform not in (None, kernel_platform):
+        raise ConfigError(f"model.attention={c.model.attention!r} is a {kernel_platform.upper()} kernel, and this runs "
+                          f"on {platform!r}; use 'auto' or 'xla'")
 
 
 def _check_experts(c) -> None:

@@ -76,6 +76,23 @@ def test_the_64k_preset_fits_an_h100_host_with_the_ring_and_cudnn_per_block(tmp_
 
 
 @needs_compiler
+@pytest.mark.parametrize("mesh, strategy", [
+    (("--config.mesh.fsdp=4",), "none"),
+    pytest.param(("--config.mesh.fsdp=1", "--config.mesh.sequence=4", "--config.model.context_parallel=ring",
+                  "--config.model.context_load_balance=True"), "ring over 4 devices, zig-zag, cudnn per block",
+                 marks=pytest.mark.ci),
+], ids=["whole_rows", "ring"])
+def test_a_pipeline_compiles_cudnn_under_its_vmap(tmp_path, mesh, strategy):
+    """mesh.stage=2 runs the stages under vmap, where JAX's own batching rule for cuDNN fails on a
+    bias shared by the heads: maxlm/model/cudnn.py's folded calls compile to cuDNN's kernels, for
+    whole rows and per ring block."""
+    result = plan(tmp_path, "configs/tiny.py", "h100x8", "--noestimate", "--config.seq_len=1024", "--config.batch_size=8",
+                  "--config.model.dtype=bfloat16", "--config.mesh.stage=2", "--config.model.pipeline_microbatches=2", *mesh)
+    assert result["attention"] == "cudnn" and result["context_parallel"] == strategy and result["fits"]
+    assert {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"} <= set(result["kernels"])
+
+
+@needs_compiler
 @pytest.mark.ci  # 2 to 3 minutes on the 2-core machine
 def test_the_qwen3_moe_preset_fits_two_h100_hosts(tmp_path):
     """The whole preset (48 layers, 64 x 4096), deviceless with the dropless sort kept off CUB

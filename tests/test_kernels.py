@@ -12,7 +12,7 @@ import pytest
 from maxlm import config as config_lib, model
 from maxlm.model import attention, fp8
 from maxlm.train import mesh as mesh_lib, optim, state as state_lib, step as step_lib
-from tests.helpers import load_config, packed_batch
+from tests.helpers import load_config, packed_batch, padded_packed_batch
 
 
 def assert_close(actual, expected, tol, what=""):
@@ -158,6 +158,31 @@ def test_model_with_splash_matches_xla(tiny):
     np.testing.assert_allclose(loss(splash_cfg), loss(cfg.model), rtol=1e-6)
 
 
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring"])
+def test_the_pipeline_runs_splash_under_its_vmap(strategy):
+    """mesh.stage=2 runs its stages under vmap; the splash kernel (interpreted) runs inside: on
+    whole rows with fsdp 2 x tensor 2, or over sequence=4 as Ulysses or as the ring's blocks. The
+    loss and gradients of a packed batch with padding are the unpipelined XLA model's."""
+    cfg = load_config("tiny")
+    sequence = 1 if strategy == "all_gather" else 4
+    cfg.mesh.update(stage=2, data=1, fsdp=2 if sequence == 1 else 1, sequence=sequence, tensor=2 if sequence == 1 else 1)
+    config_lib.apply_overrides(cfg, {"seq_len": 512 if sequence > 1 else 128, "model.num_layers": 2,
+                                     "model.num_heads": 4, "model.num_kv_heads": 2,
+                                     "model.pipeline_microbatches": 2, "model.context_parallel": strategy})
+    cfg = config_lib.resolve(cfg, 8)
+    params = model.init_params(cfg.model, jax.random.key(0))
+    batch = {k: jnp.asarray(v) for k, v in padded_packed_batch(4, cfg.seq_len, cfg.model.vocab_size, seed=3).items()}
+    loss_and_grads = lambda model_cfg: jax.jit(jax.value_and_grad(lambda p, b: model.loss_fn(model_cfg, p, b)[0]))  # noqa: E731
+    want, want_grads = loss_and_grads(cfg.model)(params, batch)
+    cfg.model.attention = attention.SPLASH_INTERPRET  # tests only: resolve() knows no interpreter
+    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
+    with mesh_lib.activate(mesh, rules):
+        loss, grads = loss_and_grads(cfg.model)(params, mesh_lib.global_batch(batch, mesh, rules))
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
 def test_block_size():
     assert [attention.block_size(n) for n in (128, 256, 384, 512, 768, 2048, 8192)] == [
         128, 256, 128, 512, 256, 512, 512]
@@ -195,6 +220,15 @@ def test_config_rejects(overrides, message):
     cfg = config_lib.apply_overrides(load_config("tiny"), overrides)
     with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         config_lib.resolve(cfg, 8)
+
+
+@pytest.mark.parametrize("kernel, platform", [("splash", "cpu"), ("splash", "gpu"), ("cudnn", "cpu"), ("cudnn", "tpu")])
+def test_config_rejects_a_kernel_for_another_platform(kernel, platform):
+    cfg = config_lib.apply_overrides(load_config("tiny"), {"model.attention": kernel, "seq_len": 128})
+    with pytest.raises(config_lib.ConfigError, match=f"model.attention='{kernel}' is a .* kernel, and this runs on "
+                                                     f"'{platform}'; use 'auto' or 'xla'"):
+        config_lib.resolve(cfg, 8, platform=platform)
+    assert config_lib.resolve(cfg, 8, platform="tpu" if kernel == "splash" else "gpu").model.attention == kernel
 
 
 def test_config_rejects_non_bool_fp8():

@@ -150,12 +150,28 @@ def test_the_128k_preset_fits_v5p64_with_the_ring_and_splash_per_block(tmp_path)
 @needs_libtpu
 def test_the_ring_compiles_splash_per_block_natively_for_a_v5p(tmp_path):
     """Ring attention over 4 chips in zig-zag order, each block through splash compiled by Mosaic,
-    its backward kernels fed the whole rows' residuals (maxlm/model/ring_splash.py)."""
+    its backward kernels fed the whole rows' residuals (maxlm/model/ring_blocks.py)."""
     result = plan(tmp_path, "configs/tiny.py", "v5p-8", "--noestimate", "--config.seq_len=1024", "--config.batch_size=2",
                   "--config.mesh.sequence=4", "--config.mesh.fsdp=1", "--config.model.context_parallel=ring",
                   "--config.model.context_load_balance=True", "--config.model.dtype=bfloat16")
     assert result["attention"] == "splash" and result["splash_blocks"] == [128, 128] and result["fits"]
     assert result["context_parallel"] == "ring over 4 devices, zig-zag, splash per block"
+    assert "tpu_custom_call" in result["kernels"]
+
+
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.parametrize("mesh, strategy", [
+    (("--config.mesh.fsdp=2",), "none"),
+    pytest.param(("--config.mesh.fsdp=1", "--config.mesh.sequence=2", "--config.model.context_parallel=ring"),
+                 "ring over 2 devices, splash per block", marks=pytest.mark.ci),
+], ids=["whole_rows", "ring"])
+def test_a_pipeline_compiles_splash_under_its_vmap_for_a_v5p(tmp_path, mesh, strategy):
+    """mesh.stage=2 runs the stages under vmap: splash, whole rows or per ring block, compiled by
+    Mosaic inside it."""
+    result = plan(tmp_path, "configs/tiny.py", "v5p-8", "--noestimate", "--config.seq_len=1024", "--config.batch_size=8",
+                  "--config.model.dtype=bfloat16", "--config.mesh.stage=2", "--config.model.pipeline_microbatches=2", *mesh)
+    assert result["attention"] == "splash" and result["context_parallel"] == strategy and result["fits"]
     assert "tpu_custom_call" in result["kernels"]
 
 

@@ -108,11 +108,10 @@ def test_ulysses_config_rules():
     cfg = load_config("tiny")
     cfg.mesh.update(stage=2, data=1, fsdp=1, sequence=4)
     cfg.model.pipeline_microbatches = 2
-    piped = config_lib.resolve(config_lib.apply_overrides(cfg, {"model.context_parallel": "ulysses"}), 8)
-    assert piped.model.attention == "xla"  # in a pipeline, on whole rows (tests/test_ring_attention.py runs it)
-    with pytest.raises(config_lib.ConfigError, match="model.attention='splash' is not supported with mesh.stage=2"):
-        config_lib.resolve(config_lib.apply_overrides(cfg, {"model.context_parallel": "ulysses",
-                                                            "model.attention": "splash", "seq_len": 128}), 8)
+    # in a pipeline too, with the backend's kernel (tests/test_kernels.py runs splash there)
+    piped = config_lib.resolve(config_lib.apply_overrides(cfg, {"model.context_parallel": "ulysses",
+                                                                "model.attention": "splash", "seq_len": 128}), 8)
+    assert piped.model.attention == "splash"
     assert ulysses_config(sequence=1, data=8).model.context_parallel == "ulysses"  # a no-op, allowed
     # the kernels need whole rows, which Ulysses gives them: not refused under mesh.sequence
     assert ulysses_config(**{"model.attention": "xla"}).model.attention == "xla"

@@ -3,7 +3,7 @@
     out_BLHDh = attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL)
 
   xla    `xla_attention`: einsums over grouped-query heads, softmax in float32; runs anywhere and
-         is the only one partitioned along the sequence (sequence parallelism) or in a pipeline.
+         is the only one the all-gather strategy partitions along the sequence.
   cudnn  cuDNN's fused flash attention (NVIDIA GPUs, 16-bit compute; `cudnn_attention`, below).
   splash the Pallas splash-attention kernel for TPUs (`splash_attention`, below).
 `attention_backend` resolves "auto" from the platform being compiled for and the dtype.
@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel, splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec
+
+from maxlm.model import cudnn, pipeline
 
 LANES = 128  # a splash block is a multiple of this
 BLOCK_SIZES = (512, 256, 128)  # tried largest first; 512 is MaxText's default on v5e/v5p
@@ -171,7 +173,10 @@ def document_bias(segment_ids_BL, dtype, segment_ids_BS=None):
 
 def cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, bias_B1LS):
     """cuDNN's fused flash attention in causal mode, documents from `document_bias`;
-    grouped-query heads are native."""
+    grouped-query heads are native. In a pipeline, whose stages run under vmap, the same kernel
+    through maxlm/model/cudnn.py: JAX's own batching rule cannot batch a bias shared by the heads."""
+    if pipeline.pipeline_stages() > 1:
+        return cudnn.attention(q_BLHDh, k_BSKDh, v_BSKDh, bias_B1LS)
     return jax.nn.dot_product_attention(q_BLHDh, k_BSKDh, v_BSKDh, bias=bias_B1LS, is_causal=True,
                                         implementation="cudnn")
 
@@ -220,10 +225,13 @@ def splash_local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q, block_kv
     k_BKSDh = jnp.swapaxes(k_BSKDh, 1, 2)
     v_BKSDh = jnp.swapaxes(v_BSKDh, 1, 2)
 
-    def one_sequence(q_HLDh, k_KSDh, v_KSDh, segment_ids_L):
+    def one_sequence(kernel, q_HLDh, k_KSDh, v_KSDh, segment_ids_L):
         return kernel(q_HLDh, k_KSDh, v_KSDh, splash_kernel.SegmentIds(q=segment_ids_L, kv=segment_ids_L))
 
-    out_BHLDh = _residuals_made_in_forward(jax.vmap(one_sequence))(q_BHLDh, k_BKSDh, v_BKSDh, segment_ids_BL)
+    # The kernel (a pytree: its mask tables are arrays made in this trace) goes in as an argument:
+    # closed over, the pipeline's vmap would trace the custom VJP after this trace ended (a leak).
+    attend_all = jax.vmap(one_sequence, in_axes=(None, 0, 0, 0, 0))
+    out_BHLDh = _residuals_made_in_forward(attend_all)(kernel, q_BHLDh, k_BKSDh, v_BKSDh, segment_ids_BL)
     return jnp.swapaxes(out_BHLDh, 1, 2)
 
 

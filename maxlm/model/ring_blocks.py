@@ -20,11 +20,11 @@ The forward kernels return each part's normalised output and log-sum-exp (splash
 `save_residuals`, cuDNN's `return_residual`); the ring merges them. The backward pass must use
 the *whole* row's output and log-sum-exp (flash attention's backward: P = exp(S − lse),
 dS = P ∘ (dP − rowsum(dO ∘ O))), which neither kernel's public VJP takes, as each recomputes its
-own part's. So `backward` calls the kernels' backward rules with those residuals, private
-functions of jax 0.12: `splash_attention_kernel._splash_attention_bwd`, and cuDNN's backward
-primitive (`fused_attention_stablehlo._dot_product_attention_bwd_p_wrapper`). Splash is checked
-against `xla_attention` by tests/test_ring_attention.py in the Pallas interpreter; cuDNN is
-compiled for H100s in CI and checked against `xla_attention` only on a GPU (tests/test_cudnn.py).
+own part's. So `backward` calls the kernels' backward rules with those residuals: splash's
+`splash_attention_kernel._splash_attention_bwd` (private, jax 0.12) and `cudnn.backward`.
+Splash is checked against `xla_attention` by tests/test_ring_attention.py in the Pallas
+interpreter; cuDNN is compiled for H100s in CI and checked against `xla_attention` only on a GPU
+(tests/test_cudnn.py).
 
 A row whose document has no token in a part gets the mask value (splash: about −2.4e38; cuDNN:
 the bias, −2^41) as its log-sum-exp there: weight exp(mask − lse) = 0 in the merge and in the
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel, splash_attention_mask as splash_mask
 
-from maxlm.model import attention
+from maxlm.model import attention, cudnn
 
 EARLIER, SAME, LATER = 0, 1, 2
 
@@ -179,37 +179,16 @@ def _splash_backward(kernel, causal, block_len, q_bHLDh, k_bKSDh, v_bKSDh, seg_q
 # ----------------------------------------------------------------------------- cuDNN
 
 
-def _cudnn_mask(causal: bool):
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # jax's binding: private, pinned by the locks
-
-    return cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
-
-
-def _cudnn_options(causal: bool) -> dict:
-    """The keyword arguments of cuDNN's backward primitive for a part, BNTH layout, with a bias
-    and no bias gradient; q comes in scaled by the ring, so the kernel's own scale is 1."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
-    return dict(scale=1.0, seed=0, dropout_rate=0.0, variadic_args=(True, False), mask_type=_cudnn_mask(causal),
-                layout=cudnn.AttentionLayout.BNTH.value, sliding_window_length=None)
-
-
 def _cudnn_forward(kernel, causal, block_len, q_bHLDh, k_bKSDh, v_bKSDh, seg_q_bL, seg_k_bS):
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
     bias = attention.document_bias(seg_q_bL, q_bHLDh.dtype, seg_k_bS)
-    out, lse = cudnn.dot_product_attention(q_bHLDh, k_bKSDh, v_bKSDh, bias=bias, scale=1.0, qkv_layout="BNTH",
-                                           return_residual=True, mask_type=_cudnn_mask(causal))
-    return out, lse.reshape(q_bHLDh.shape[:3])  # [b, H, L] (BNT in this layout)
+    return cudnn.forward(q_bHLDh, k_bKSDh, v_bKSDh, bias, **_cudnn_options(causal))
 
 
 def _cudnn_backward(kernel, causal, block_len, q_bHLDh, k_bKSDh, v_bKSDh, seg_q_bL, seg_k_bS, out_bHLDh, lse_bHL, dout_bHLDh):
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
     bias = attention.document_bias(seg_q_bL, q_bHLDh.dtype, seg_k_bS)
-    unused = jnp.zeros(0, q_bHLDh.dtype)
-    grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
-        q_bHLDh, k_bKSDh, v_bKSDh, bias, unused, unused, unused, unused, unused, unused, lse_bHL,
-        out_bHLDh.astype(q_bHLDh.dtype), dout_bHLDh.astype(q_bHLDh.dtype), score_mod=None,
-        **_cudnn_options(causal))
-    return grads[:3]
+    return cudnn.backward(q_bHLDh, k_bKSDh, v_bKSDh, bias, out_bHLDh, lse_bHL, dout_bHLDh, **_cudnn_options(causal))
+
+
+def _cudnn_options(causal: bool) -> dict:
+    """A part's mask, in the BNTH layout; q comes in scaled by the ring, so the kernel's scale is 1."""
+    return dict(causal=causal, scale=1.0, layout="BNTH")

@@ -215,6 +215,16 @@ def layer_groups(model_cfg) -> list[tuple[str, int, bool]]:
     return [("dense_layers", dense, False)] * bool(dense) + [("layers", model_cfg.num_layers - dense, True)]
 
 
+def _document_mask(cfg, segment_ids_BL, dtype):
+    """What every layer's attention takes as its mask, made once per step: the backend's form of the
+    documents (`attention.document_mask`), or None where attention masks from the segment ids in
+    each layer (splash, the ring, Ulysses)."""
+    if ring_attention.active(cfg) or ulysses.applies(cfg, *segment_ids_BL.shape):
+        return None
+    backend = attention.attention_backend(cfg.attention, dtype, segment_ids_BL.shape[1])
+    return attention.document_mask(backend, segment_ids_BL, dtype)
+
+
 class Transformer(nn.Module):
     cfg: Any
 
@@ -230,12 +240,8 @@ class Transformer(nn.Module):
                               ("positions", "embed")) if cfg.positions == "learned" else None
         x_BLD = positions.add_positions(cfg, embed(embed_VD, tokens_BL, dtype), positions_BL, pos_embed_PD)
         # Init only needs the parameters' shapes (see Attention): the plain path's mask then.
-        backend = "xla" if self.is_initializing() else attention.attention_backend(
-            cfg.attention, dtype, tokens_BL.shape[1])
-        # the ring and Ulysses mask from the segment ids in each layer: no [B, 1, L, S] mask here
-        own_mask = not self.is_initializing() and (
-            ring_attention.active(cfg) or ulysses.applies(cfg, *tokens_BL.shape))
-        mask_B1LS = None if own_mask else attention.document_mask(backend, segment_ids_BL, dtype)
+        mask_B1LS = attention.attention_mask(segment_ids_BL) if self.is_initializing() else \
+            _document_mask(cfg, segment_ids_BL, dtype)
         block = _block_class(cfg)
         router_stats = []  # per MoE layer
         if cfg.scan_layers:  # one compiled layer body per group whatever the depth; params get a `layers` axis
@@ -376,15 +382,17 @@ def pipelined_forward(model_cfg, params, batch: Batch, stages: int, with_mtp: bo
     B, L = tokens_BL.shape
     x_BLD = embed(params["embed"], tokens_BL, dtype)
     x_BLD = positions.add_positions(cfg, x_BLD, positions_BL, params.get("pos_embed"))
-    mask_B1LS = attention.attention_mask(segment_ids_BL)
+    # the documents as the backend takes them (none for splash, the ring and Ulysses), per microbatch
+    mask_B1LS = _document_mask(cfg, segment_ids_BL, dtype)
     x_MbLD = microbatches(x_BLD, M, ("batch", "length", "act_embed"))
     side_Mb = (microbatches(positions_BL, M, ("batch", "length")),
-               microbatches(mask_B1LS, M, ("batch", None, "length", None)),
                microbatches(segment_ids_BL, M, ("batch", "length")))
+    if mask_B1LS is not None:
+        side_Mb += (microbatches(mask_B1LS, M, ("batch", None, "length", None)),)
     specs = param_logical_specs(cfg)
     sown = {}
     for name, _, experts in layer_groups(cfg):
-        def layer(x_bLD, p, positions_bL, mask_b1LS, segment_ids_bL, experts=experts):
+        def layer(x_bLD, p, positions_bL, segment_ids_bL, mask_b1LS=None, experts=experts):
             return Block(cfg, experts).apply({"params": p}, x_bLD, positions_bL, mask_b1LS, segment_ids_bL)
 
         if REMAT_POLICIES[cfg.remat] is not None:
