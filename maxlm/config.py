@@ -37,6 +37,7 @@ from maxlm.config_rules import (
     POSITIONS,
     POSITIVE,
     POSITIVE_INT,
+    NORM_PLACEMENTS,
     QK_NORMS,
     ROPE_SCALINGS,
     REMAT,
@@ -203,6 +204,9 @@ def _model_defaults() -> _Section:
     s.rope_beta_slow = 1.0, POSITIVE  # yarn: ... below which it is divided by factor
     s.max_positions = 0, NON_NEGATIVE_INT  # the learned table's rows (positions="learned"); 0: seq_len
     s.norm_eps = 1e-5, POSITIVE
+    # where each block's RMSNorms sit: before each sublayer (Llama), on its output before the
+    # residual add (OLMo 2), or both (Gemma 2/3)
+    s.norm_placement = "pre", one_of(NORM_PLACEMENTS)
     s.qk_norm = "none", one_of(QK_NORMS)  # RMSNorm of queries and keys before RoPE: each head's (Qwen3), or whole (OLMo 2)
     s.dtype = "float32", one_of(DTYPES)  # compute dtype; parameters are always float32
     s.init_std = 0.02, NON_NEGATIVE

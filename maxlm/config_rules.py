@@ -26,6 +26,7 @@ ATTENTION = ("auto", "xla", "cudnn", "splash")  # see attention.attention_backen
 POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/model/positions.py
 ROPE_SCALINGS = ("none", "llama3", "yarn")  # model.rope_scaling: see maxlm/model/positions.py
 QK_NORMS = ("none", "per_head", "full")  # model.qk_norm: see maxlm/model/transformer.py Attention
+NORM_PLACEMENTS = ("pre", "post", "sandwich")  # model.norm_placement: see maxlm/model/transformer.py Block
 ROUTERS = ("softmax", "sigmoid")  # model.router: see maxlm/model/moe.py
 LOAD_BALANCE = ("aux_loss", "bias", "none")  # model.load_balance: see maxlm/model/balance.py for bias
 GROUPED_MATMUL = ("auto", "ragged_dot", "tiled", "megablox")  # see grouped_matmul.grouped_matmul_backend

@@ -82,13 +82,23 @@ def _attention(model_cfg, p, x_BTD, positions_BT, cache):
 
 def _block(model_cfg, p, x_BTD, positions_BT, cache):
     """model.Block with the cached attention."""
-    attn_BTD, cache = _attention(model_cfg, p["attn"], _rms_norm(model_cfg, p["attn_norm"], x_BTD),
-                                 positions_BT, cache)
-    x_BTD = x_BTD + attn_BTD
-    h_BTD = _rms_norm(model_cfg, p["mlp_norm"], x_BTD)
+    before, after = model.norms_around(model_cfg)
+
+    def norms(sublayer: str):
+        return [functools.partial(_rms_norm, model_cfg, p[f"{sublayer}{suffix}"]) if on else None
+                for suffix, on in (("_norm", before), ("_out_norm", after))]
+
+    def attend(h_BTD):
+        nonlocal cache
+        out_BTD, cache = _attention(model_cfg, p["attn"], h_BTD, positions_BT, cache)
+        return out_BTD
+
+    x_BTD = model.residual(x_BTD, attend, *norms("attn"))
     if "router" in p["mlp"]:  # an MoE layer (maxlm/model/moe.py)
-        return x_BTD + model.MoE(model_cfg).apply({"params": p["mlp"]}, h_BTD)[0], cache
-    return x_BTD + model.SwiGLU(model_cfg).apply({"params": p["mlp"]}, h_BTD), cache
+        mlp = lambda h_BTD: model.MoE(model_cfg).apply({"params": p["mlp"]}, h_BTD)[0]  # noqa: E731
+    else:
+        mlp = functools.partial(model.SwiGLU(model_cfg).apply, {"params": p["mlp"]})
+    return model.residual(x_BTD, mlp, *norms("mlp")), cache
 
 
 def forward(model_cfg, params, tokens_BT, positions_BT, cache):

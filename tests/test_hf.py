@@ -200,14 +200,15 @@ def test_mismatches_are_one_clear_error(tmp_path):
 
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
 def test_non_rope_models_are_refused(tmp_path, positions):
-    """transformers' Llama, Qwen3 and Mixtral have only RoPE: export and import refuse other position encodings with
-    one line, before writing or reading anything."""
+    """The transformers classes maxlm maps have only RoPE: export and import refuse other position
+    encodings with one line, before writing or reading anything."""
     cfg = _cfg({"model.positions": positions, "checkpoint.init_from_hf": str(tmp_path / "hf")})
-    why = f"needs model.positions='rope', got '{positions}': transformers' Llama, Qwen3 and Mixtral have only RoPE"
+    why = re.escape(f"needs model.positions='rope', got '{positions}': the transformers classes maxlm maps "
+                    "(Llama, Qwen3, Olmo2, Mixtral, Qwen3Moe) have only RoPE")
     with pytest.raises(config_lib.ConfigError, match=f"^the Hugging Face export {why}"):
         hf.export(random_params(cfg.model), cfg, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
-    with pytest.raises(config_lib.ConfigError, match=re.escape(f"checkpoint.init_from_hf={tmp_path / 'hf'} {why}")):
+    with pytest.raises(config_lib.ConfigError, match=re.escape(f"checkpoint.init_from_hf={tmp_path / 'hf'} ") + why):
         hf.check_init_from_hf(cfg)  # before reading the folder (there is none)
     with pytest.raises(config_lib.ConfigError, match=why):
         hf.load_params(str(tmp_path / "hf"), cfg.model, _abstract(cfg))
@@ -221,7 +222,8 @@ def test_export_cli_refuses_a_non_rope_run(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "maxlm: config error: the Hugging Face export needs model.positions='rope', got 'learned': "
-        "transformers' Llama, Qwen3 and Mixtral have only RoPE, no sinusoidal or learned position embeddings"]
+        "the transformers classes maxlm maps (Llama, Qwen3, Olmo2, Mixtral, Qwen3Moe) have only RoPE, no sinusoidal "
+        "or learned position embeddings"]
     assert not (tmp_path / "hf").exists()
 
 

@@ -36,6 +36,8 @@ FAMILIES = {
         dict(num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=48, num_experts=4,
              num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=False)),
     "Qwen3ForCausalLM": ({"model.qk_norm": "per_head"}, dict(num_hidden_layers=2, intermediate_size=128)),
+    "Olmo2ForCausalLM": ({"model.qk_norm": "full", "model.norm_placement": "post"},
+                         dict(num_hidden_layers=2, intermediate_size=128)),
 }
 
 
@@ -81,7 +83,7 @@ def _hf_greedy(hf_model, prompt, new_tokens: int) -> list[int]:
 
 
 @pytest.mark.parametrize("hf_class, scanned", [("MixtralForCausalLM", True), ("Qwen3MoeForCausalLM", False),
-                                               ("Qwen3ForCausalLM", True)])
+                                               ("Qwen3ForCausalLM", True), ("Olmo2ForCausalLM", False)])
 def test_export_is_the_class_with_maxlm_logits_and_greedy_tokens(tmp_path, hf_class, scanned):
     cfg = _family_cfg(hf_class, {"model.scan_layers": scanned})
     params = random_params(cfg.model, seed=1)
@@ -115,7 +117,7 @@ def _random_hf(directory, hf_class: str, tied: bool):
 
 
 @pytest.mark.parametrize("hf_class, tied", [("MixtralForCausalLM", False), ("Qwen3MoeForCausalLM", True),
-                                            ("Qwen3ForCausalLM", False)])
+                                            ("Qwen3ForCausalLM", False), ("Olmo2ForCausalLM", True)])
 def test_import_gives_transformers_logits_and_exports_back_the_same(tmp_path, hf_class, tied):
     theirs = _random_hf(tmp_path / "hf", hf_class, tied)
     cfg = _family_cfg(hf_class, {"model.tie_embeddings": tied, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
@@ -135,6 +137,22 @@ def test_import_gives_transformers_logits_and_exports_back_the_same(tmp_path, hf
     assert sorted(back) == sorted(saved)
     for name in saved:
         np.testing.assert_array_equal(_bits(back[name]), _bits(saved[name]), err_msg=name)
+
+
+@pytest.mark.parametrize("hf_class", ["Qwen3ForCausalLM", "Olmo2ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_a_packed_row_gives_transformers_logits_of_each_document_alone(tmp_path, hf_class):
+    """Two documents and padding in one row (positions restarting, segment ids): each document's
+    logits are transformers' forward pass of that document alone, within 1e-5."""
+    theirs = _random_hf(tmp_path / "hf", hf_class, tied=False)
+    cfg = _family_cfg(hf_class)
+    params = hf.load_params(str(tmp_path / "hf"), cfg.model, _abstract(cfg))
+    first, second = _sequence(29, 264, seed=5)["inputs"][0], _sequence(15, 264, seed=6)["inputs"][0]
+    row = np.concatenate([first, second, np.zeros(4, np.int32)])[None]
+    batch = {"inputs": row, "segment_ids": np.repeat([[1, 2, 0]], [29, 15, 4], axis=1).astype(np.int32),
+             "positions": np.concatenate([np.arange(29), np.arange(15), np.arange(4)])[None].astype(np.int32)}
+    ours = np.asarray(jax.jit(functools.partial(model.apply, cfg.model))(params, batch))[0]
+    np.testing.assert_allclose(ours[:29], _logits(theirs, first[None])[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ours[29:44], _logits(theirs, second[None])[0], atol=1e-5, rtol=0)
 
 
 def test_import_mismatches_name_the_keys(tmp_path):
@@ -202,11 +220,20 @@ def test_what_a_class_cannot_hold_is_refused_naming_the_key(tmp_path, hf_class, 
         hf.check_init_from_hf(cfg)  # before reading the folder (there is none)
 
 
-def test_full_qk_norm_is_refused():
-    """OLMo 2's norm of the whole projection comes with post-norm blocks maxlm does not have."""
-    for overrides in ({}, MOE):
-        with pytest.raises(config_lib.ConfigError, match="^X maps model.qk_norm 'none' .* not 'full'"):
-            architectures.architecture(_cfg({**overrides, "model.qk_norm": "full"}).model, "X")
+def test_norm_placements_and_qk_norms_without_a_class_are_refused():
+    """Each dense class is one (norm placement, qk-norm) pair; an MoE class is pre-norm."""
+    for placement, qk_norm in (("pre", "full"), ("post", "none"), ("post", "per_head"), ("sandwich", "none")):
+        with pytest.raises(config_lib.ConfigError, match=f"^X has no class for model.norm_placement='{placement}' "
+                                                         f"with model.qk_norm='{qk_norm}'; it maps 'pre' with 'none' "
+                                                         r"\(Llama\), 'pre' with 'per_head' \(Qwen3\), 'post' with "
+                                                         r"'full' \(Olmo2\)"):
+            architectures.architecture(_cfg({"model.norm_placement": placement, "model.qk_norm": qk_norm}).model, "X")
+    with pytest.raises(config_lib.ConfigError, match="^X maps a mixture-of-experts model with "
+                                                     "model.norm_placement='pre' .* not norm_placement='post'"):
+        architectures.architecture(_cfg({**MOE, "model.norm_placement": "post", "model.qk_norm": "full"}).model, "X")
+    with pytest.raises(config_lib.ConfigError, match="^X maps to Olmo2ForCausalLM, whose heads are d_model / "
+                                                     "num_heads = 16 wide, not model.head_dim=24"):
+        architectures.architecture(_family_cfg("Olmo2ForCausalLM", {"model.head_dim": 24}).model, "X")
 
 
 def test_group_limited_routing_is_refused_and_every_refusal_is_listed():

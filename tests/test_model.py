@@ -17,6 +17,7 @@ POSITIONS = pytest.mark.parametrize("positions", config_lib.POSITIONS)
 PUBLISHED = {  # parameter counts of the architectures the configs claim
     "llama_1b": 1_235_814_400,  # Llama 3.2 1B
     "llama_8b": 8_030_261_248,  # Llama 3 8B
+    "olmo2_1b": 1_484_916_736,  # OLMo 2 1B (OLMo-2-0425-1B): post-norm, whole-projection qk-norm
 }
 
 
@@ -27,9 +28,10 @@ def tiny_model_cfg(**overrides):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-@pytest.mark.parametrize("kv_heads, qk_norm", [(1, "none"), (2, "none"), (4, "none"), (2, "per_head"), (1, "full")])
-def test_param_count_matches_formula(tie, kv_heads, qk_norm):
-    cfg = tiny_model_cfg(tie_embeddings=tie, num_kv_heads=kv_heads, qk_norm=qk_norm)
+@pytest.mark.parametrize("kv_heads, qk_norm, placement", [(1, "none", "pre"), (2, "none", "sandwich"), (4, "none", "pre"),
+                                                     (2, "per_head", "pre"), (1, "full", "post")])
+def test_param_count_matches_formula(tie, kv_heads, qk_norm, placement):
+    cfg = tiny_model_cfg(tie_embeddings=tie, num_kv_heads=kv_heads, qk_norm=qk_norm, norm_placement=placement)
     params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))  # shapes: nothing to compile
     assert sum(p.size for p in jax.tree.leaves(params)) == model.count_params(cfg)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
@@ -119,7 +121,8 @@ def test_initial_loss_is_near_uniform():
 def reference_logits(cfg, params, batch):
     """Logits [B, L, V] in float64 numpy, written out from the model's definition: token embeddings
     (plus the sinusoid or learned rows at each position); per layer a pre-norm residual attention
-    (RMSNorm; queries and keys RMS-normed per head or whole with model.qk_norm, then rotated by
+    (RMSNorm before, after or around each sublayer as model.norm_placement says; queries and keys
+    RMS-normed per head or whole with model.qk_norm, then rotated by
     RoPE pairing dims (i, i + Dh/2); query head h reading kv
     head h // (H/K), softmax of q·k/sqrt(Dh) over the earlier tokens of the same document) and a
     pre-norm residual SwiGLU MLP; a final RMSNorm; the head (the embedding itself when tied)."""
@@ -151,19 +154,26 @@ def reference_logits(cfg, params, batch):
     for i in range(cfg.num_layers):
         layer = jax.tree.map(lambda w: w[i], p["layers"]) if "layers" in p else p[f"layer_{i}"]
         attn, mlp = layer["attn"], layer["mlp"]
-        h = norm(x, layer["attn_norm"]["scale"])
-        q = qk_norm(np.einsum("bld,dhk->blhk", h, attn["wq"]), attn.get("q_norm"))
-        k = np.repeat(qk_norm(np.einsum("bld,dhk->blhk", h, attn["wk"]), attn.get("k_norm")), group, axis=2)
-        v = np.repeat(np.einsum("bld,dhk->blhk", h, attn["wv"]), group, axis=2)
-        if cfg.positions == "rope":
-            q, k = rope(q), rope(k)
-        scores = np.where(visible[:, None], np.einsum("blhk,bshk->bhls", q, k) / np.sqrt(cfg.head_dim), -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        x = x + np.einsum("bhls,bshk,hkd->bld", probs, v, attn["wo"])
-        h = norm(x, layer["mlp_norm"]["scale"])
-        gate = h @ mlp["w_gate"]
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ mlp["w_up"])) @ mlp["w_down"]
+
+        def attention(h):
+            q = qk_norm(np.einsum("bld,dhk->blhk", h, attn["wq"]), attn.get("q_norm"))
+            k = np.repeat(qk_norm(np.einsum("bld,dhk->blhk", h, attn["wk"]), attn.get("k_norm")), group, axis=2)
+            v = np.repeat(np.einsum("bld,dhk->blhk", h, attn["wv"]), group, axis=2)
+            if cfg.positions == "rope":
+                q, k = rope(q), rope(k)
+            scores = np.where(visible[:, None], np.einsum("blhk,bshk->bhls", q, k) / np.sqrt(cfg.head_dim), -np.inf)
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            return np.einsum("bhls,bshk,hkd->bld", probs, v, attn["wo"])
+
+        def swiglu(h):
+            gate = h @ mlp["w_gate"]
+            return (gate / (1 + np.exp(-gate)) * (h @ mlp["w_up"])) @ mlp["w_down"]
+
+        for name, sublayer in (("attn", attention), ("mlp", swiglu)):  # pre: x + f(norm(x)); post: x + norm(f(x))
+            h = norm(x, layer[f"{name}_norm"]["scale"]) if cfg.norm_placement in ("pre", "sandwich") else x
+            out = sublayer(h)
+            x = x + (norm(out, layer[f"{name}_out_norm"]["scale"]) if cfg.norm_placement in ("post", "sandwich") else out)
     x = norm(x, p["final_norm"]["scale"])
     return x @ (p["embed"].T if cfg.tie_embeddings else p["head"])
 
@@ -177,16 +187,16 @@ def reference_case(positions="rope", **overrides):
     cfg = tiny_model_cfg(positions=positions, **variant, **overrides)
     params = random_params(cfg, std=0.1)
     batch = packed_batch(2, 64, cfg.vocab_size)
-    reference_cfg = tiny_model_cfg(positions=positions, **variant, qk_norm=cfg.qk_norm)
+    reference_cfg = tiny_model_cfg(positions=positions, **variant, qk_norm=cfg.qk_norm, norm_placement=cfg.norm_placement)
     return cfg, params, batch, reference_logits(reference_cfg, params, batch)
 
 
-@pytest.mark.parametrize("positions, qk_norm", [(p, "none") for p in config_lib.POSITIONS]
-                         + [("rope", "per_head"), ("rope", "full")])
-def test_logits_equal_a_reference_implementation(positions, qk_norm):
+@pytest.mark.parametrize("positions, qk_norm, placement", [(p, "none", "pre") for p in config_lib.POSITIONS]
+                         + [("rope", "per_head", "pre"), ("rope", "full", "post"), ("sinusoidal", "none", "sandwich")])
+def test_logits_equal_a_reference_implementation(positions, qk_norm, placement):
     """The forward pass (jitted, packed rows of 3 documents, 2 kv heads for 4 query heads) against
     the float64 transcription above: 1e-4 on logits of a few units (2e-6 measured)."""
-    cfg, params, batch, reference = reference_case(positions, qk_norm=qk_norm)
+    cfg, params, batch, reference = reference_case(positions, qk_norm=qk_norm, norm_placement=placement)
     logits = np.asarray(jax.jit(functools.partial(model.apply, cfg))(params, batch))
     assert np.abs(reference).max() > 2.0  # far from zero: the comparison means something
     np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-4)

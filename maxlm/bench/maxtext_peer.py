@@ -61,6 +61,8 @@ def check_expressible(cfg, target: str = "") -> None:
         "model.label_smoothing (MaxText's pre-training loss has none)": m.label_smoothing,
         "model.fp8": m.fp8,
         f"model.qk_norm={m.qk_norm!r} (MaxText's llama2 and mixtral blocks have no qk-norm)": m.qk_norm != "none",
+        f"model.norm_placement={m.norm_placement!r} (MaxText's llama2 and mixtral blocks are pre-norm)":
+            m.norm_placement != "pre",
         **moe_problems(m),
         "model.logits_chunk_size on CPU (a TPU plan maps it to MaxText's vocabulary tiling)":
             on_cpu and m.logits_chunk_size,

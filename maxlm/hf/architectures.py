@@ -10,6 +10,9 @@ The class follows from the model config:
     model.num_experts = 0   LlamaForCausalLM         Qwen3ForCausalLM
     model.num_experts > 0   MixtralForCausalLM       Qwen3MoeForCausalLM
 
+and, with model.norm_placement = post and model.qk_norm = full (a dense model),
+Olmo2ForCausalLM. Every other class has model.norm_placement = pre.
+
 A key the class cannot hold is refused with one line naming it (`architecture`). The weights'
 names are in `maxlm/hf/mapping.py`.
 """
@@ -27,7 +30,8 @@ class Arch(NamedTuple):
 
     hf_class: str  # config.json's `architectures`
     model_type: str
-    qk_norm: bool = False  # per-head RMSNorm of queries and keys: self_attn.{q,k}_norm
+    qk_norm: str = "none"  # model.qk_norm: RMSNorm of queries and keys, self_attn.{q,k}_norm
+    norm_placement: str = "pre"  # model.norm_placement
     moe_block: str = ""  # an MoE layer's module name (its router is `{moe_block}.gate`); "" for a dense class
     expert_weights: tuple[str, str, str] = ()  # an expert's gate, up and down projections
 
@@ -37,11 +41,12 @@ class Arch(NamedTuple):
 
 
 LLAMA = Arch("LlamaForCausalLM", "llama")
-QWEN3 = Arch("Qwen3ForCausalLM", "qwen3", qk_norm=True)
+QWEN3 = Arch("Qwen3ForCausalLM", "qwen3", qk_norm="per_head")
+OLMO2 = Arch("Olmo2ForCausalLM", "olmo2", qk_norm="full", norm_placement="post")
 MIXTRAL = Arch("MixtralForCausalLM", "mixtral", moe_block="block_sparse_moe", expert_weights=("w1", "w3", "w2"))
-QWEN3_MOE = Arch("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, moe_block="mlp",
+QWEN3_MOE = Arch("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm="per_head", moe_block="mlp",
                  expert_weights=("gate_proj", "up_proj", "down_proj"))
-ARCHITECTURES = {a.model_type: a for a in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)}
+ARCHITECTURES = {a.model_type: a for a in (LLAMA, QWEN3, OLMO2, MIXTRAL, QWEN3_MOE)}
 
 
 def _moe_refusals(arch: Arch, m) -> list[str]:
@@ -70,20 +75,37 @@ def architecture(m, what: str) -> Arch:
     is the export or the import, for the message)."""
     if m.positions != "rope":
         raise config_lib.ConfigError(
-            f"{what} needs model.positions='rope', got {m.positions!r}: transformers' Llama, Qwen3 "
-            "and Mixtral have only RoPE, no sinusoidal or learned position embeddings")
-    if m.qk_norm == "full":
-        raise config_lib.ConfigError(
-            f"{what} maps model.qk_norm 'none' (Llama, Mixtral) and 'per_head' (Qwen3, Qwen3-MoE), "
-            "not 'full' (OLMo 2's, whose post-norm blocks maxlm does not have)")
-    per_head = m.qk_norm == "per_head"
+            f"{what} needs model.positions='rope', got {m.positions!r}: the transformers classes maxlm maps "
+            f"({', '.join(a.name for a in ARCHITECTURES.values())}) have only RoPE, no sinusoidal or learned "
+            "position embeddings")
+    dense = [a for a in ARCHITECTURES.values() if not a.moe_block]
     if not m.num_experts:
-        return QWEN3 if per_head else LLAMA
-    arch = QWEN3_MOE if per_head else MIXTRAL
+        for arch in dense:
+            if (arch.qk_norm, arch.norm_placement) == (m.qk_norm, m.norm_placement):
+                return _checked_head_dim(arch, m, what)
+        raise config_lib.ConfigError(
+            f"{what} has no class for model.norm_placement={m.norm_placement!r} with model.qk_norm="
+            f"{m.qk_norm!r}; it maps " + ", ".join(
+                f"{a.norm_placement!r} with {a.qk_norm!r} ({a.name})" for a in dense))
+    if m.norm_placement != "pre" or m.qk_norm == "full":
+        raise config_lib.ConfigError(
+            f"{what} maps a mixture-of-experts model with model.norm_placement='pre' and model.qk_norm "
+            f"'none' (Mixtral) or 'per_head' (Qwen3-MoE), not norm_placement={m.norm_placement!r} with "
+            f"qk_norm={m.qk_norm!r}")
+    arch = QWEN3_MOE if m.qk_norm == "per_head" else MIXTRAL
     if refused := _moe_refusals(arch, m):
         raise config_lib.ConfigError(
             f"{what} maps a mixture-of-experts model to transformers' {arch.hf_class}, which cannot "
             f"hold " + "; ".join(refused))
+    return arch
+
+
+def _checked_head_dim(arch: Arch, m, what: str) -> Arch:
+    """OLMo 2's config has no head_dim: its heads are d_model / num_heads wide."""
+    if arch is OLMO2 and m.head_dim * m.num_heads != m.d_model:
+        raise config_lib.ConfigError(
+            f"{what} maps to {arch.hf_class}, whose heads are d_model / num_heads = "
+            f"{m.d_model // m.num_heads} wide, not model.head_dim={m.head_dim}")
     return arch
 
 
@@ -146,6 +168,9 @@ def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
     aux_loss = m.load_balance_weight if m.load_balance == "aux_loss" else 0.0
     if arch is LLAMA:
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    if arch is OLMO2:
+        config.update(attention_bias=False)
+        del config["head_dim"]  # d_model / num_heads (`_checked_head_dim`)
     if arch in (QWEN3, QWEN3_MOE):
         config.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
                       max_window_layers=m.num_layers)
@@ -240,7 +265,7 @@ def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
         known = ", ".join(f"{a.model_type!r} ({a.hf_class})" for a in ARCHITECTURES.values())
         unsupported.append(f"model_type={model_type!r} architectures={archs} (maxlm reads {known})")
     else:
-        mapped["qk_norm"] = "per_head" if arch.qk_norm else "none"
+        mapped["qk_norm"], mapped["norm_placement"] = arch.qk_norm, arch.norm_placement
         if arch.moe_block:
             moe_keys, moe_unsupported = _moe_keys(arch, hf)
             del mapped["mlp_dim"]  # back in moe_keys when the model has dense layers

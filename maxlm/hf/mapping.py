@@ -2,8 +2,9 @@
 `maxlm/hf/architectures.py`, the files read and written in `maxlm/hf/files.py`).
 
 maxlm's layers are Llama's (pre-norm RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases),
-so a run converts to the transformers class `architectures.architecture` picks (Llama, Qwen3,
-Mixtral, Qwen3-MoE) without custom code:
+or OLMo 2's (the norms after each sublayer, the whole projections' qk-norm), so a run converts to
+the transformers class `architectures.architecture` picks (Llama, Qwen3, OLMo 2, Mixtral,
+Qwen3-MoE) without custom code:
 
     maxlm parameter                      HF tensor (`model.layers.{i}.` prefix for a layer's)
     embed            [V, D]              model.embed_tokens.weight        [V, D]
@@ -14,7 +15,11 @@ Mixtral, Qwen3-MoE) without custom code:
     attn.wk, wv      [D, K, Dh]          self_attn.{k,v}_proj.weight      [K·Dh, D]
     attn.wo          [H, Dh, D]          self_attn.o_proj.weight          [D, H·Dh]
     attn.q_norm.scale, k_norm.scale [Dh] self_attn.{q,k}_norm.weight      [Dh]  (Qwen3: qk_norm=per_head)
+                         [H, Dh], [K, Dh]                                 [H·Dh], [K·Dh]  (OLMo 2: full)
     mlp_norm.scale   [D]                 post_attention_layernorm.weight  [D]
+  OLMo 2's block (norm_placement=post) has instead, after each sublayer (`BLOCK_NORMS`):
+    attn_out_norm.scale [D]              post_attention_layernorm.weight  [D]
+    mlp_out_norm.scale  [D]              post_feedforward_layernorm.weight [D]
     mlp.w_gate, w_up [D, F]              mlp.{gate,up}_proj.weight        [F, D]
     mlp.w_down       [F, D]              mlp.down_proj.weight             [D, F]
   an MoE layer (Mixtral: B = block_sparse_moe, gate/up/down = w1/w3/w2; Qwen3-MoE: B = mlp,
@@ -102,18 +107,28 @@ def _layer_tensors(m, experts: bool) -> dict[tuple[str, ...], tuple[str, Tensor]
     `experts`: an MoE layer's."""
     D, H, K, Dh = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
     arch = architecture(m, "the Hugging Face mapping")
-    qk_norms = {("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", Tensor(((Dh,),), (0,))),
-                ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", Tensor(((Dh,),), (0,)))}
+    # per_head: one [Dh] scale for all heads; full: the whole projection's, [H·Dh] and [K·Dh]
+    q_dims, k_dims = ((Dh,), (Dh,)) if arch.qk_norm == "per_head" else ((H, Dh), (K, Dh))
+    qk_norms = {("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", Tensor((q_dims,), tuple(range(len(q_dims))))),
+                ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", Tensor((k_dims,), tuple(range(len(k_dims)))))}
+    norm = Tensor(((D,),), (0,))
     return {
-        ("attn_norm", "scale"): ("input_layernorm.weight", Tensor(((D,),), (0,))),
+        **{(name, "scale"): (hf_name, norm) for name, hf_name in BLOCK_NORMS[arch.norm_placement].items()},
         ("attn", "wq"): ("self_attn.q_proj.weight", Tensor(((H, Dh), (D,)), (2, 0, 1))),
         ("attn", "wk"): ("self_attn.k_proj.weight", Tensor(((K, Dh), (D,)), (2, 0, 1))),
         ("attn", "wv"): ("self_attn.v_proj.weight", Tensor(((K, Dh), (D,)), (2, 0, 1))),
         ("attn", "wo"): ("self_attn.o_proj.weight", Tensor(((D,), (H, Dh)), (1, 2, 0))),
-        **(qk_norms if arch.qk_norm else {}),
-        ("mlp_norm", "scale"): ("post_attention_layernorm.weight", Tensor(((D,),), (0,))),
+        **(qk_norms if arch.qk_norm != "none" else {}),
         **_mlp_tensors(m, arch, experts),
     }
+
+
+# A block's norms (maxlm/model/transformer.py `norms_around`) by model.norm_placement → their HF
+# names: `post_attention_layernorm` is Llama's norm before the MLP, OLMo 2's after attention.
+BLOCK_NORMS = {
+    "pre": {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"},
+    "post": {"attn_out_norm": "post_attention_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"},
+}
 
 
 def _top_tensors(m) -> dict[tuple[str, ...], tuple[str, Tensor]]:

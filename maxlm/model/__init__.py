@@ -7,7 +7,8 @@
 `transformer.py` is the network (blocks, the pipelined forward, the losses), `pipeline.py` its
 GPipe and circular schedules over the mesh's `stage` axis; `moe.py` the mixture-of-experts MLP, `balance.py`
 its selection biases across the layers; `mtp.py` the multi-token prediction modules;
-`attention.py` its attention backends and packed mask, `ring_attention.py`, `ring_blocks.py`,
+`norms.py` RMSNorm and where blocks put it; `attention.py` the attention backends and packed mask,
+`cudnn.py` cuDNN's calls batched under vmap, `ring_attention.py`, `ring_blocks.py`,
 `zigzag.py` and `ulysses.py` the context-parallel strategies, `attention_plan.py` which kernels
 run, `positions.py` the position encodings,
 `head.py` the output projection, `fp8.py` float8 matmuls, `backward_order.py` the unrolled
@@ -16,13 +17,13 @@ Nothing here knows about meshes, optimizers or data files.
 """
 
 from maxlm.model.moe import MoE
+from maxlm.model.norms import RMSNorm, norms_around, qk_norm_axes, residual
 from maxlm.model.pipeline import bubble_fraction, pipeline_stages
 from maxlm.model.transformer import (
     REMAT_POLICIES,
     Attention,
     Batch,
     Block,
-    RMSNorm,
     SwiGLU,
     Transformer,
     active_params,
@@ -41,7 +42,6 @@ from maxlm.model.transformer import (
     output_logits,
     param_logical_specs,
     pipelined_forward,
-    qk_norm_axes,
     stack_layers,
     token_losses,
     unstack_layers,
@@ -71,11 +71,13 @@ __all__ = [
     "layer_groups",
     "loss_fn",
     "microbatches",
+    "norms_around",
     "output_logits",
     "param_logical_specs",
     "pipeline_stages",
     "pipelined_forward",
     "qk_norm_axes",
+    "residual",
     "stack_layers",
     "token_losses",
     "unstack_layers",

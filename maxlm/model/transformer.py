@@ -3,8 +3,10 @@
     params = init_params(model_cfg, rng)            # a plain pytree of float32 arrays
     logits_BLV = apply(model_cfg, params, batch)    # no hidden state
 
-Blocks are pre-norm: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)); attention is
-grouped-query, its queries and keys optionally RMS-normed before RoPE (`model.qk_norm`).
+Blocks are x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (pre-norm, Llama's), or with
+the norm on each sublayer's output, x + RMSNorm(Attention(x)) (post, OLMo 2's), or both
+(sandwich, Gemma's): `model.norm_placement`. Attention is grouped-query, its queries and keys
+optionally RMS-normed before RoPE (`model.qk_norm`).
 Positions are rotary embeddings in attention or an absolute encoding added to the
 token embeddings (`model.positions`: maxlm/model/positions.py). A batch is packed: `segment_ids` name
 the document each token belongs to (0 = padding) and `positions` restart at 0 for each document,
@@ -31,6 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from maxlm.model import attention, backward_order, fp8, head, moe, mtp, pipeline, positions, ring_attention, ulysses, zigzag
+from maxlm.model.norms import RMSNorm, norms_around, qk_norm_axes, residual
 
 Batch = dict[str, jax.Array]
 
@@ -84,28 +87,6 @@ REMAT_POLICIES = {
     "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("q_proj", "k_proj", "v_proj"),
     "save_out_proj": jax.checkpoint_policies.save_only_these_names("attn_out", "mlp_out"),
 }
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm over the trailing `len(axes)` dims of its input (their logical names: `axes`)."""
-    eps: float
-    dtype: Any
-    axes: tuple[str, ...] = ("embed",)
-
-    @nn.compact
-    def __call__(self, x_BLD):
-        n = len(self.axes)
-        scale_D = _param(self, "scale", nn.initializers.ones, x_BLD.shape[-n:], self.axes)
-        x = x_BLD.astype(jnp.float32)  # the mean square in float32 even for bfloat16 compute
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=tuple(range(-n, 0)), keepdims=True) + self.eps)
-        return (x * scale_D).astype(self.dtype)
-
-
-def qk_norm_axes(cfg, heads: str) -> tuple[str, ...]:
-    """What `model.qk_norm` normalises a query's or key's projection over (`heads`: "heads" or
-    "kv_heads"): each head's head_dim (per_head: Qwen3, Gemma 3), or all heads' at once (full:
-    OLMo 2, whose norm sees the whole [H·Dh] projection)."""
-    return ("head_dim",) if cfg.qk_norm == "per_head" else (heads, "head_dim")
 
 
 def weight_matmul(cfg, spec: str, x, w, dtype):
@@ -194,15 +175,24 @@ class Block(nn.Module):
     def __call__(self, x_BLD, positions_BL, mask_B1LS, segment_ids_BL):
         cfg = self.cfg
         dtype = compute_dtype(cfg)
-        h_BLD = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_BLD)
-        x_BLD = x_BLD + Attention(cfg, name="attn")(h_BLD, positions_BL, mask_B1LS, segment_ids_BL)
-        h_BLD = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_BLD)
+        before, after = norms_around(cfg)
+
+        def norms(sublayer: str):
+            return [RMSNorm(cfg.norm_eps, dtype, name=f"{sublayer}{suffix}") if on else None
+                    for suffix, on in (("_norm", before), ("_out_norm", after))]
+
+        attend = functools.partial(Attention(cfg, name="attn"), positions_BL=positions_BL, mask_B1LS=mask_B1LS,
+                                   segment_ids_BL=segment_ids_BL)
+        x_BLD = residual(x_BLD, attend, *norms("attn"))
         stats = None
         if self.experts:
-            mlp_BLD, stats = moe.MoE(cfg, name="mlp")(h_BLD)
+            def mlp(h_BLD):
+                nonlocal stats
+                mlp_BLD, stats = moe.MoE(cfg, name="mlp")(h_BLD)
+                return mlp_BLD
         else:
-            mlp_BLD = SwiGLU(cfg, name="mlp")(h_BLD)
-        x_BLD = x_BLD + mlp_BLD
+            mlp = SwiGLU(cfg, name="mlp")
+        x_BLD = residual(x_BLD, mlp, *norms("mlp"))
         return _constrain(x_BLD, ("batch", "length", "act_embed")), stats  # (carry, out) for scan
 
 
@@ -521,7 +511,8 @@ def count_params(model_cfg) -> int:
     D, H, K, Dh, F, V = (model_cfg.d_model, model_cfg.num_heads, model_cfg.num_kv_heads,
                          model_cfg.head_dim, model_cfg.mlp_dim, model_cfg.vocab_size)
     qk_norms = {"none": 0, "per_head": 2 * Dh, "full": (H + K) * Dh}[model_cfg.qk_norm]
-    attention_and_norms = D * H * Dh + 2 * D * K * Dh + H * Dh * D + 2 * D + qk_norms
+    block_norms = D * sum(norms_around(model_cfg)) * 2  # before and/or after each of the two sublayers
+    attention_and_norms = D * H * Dh + 2 * D * K * Dh + H * Dh * D + block_norms + qk_norms
     dense = moe.dense_layers(model_cfg)
     layers = (dense * (attention_and_norms + 3 * D * F)
               + (model_cfg.num_layers - dense) * (attention_and_norms + moe.expert_params(model_cfg)))

@@ -1,0 +1,48 @@
+"""The normalisations: RMSNorm, and where a block puts it (`model.norm_placement`, `model.qk_norm`).
+
+    x_BLD = residual(x_BLD, sublayer, norm_before, norm_after)   # x + sublayer(x), normed as placed
+    before, after = norms_around(model_cfg)                      # which of the two a block has
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the trailing `len(axes)` dims of its input (their logical names: `axes`)."""
+    eps: float
+    dtype: Any
+    axes: tuple[str, ...] = ("embed",)
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        n = len(self.axes)
+        scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes), x_BLD.shape[-n:],
+                             jnp.float32)
+        x = x_BLD.astype(jnp.float32)  # the mean square in float32 even for bfloat16 compute
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=tuple(range(-n, 0)), keepdims=True) + self.eps)
+        return (x * scale_D).astype(self.dtype)
+
+
+def residual(x_BLD, sublayer, norm_before=None, norm_after=None):
+    """x + sublayer(x), with the norms `norms_around` says are there (None: none)."""
+    out_BLD = sublayer(norm_before(x_BLD) if norm_before else x_BLD)
+    return x_BLD + (norm_after(out_BLD) if norm_after else out_BLD)
+
+
+def norms_around(model_cfg) -> tuple[bool, bool]:
+    """(a norm before each sublayer, one after it) for `model.norm_placement`. A block's norms are
+    `attn_norm`, `mlp_norm` before and `attn_out_norm`, `mlp_out_norm` after."""
+    return model_cfg.norm_placement in ("pre", "sandwich"), model_cfg.norm_placement in ("post", "sandwich")
+
+
+def qk_norm_axes(cfg, heads: str) -> tuple[str, ...]:
+    """What `model.qk_norm` normalises a query's or key's projection over (`heads`: "heads" or
+    "kv_heads"): each head's head_dim (per_head: Qwen3, Gemma 3), or all heads' at once (full:
+    OLMo 2, whose norm sees the whole [H·Dh] projection)."""
+    return ("head_dim",) if cfg.qk_norm == "per_head" else (heads, "head_dim")
