@@ -16,6 +16,7 @@ from tests.helpers import ROOT, command_env, metrics_rows, saved_state, train_ro
 # family → (its keys on configs/tiny.py's shape, the transformers class it exports as)
 FAMILIES = {
     "olmo2": ({"model.norm_placement": "post", "model.qk_norm": "full"}, "Olmo2ForCausalLM"),
+    "qwen3": ({"model.qk_norm": "per_head"}, "Qwen3ForCausalLM"),
 }
 
 

@@ -18,6 +18,7 @@ PUBLISHED = {  # parameter counts of the architectures the configs claim
     "llama_1b": 1_235_814_400,  # Llama 3.2 1B
     "llama_8b": 8_030_261_248,  # Llama 3 8B
     "olmo2_1b": 1_484_916_736,  # OLMo 2 1B (OLMo-2-0425-1B): post-norm, whole-projection qk-norm
+    "qwen3_0p6b": 596_049_920,  # Qwen3 0.6B: per-head qk-norm, head_dim 128 > d_model / heads
 }
 
 
