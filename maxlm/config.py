@@ -207,6 +207,9 @@ def _model_defaults() -> _Section:
     # where each block's RMSNorms sit: before each sublayer (Llama), on its output before the
     # residual add (OLMo 2), or both (Gemma 2/3)
     s.norm_placement = "pre", one_of(NORM_PLACEMENTS)
+    # > 0: each token attends to itself and the sliding_window - 1 tokens before it (Mistral; 0: the
+    # whole causal prefix); the compute falls with it in the splash and cuDNN kernels
+    s.sliding_window = 0, NON_NEGATIVE_INT
     s.qk_norm = "none", one_of(QK_NORMS)  # RMSNorm of queries and keys before RoPE: each head's (Qwen3), or whole (OLMo 2)
     s.dtype = "float32", one_of(DTYPES)  # compute dtype; parameters are always float32
     s.init_std = 0.02, NON_NEGATIVE

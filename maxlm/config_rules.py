@@ -129,6 +129,17 @@ def _check_experts(c) -> None:
         m.expert_mlp_dim = m.mlp_dim
 
 
+def _check_sliding_window(c) -> None:
+    m = c.model
+    if m.sliding_window and m.sliding_window >= c.seq_len:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} must be below seq_len={c.seq_len}, where it "
+                          "would see every token anyway; use 0 (full causal attention)")
+    if m.sliding_window and m.context_parallel == "ring" and c.mesh.sequence > 1:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} is not supported with "
+                          "model.context_parallel='ring' (its blocks know only whole or causal parts); use "
+                          "'ulysses' or 'all_gather'")
+
+
 def _check_mtp(c) -> None:
     """Multi-token prediction against the rows' length."""
     depth = c.model.mtp_depth
@@ -173,6 +184,7 @@ def check_model_and_optim(c) -> None:
             )
         m.head_dim = m.d_model // m.num_heads
     _check_positions(c)
+    _check_sliding_window(c)
     _check_experts(c)
     _check_mtp(c)
     if c.optim.warmup_steps > c.steps:

@@ -74,8 +74,10 @@ def _attention(model_cfg, p, x_BTD, positions_BT, cache):
     k_BSKDh = cache["k"].at[rows_BT, positions_BT].set(k_BTKDh)
     v_BSKDh = cache["v"].at[rows_BT, positions_BT].set(v_BTKDh)
     slots_S = jnp.arange(k_BSKDh.shape[1])
-    mask_B1TS = (slots_S[None, None, :] <= positions_BT[:, :, None])[:, None]
-    out_BTHDh = attention.xla_attention(q_BTHDh, k_BSKDh, v_BSKDh, mask_B1TS)
+    mask_BTS = slots_S[None, None, :] <= positions_BT[:, :, None]
+    if cfg.sliding_window:  # the token itself and the sliding_window - 1 before it
+        mask_BTS &= slots_S[None, None, :] > positions_BT[:, :, None] - cfg.sliding_window
+    out_BTHDh = attention.xla_attention(q_BTHDh, k_BSKDh, v_BSKDh, mask_BTS[:, None])
     out_BTD = model.weight_matmul(cfg, "blhk,hkd->bld", out_BTHDh, p["wo"], dtype)
     return out_BTD, {"k": k_BSKDh, "v": v_BSKDh}
 

@@ -49,14 +49,15 @@ def bfloat16_qkv_and_cotangent(length: int, cotangent_dtype, seed: int):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
-@pytest.mark.parametrize("length", [256, 4096])
-def test_cudnn_matches_xla_values_and_gradients(length):
+@pytest.mark.parametrize("length, window", [(256, 0), (4096, 0), (4096, 1000)])
+def test_cudnn_matches_xla_values_and_gradients(length, window):
+    """Whole rows of packed documents, causal or with model.sliding_window (cuDNN's own)."""
     q, k, v, cotangent = bfloat16_qkv_and_cotangent(length, jnp.float32, seed=0)
     segment_ids = jnp.asarray(packed_rows(2, length))
 
     def loss(backend, q, k, v):
-        mask = attention.document_mask(backend, segment_ids, jnp.bfloat16)
-        out = attention.attend(backend, q, k, v, mask, segment_ids)
+        mask = attention.document_mask(backend, segment_ids, jnp.bfloat16, window)
+        out = attention.attend(backend, q, k, v, mask, segment_ids, window=window)
         return (out.astype(jnp.float32) * cotangent).sum(), out
 
     for backend in ("cudnn", "xla"):
@@ -104,35 +105,40 @@ class XlaStandIn:
         return type("Layout", (), {"value": layout})
 
     @staticmethod
-    def _reference(q, k, v, bias, scale, causal):
-        """out and float32 lse [B, H, L] of BTNH q/k/v and a [B, 1, L, S] bias."""
+    def _reference(q, k, v, bias, scale, causal, window):
+        """out and float32 lse [B, H, L] of BTNH q/k/v and a [B, 1, L, S] bias; keys (pos - window, pos]."""
         scores_BHLS = jnp.einsum("blhd,bshd->bhls", q, jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)) * scale + bias
         if causal:
-            scores_BHLS = jnp.where(jnp.tril(jnp.ones(scores_BHLS.shape[-2:], bool)), scores_BHLS, -jnp.inf)
+            visible = jnp.tril(jnp.ones(scores_BHLS.shape[-2:], bool))
+            visible = visible & ~jnp.tril(visible, -window) if window else visible
+            scores_BHLS = jnp.where(visible, scores_BHLS, -jnp.inf)
         lse_BHL = jax.nn.logsumexp(scores_BHLS, axis=-1)
         probs_BHLS = jnp.exp(scores_BHLS - lse_BHL[..., None])
         return jnp.einsum("bhls,bshd->blhd", probs_BHLS, jnp.repeat(v, q.shape[2] // v.shape[2], axis=2)), lse_BHL
 
     @classmethod
-    def dot_product_attention(cls, q, k, v, *, bias, scale, qkv_layout, return_residual, mask_type):
+    def dot_product_attention(cls, q, k, v, *, bias, scale, qkv_layout, return_residual, mask_type,
+                              sliding_window_length):
         assert qkv_layout == "BTNH" and return_residual and bias.shape[1] == 1
         assert q.ndim == 4  # the batch folded: one batch axis, as cuDNN's primitive takes it
-        return cls._reference(q, k, v, bias, scale, mask_type == "causal")
+        return cls._reference(q, k, v, bias, scale, mask_type == "causal", sliding_window_length)
 
     class _dot_product_attention_bwd_p_wrapper:  # noqa: N801 (the binding's name)
         @staticmethod
-        def bind(q, k, v, bias, *rest, scale, mask_type, layout, **_):
+        def bind(q, k, v, bias, *rest, scale, mask_type, layout, sliding_window_length, **_):
             lse, out, dout = rest[6:9]
             assert layout == "BTNH" and q.ndim == 4 and lse.shape == q.shape[:1] + q.shape[2:3] + q.shape[1:2]
-            _, vjp = jax.vjp(lambda q, k, v: XlaStandIn._reference(q, k, v, bias, scale, mask_type == "causal")[0],
-                             q, k, v)
+            _, vjp = jax.vjp(lambda q, k, v: XlaStandIn._reference(q, k, v, bias, scale, mask_type == "causal",
+                                                                   sliding_window_length)[0], q, k, v)
             return vjp(dout)
 
 
-def test_cudnn_attention_batches_under_vmap_with_a_bias_shared_by_the_heads(monkeypatch):
+@pytest.mark.parametrize("window", [0, 5], ids=["causal", "window5"])
+def test_cudnn_attention_batches_under_vmap_with_a_bias_shared_by_the_heads(monkeypatch, window):
     """maxlm/model/cudnn.py's calls, with an XLA stand-in for the kernel, under the pipeline's vmap
     over stages and a second vmap around it: the stage axes fold into the batch (the kernel only
-    ever sees [B, L, H, Dh]), and values and gradients are xla_attention's for each stage's rows."""
+    ever sees [B, L, H, Dh]), and values and gradients are xla_attention's for each stage's rows,
+    causal or within a sliding window (which reaches the kernel as cuDNN's sliding_window_length)."""
     monkeypatch.setattr(cudnn, "_binding", lambda: XlaStandIn)
     rng = np.random.default_rng(0)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
@@ -144,8 +150,8 @@ def test_cudnn_attention_batches_under_vmap_with_a_bias_shared_by_the_heads(monk
     def objective(fn):
         return lambda q, k, v: (jax.vmap(jax.vmap(fn))(q, k, v, segment_ids, bias) * cotangent).sum()
 
-    xla = objective(lambda q, k, v, ids, bias: attention.xla_attention(q, k, v, attention.attention_mask(ids)))
-    folded = objective(lambda q, k, v, ids, bias: cudnn.attention(q, k, v, bias))
+    xla = objective(lambda q, k, v, ids, bias: attention.xla_attention(q, k, v, attention.attention_mask(ids, window)))
+    folded = objective(lambda q, k, v, ids, bias: cudnn.attention(q, k, v, bias, window))
     value, grads = jax.jit(jax.value_and_grad(xla, argnums=(0, 1, 2)))(q, k, v)
     got_value, got_grads = jax.jit(jax.value_and_grad(folded, argnums=(0, 1, 2)))(q, k, v)
     np.testing.assert_allclose(got_value, value, rtol=1e-5)

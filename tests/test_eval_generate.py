@@ -109,7 +109,7 @@ def test_eval_cli(run, tmp_path):
 
 
 @functools.lru_cache(maxsize=None)
-def small(scan: bool = True, positions: str = "rope", qk_norm: str = "none", placement: str = "pre"):
+def small(scan: bool = True, positions: str = "rope", qk_norm: str = "none", placement: str = "pre", window: int = 0):
     """A random model with grouped-query attention (4 heads, 2 kv heads) whose logits are far
     from ties (larger init), float32; its mesh is fsdp=4 x tensor=2. A learned position table
     has seq_len = 64 rows."""
@@ -117,27 +117,29 @@ def small(scan: bool = True, positions: str = "rope", qk_norm: str = "none", pla
                                                "model.num_heads": 4, "model.num_kv_heads": 2,
                                                "model.scan_layers": scan, "mesh.fsdp": 4,
                                                "mesh.tensor": 2, "model.positions": positions,
-                                               "model.qk_norm": qk_norm, "model.norm_placement": placement})
+                                               "model.qk_norm": qk_norm, "model.norm_placement": placement,
+                                               "model.sliding_window": window})
     cfg = config_lib.resolve(cfg, jax.device_count())
     return cfg, model.init_params(cfg.model, jax.random.key(1))
 
 
 # both layer layouts with RoPE; the absolute position encodings (added to the embeddings) scanned;
 # qk-norm over each head scanned, over all heads unrolled (with OLMo 2's norms after each sublayer);
-# Gemma's sandwich norms scanned
+# Gemma's sandwich norms scanned; a sliding window of 4 tokens unrolled
 LAYOUTS_AND_POSITIONS = pytest.mark.parametrize(
-    "scan, positions, qk_norm, placement",
-    [(True, "rope", "none", "pre"), (False, "rope", "none", "pre"), (True, "sinusoidal", "none", "pre"),
-     (True, "learned", "none", "pre"), (True, "rope", "per_head", "pre"), (False, "rope", "full", "post"),
-     (True, "rope", "per_head", "sandwich")],
-    ids=["scanned", "unrolled", "sinusoidal", "learned", "qk_per_head", "qk_full_post_norm", "sandwich_norm"])
+    "scan, positions, qk_norm, placement, window",
+    [(True, "rope", "none", "pre", 0), (False, "rope", "none", "pre", 0), (True, "sinusoidal", "none", "pre", 0),
+     (True, "learned", "none", "pre", 0), (True, "rope", "per_head", "pre", 0), (False, "rope", "full", "post", 0),
+     (True, "rope", "per_head", "sandwich", 0), (False, "rope", "none", "pre", 4)],
+    ids=["scanned", "unrolled", "sinusoidal", "learned", "qk_per_head", "qk_full_post_norm", "sandwich_norm",
+         "sliding_window"])
 
 
 @LAYOUTS_AND_POSITIONS
-def test_cached_logits_equal_apply(scan, positions, qk_norm, placement):
+def test_cached_logits_equal_apply(scan, positions, qk_norm, placement, window):
     """Teacher-forced through the cache (prefill of ragged prompts, then one token at a time),
     every position's logits equal model.apply's on the whole sequence."""
-    cfg, params = small(scan, positions, qk_norm, placement)
+    cfg, params = small(scan, positions, qk_norm, placement, window)
     assert ("layers" in params) == scan
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 64, (2, 12)), jnp.int32)
     batch = {"inputs": tokens, "segment_ids": jnp.ones_like(tokens),

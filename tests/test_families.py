@@ -17,6 +17,7 @@ from tests.helpers import ROOT, command_env, metrics_rows, saved_state, train_ro
 FAMILIES = {
     "olmo2": ({"model.norm_placement": "post", "model.qk_norm": "full"}, "Olmo2ForCausalLM"),
     "qwen3": ({"model.qk_norm": "per_head"}, "Qwen3ForCausalLM"),
+    "mistral": ({"model.sliding_window": 16}, "MistralForCausalLM"),
 }
 
 

@@ -204,7 +204,7 @@ def test_non_rope_models_are_refused(tmp_path, positions):
     encodings with one line, before writing or reading anything."""
     cfg = _cfg({"model.positions": positions, "checkpoint.init_from_hf": str(tmp_path / "hf")})
     why = re.escape(f"needs model.positions='rope', got '{positions}': the transformers classes maxlm maps "
-                    "(Llama, Qwen3, Olmo2, Mixtral, Qwen3Moe) have only RoPE")
+                    "(Llama, Mistral, Qwen3, Olmo2, Mixtral, Qwen3Moe) have only RoPE")
     with pytest.raises(config_lib.ConfigError, match=f"^the Hugging Face export {why}"):
         hf.export(random_params(cfg.model), cfg, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
@@ -222,7 +222,7 @@ def test_export_cli_refuses_a_non_rope_run(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "maxlm: config error: the Hugging Face export needs model.positions='rope', got 'learned': "
-        "the transformers classes maxlm maps (Llama, Qwen3, Olmo2, Mixtral, Qwen3Moe) have only RoPE, no sinusoidal "
+        "the transformers classes maxlm maps (Llama, Mistral, Qwen3, Olmo2, Mixtral, Qwen3Moe) have only RoPE, no sinusoidal "
         "or learned position embeddings"]
     assert not (tmp_path / "hf").exists()
 

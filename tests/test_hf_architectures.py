@@ -28,8 +28,11 @@ SHAPE = dict(vocab_size=264, hidden_size=64, num_attention_heads=4, num_key_valu
              rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 # class → (maxlm overrides, the transformers config of the same model)
 FAMILIES = {
-    "MixtralForCausalLM": ({**MOE}, dict(num_hidden_layers=2, intermediate_size=48, num_local_experts=4,
-                                         num_experts_per_tok=2)),
+    "MixtralForCausalLM": ({**MOE, "model.sliding_window": 16},  # a window shorter than the test rows
+                           dict(num_hidden_layers=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=16)),
+    "MistralForCausalLM": ({"model.sliding_window": 9}, dict(num_hidden_layers=2, intermediate_size=128,
+                                                             sliding_window=9)),
     "Qwen3MoeForCausalLM": (  # a dense first layer, gates not renormalised
         {**MOE, "model.qk_norm": "per_head", "model.num_layers": 3, "model.first_dense_layers": 1,
          "model.router_renormalize": False},
@@ -83,7 +86,8 @@ def _hf_greedy(hf_model, prompt, new_tokens: int) -> list[int]:
 
 
 @pytest.mark.parametrize("hf_class, scanned", [("MixtralForCausalLM", True), ("Qwen3MoeForCausalLM", False),
-                                               ("Qwen3ForCausalLM", True), ("Olmo2ForCausalLM", False)])
+                                               ("Qwen3ForCausalLM", True), ("Olmo2ForCausalLM", False),
+                                               ("MistralForCausalLM", True)])
 def test_export_is_the_class_with_maxlm_logits_and_greedy_tokens(tmp_path, hf_class, scanned):
     cfg = _family_cfg(hf_class, {"model.scan_layers": scanned})
     params = random_params(cfg.model, seed=1)
@@ -117,7 +121,8 @@ def _random_hf(directory, hf_class: str, tied: bool):
 
 
 @pytest.mark.parametrize("hf_class, tied", [("MixtralForCausalLM", False), ("Qwen3MoeForCausalLM", True),
-                                            ("Qwen3ForCausalLM", False), ("Olmo2ForCausalLM", True)])
+                                            ("Qwen3ForCausalLM", False), ("Olmo2ForCausalLM", True),
+                                            ("MistralForCausalLM", False)])
 def test_import_gives_transformers_logits_and_exports_back_the_same(tmp_path, hf_class, tied):
     theirs = _random_hf(tmp_path / "hf", hf_class, tied)
     cfg = _family_cfg(hf_class, {"model.tie_embeddings": tied, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
@@ -139,7 +144,8 @@ def test_import_gives_transformers_logits_and_exports_back_the_same(tmp_path, hf
         np.testing.assert_array_equal(_bits(back[name]), _bits(saved[name]), err_msg=name)
 
 
-@pytest.mark.parametrize("hf_class", ["Qwen3ForCausalLM", "Olmo2ForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize("hf_class", ["Qwen3ForCausalLM", "Olmo2ForCausalLM", "MistralForCausalLM",
+                                      "MixtralForCausalLM", "Qwen3MoeForCausalLM"])
 def test_a_packed_row_gives_transformers_logits_of_each_document_alone(tmp_path, hf_class):
     """Two documents and padding in one row (positions restarting, segment ids): each document's
     logits are transformers' forward pass of that document alone, within 1e-5."""
@@ -162,14 +168,21 @@ def test_import_mismatches_name_the_keys(tmp_path):
         hf.load_params(str(tmp_path), dense.model, _abstract(dense))
     assert str(e.value).endswith(
         "does not match the run: model.num_experts=0 but the checkpoint has 4; model.expert_mlp_dim=0 but the "
-        "checkpoint has 48 (set --config.model.num_experts=4 --config.model.expert_mlp_dim=48)")
+        "checkpoint has 48; model.sliding_window=0 but the checkpoint has 16 (set --config.model.num_experts=4 "
+        "--config.model.expert_mlp_dim=48 --config.model.sliding_window=16)")
     other = _moe_cfg({"model.num_experts": 8, "model.mlp_dim": 96})
     with pytest.raises(config_lib.ConfigError) as e:  # mlp_dim: Mixtral has no dense MLP to compare
         hf.load_params(str(tmp_path), other.model, _abstract(other))
     assert "model.num_experts=8 but the checkpoint has 4 (set --config.model.num_experts=4)" in str(e.value)
     hf_cfg = json.loads((tmp_path / "config.json").read_text())
-    with pytest.raises(config_lib.ConfigError, match=r"unsupported: sliding_window=4096"):
+    with pytest.raises(config_lib.ConfigError, match=r"model.sliding_window=16 but the checkpoint has 4096"):
         architectures.check_config(dict(hf_cfg, sliding_window=4096), _moe_cfg().model, "X")
+    qwen3 = {**hf_cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "sliding_window": 4096}
+    with pytest.raises(config_lib.ConfigError, match=r"unsupported: sliding_window=4096 \(maxlm maps a window only"):
+        architectures.check_config({**qwen3, "use_sliding_window": True}, _cfg().model, "X")
+    with pytest.raises(config_lib.ConfigError) as e:  # a window Qwen3 does not use is no window
+        architectures.check_config({**qwen3, "use_sliding_window": False}, _cfg().model, "X")
+    assert "sliding_window" not in str(e.value)
     # a Mixtral is no Qwen3-MoE: the qk-norm differs
     with pytest.raises(config_lib.ConfigError, match=r"model.qk_norm='per_head' but the checkpoint has 'none'"):
         architectures.check_config(hf_cfg, _moe_cfg({"model.qk_norm": "per_head"}).model, "X")

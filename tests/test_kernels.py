@@ -49,7 +49,7 @@ def _outputs_and_grads(attend_fn, q, k, v, cotangent):
     return (out, *vjp(cotangent))
 
 
-def _compare_with_xla(q, k, v, cotangent, segment_ids, splash_fn):
+def _compare_with_xla(q, k, v, cotangent, segment_ids, splash_fn, window=0):
     """Splash's output and (q, k, v) gradients against `attention.xla_attention` with the model's mask;
     returns the jitted splash function (output, dq, dk, dv).
 
@@ -57,7 +57,8 @@ def _compare_with_xla(q, k, v, cotangent, segment_ids, splash_fn):
     online softmax rescales per 128-key block), so they agree to a few float32 ulps of the
     accumulated sums: 2e-5 of the largest value (measured: ~1e-6).
     """
-    mask = jax.jit(attention.attention_mask)(segment_ids)  # jitted: its sharding constraints need a trace under a mesh
+    # jitted: its sharding constraints need a trace under a mesh
+    mask = jax.jit(attention.attention_mask, static_argnums=1)(segment_ids, window)
     expected = _outputs_and_grads(lambda q, k, v: attention.xla_attention(q, k, v, mask), q, k, v, cotangent)
     run = jax.jit(lambda *a: _outputs_and_grads(splash_fn, *a))
     for name, a, e in zip(("output", "dq", "dk", "dv"), run(q, k, v, cotangent), expected):
@@ -89,6 +90,20 @@ def test_splash_with_unequal_query_and_kv_tiles_matches_xla():
     segment_ids = jnp.asarray(SEGMENT_IDS)
     _compare_with_xla(q, k, v, cotangent, segment_ids, lambda q, k, v: attention.splash_attention(
         q, k, v, segment_ids, block_q=256, block_kv=128, interpret=True))
+
+
+def test_splash_with_a_sliding_window_matches_xla_and_skips_the_tiles_outside():
+    """model.sliding_window=100 over 256 tokens in tiles of 128: splash's local mask gives XLA's
+    windowed mask's numbers; over 1024 tokens its kernel visits 15 tiles where the causal one does 36."""
+    q, k, v, cotangent = _qkv(2)
+    segment_ids = jnp.asarray(SEGMENT_IDS)
+    _compare_with_xla(q, k, v, cotangent, segment_ids, lambda q, k, v: attention.splash_attention(
+        q, k, v, segment_ids, block_q=128, block_kv=128, interpret=True, window=100), window=100)
+    def tiles(kernel):  # the (query, key) tile pairs the forward kernel computes
+        return int((np.asarray(kernel.fwd_mask_info.block_mask) > 0).sum())
+
+    causal, local = (attention.make_kernel(1, 1024, 128, 128, interpret=True, window=w) for w in (0, 100))
+    assert (tiles(causal), tiles(local)) == (36, 15)  # 8 query tiles: the lower triangle; each tile and the one before
 
 
 def test_splash_residuals_made_at_the_forward_kernel_change_no_number(monkeypatch):
@@ -214,6 +229,10 @@ def test_attention_backend_choice(monkeypatch):
         ({"model.splash_block_q": 192}, "model.splash_block_q=192 must be 0 (automatic) or a multiple of 128 "
                                         "that divides seq_len=64"),
         ({"seq_len": 384, "model.splash_block_kv": 256}, "model.splash_block_kv=256 must be 0"),
+        ({"model.sliding_window": 64}, "model.sliding_window=64 must be below seq_len=64, where it would see "
+                                       "every token anyway; use 0 (full causal attention)"),
+        ({"model.sliding_window": 16, "model.context_parallel": "ring", "mesh.sequence": 4, "mesh.fsdp": 2},
+         "model.sliding_window=16 is not supported with model.context_parallel='ring'"),
     ],
 )
 def test_config_rejects(overrides, message):

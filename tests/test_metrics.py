@@ -52,6 +52,18 @@ def test_tiny_config_matches_hand_formula():
     assert flops.flops_per_token(model_cfg(), T) == 3 * forward
 
 
+def test_a_sliding_window_counts_the_keys_each_query_sees():
+    """With model.sliding_window = W, query i sees min(i + 1, W) keys: W - W²/2T on average over T
+    positions (to within the causal convention's T/2), so attention shrinks as T / (2W - W²/T)."""
+    T, W = 4096, 512
+    full = flops.forward_flops_breakdown(model_cfg(), T)["attention"]
+    windowed = flops.forward_flops_breakdown(model_cfg(sliding_window=W), T)["attention"]
+    exact_mean = sum(min(i + 1, W) for i in range(T)) / T
+    assert windowed / full == pytest.approx((W - W * W / (2 * T)) / (T / 2))
+    assert windowed / full == pytest.approx(exact_mean / (T / 2), rel=2e-3)  # the +1/2 per query of the convention
+    assert flops.forward_flops_breakdown(model_cfg(sliding_window=T), T)["attention"] == full
+
+
 def test_head_dim_zero_means_d_model_over_heads():
     explicit = flops.forward_flops_breakdown(model_cfg(head_dim=16), 32)
     derived = flops.forward_flops_breakdown(model_cfg(head_dim=0), 32)

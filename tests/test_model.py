@@ -151,6 +151,8 @@ def reference_logits(cfg, params, batch):
     elif cfg.positions == "learned":
         x = x + p["pos_embed"][positions]
     visible = np.tril(np.ones((L, L), bool)) & (segments[:, :, None] == segments[:, None, :])  # [B, L, S]
+    if cfg.sliding_window:  # key j within the window of query i: i - j < W
+        visible &= np.arange(L)[:, None] - np.arange(L)[None, :] < cfg.sliding_window
     group = cfg.num_heads // cfg.num_kv_heads
     for i in range(cfg.num_layers):
         layer = jax.tree.map(lambda w: w[i], p["layers"]) if "layers" in p else p[f"layer_{i}"]
@@ -188,16 +190,21 @@ def reference_case(positions="rope", **overrides):
     cfg = tiny_model_cfg(positions=positions, **variant, **overrides)
     params = random_params(cfg, std=0.1)
     batch = packed_batch(2, 64, cfg.vocab_size)
-    reference_cfg = tiny_model_cfg(positions=positions, **variant, qk_norm=cfg.qk_norm, norm_placement=cfg.norm_placement)
+    reference_cfg = tiny_model_cfg(positions=positions, **variant, qk_norm=cfg.qk_norm, norm_placement=cfg.norm_placement,
+                                   sliding_window=cfg.sliding_window)
     return cfg, params, batch, reference_logits(reference_cfg, params, batch)
 
 
-@pytest.mark.parametrize("positions, qk_norm, placement", [(p, "none", "pre") for p in config_lib.POSITIONS]
-                         + [("rope", "per_head", "pre"), ("rope", "full", "post"), ("sinusoidal", "none", "sandwich")])
-def test_logits_equal_a_reference_implementation(positions, qk_norm, placement):
+@pytest.mark.parametrize("positions, qk_norm, placement, window",
+                         [(p, "none", "pre", 0) for p in config_lib.POSITIONS]
+                         + [("rope", "per_head", "pre", 0), ("rope", "full", "post", 0), ("sinusoidal", "none", "sandwich", 0),
+                            ("rope", "none", "pre", 7)])
+def test_logits_equal_a_reference_implementation(positions, qk_norm, placement, window):
     """The forward pass (jitted, packed rows of 3 documents, 2 kv heads for 4 query heads) against
-    the float64 transcription above: 1e-4 on logits of a few units (2e-6 measured)."""
-    cfg, params, batch, reference = reference_case(positions, qk_norm=qk_norm, norm_placement=placement)
+    the float64 transcription above: 1e-4 on logits of a few units (2e-6 measured); a sliding
+    window of 7 tokens, shorter than the documents."""
+    cfg, params, batch, reference = reference_case(positions, qk_norm=qk_norm, norm_placement=placement,
+                                                   sliding_window=window)
     logits = np.asarray(jax.jit(functools.partial(model.apply, cfg))(params, batch))
     assert np.abs(reference).max() > 2.0  # far from zero: the comparison means something
     np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-4)

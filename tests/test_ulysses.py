@@ -74,10 +74,12 @@ def test_kv_repeats_make_the_kv_heads_split_evenly():
     assert ulysses.kv_repeats(2, 8) == 4 and ulysses.kv_repeats(6, 4) == 2
 
 
-def test_the_model_under_ulysses_gives_the_unsharded_logits():
+@pytest.mark.parametrize("window", [0, 9], ids=["causal", "sliding_window"])
+def test_the_model_under_ulysses_gives_the_unsharded_logits(window):
     """`apply` with sequence=4 x data=2 (grouped-query heads repeated) runs Ulysses in every layer
-    and gives the unsharded logits on packed rows with padding. Training: the ci test below."""
-    cfg = ulysses_config()
+    and gives the unsharded logits on packed rows with padding, causal or with a sliding window
+    (each device masks whole rows). Training: the ci test below."""
+    cfg = ulysses_config(**{"model.sliding_window": window})
     params = model.init_params(cfg.model, jax.random.key(0))
     batch = {k: jnp.asarray(v) for k, v in padded_packed_batch(2, cfg.seq_len, cfg.model.vocab_size, 0).items()}
     expected = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, batch)

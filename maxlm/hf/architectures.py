@@ -11,7 +11,8 @@ The class follows from the model config:
     model.num_experts > 0   MixtralForCausalLM       Qwen3MoeForCausalLM
 
 and, with model.norm_placement = post and model.qk_norm = full (a dense model),
-Olmo2ForCausalLM. Every other class has model.norm_placement = pre.
+Olmo2ForCausalLM. Every other class has model.norm_placement = pre. A model.sliding_window
+makes a dense Llama-shaped model MistralForCausalLM; Mixtral holds one too, the others none.
 
 A key the class cannot hold is refused with one line naming it (`architecture`). The weights'
 names are in `maxlm/hf/mapping.py`.
@@ -32,6 +33,7 @@ class Arch(NamedTuple):
     model_type: str
     qk_norm: str = "none"  # model.qk_norm: RMSNorm of queries and keys, self_attn.{q,k}_norm
     norm_placement: str = "pre"  # model.norm_placement
+    sliding_window: bool = False  # holds model.sliding_window (config.json's `sliding_window`)
     moe_block: str = ""  # an MoE layer's module name (its router is `{moe_block}.gate`); "" for a dense class
     expert_weights: tuple[str, str, str] = ()  # an expert's gate, up and down projections
 
@@ -41,12 +43,14 @@ class Arch(NamedTuple):
 
 
 LLAMA = Arch("LlamaForCausalLM", "llama")
+MISTRAL = Arch("MistralForCausalLM", "mistral", sliding_window=True)
 QWEN3 = Arch("Qwen3ForCausalLM", "qwen3", qk_norm="per_head")
 OLMO2 = Arch("Olmo2ForCausalLM", "olmo2", qk_norm="full", norm_placement="post")
-MIXTRAL = Arch("MixtralForCausalLM", "mixtral", moe_block="block_sparse_moe", expert_weights=("w1", "w3", "w2"))
+MIXTRAL = Arch("MixtralForCausalLM", "mixtral", moe_block="block_sparse_moe", expert_weights=("w1", "w3", "w2"),
+               sliding_window=True)
 QWEN3_MOE = Arch("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm="per_head", moe_block="mlp",
                  expert_weights=("gate_proj", "up_proj", "down_proj"))
-ARCHITECTURES = {a.model_type: a for a in (LLAMA, QWEN3, OLMO2, MIXTRAL, QWEN3_MOE)}
+ARCHITECTURES = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN3, OLMO2, MIXTRAL, QWEN3_MOE)}
 
 
 def _moe_refusals(arch: Arch, m) -> list[str]:
@@ -59,6 +63,8 @@ def _moe_refusals(arch: Arch, m) -> list[str]:
         (m.router_scale != 1, f"model.router_scale={m.router_scale} ({name} does not scale the gates)"),
         (m.load_balance == "bias", f"model.load_balance='bias' (the selection bias has no place in "
                                    f"{name}'s router)"),
+        (m.sliding_window and not arch.sliding_window, f"model.sliding_window={m.sliding_window} ({name}'s "
+                                                       "attention is full causal)"),
     ]
     if arch is MIXTRAL:  # Qwen3-MoE has both: mlp_only_layers, norm_topk_prob
         checks += [
@@ -81,12 +87,18 @@ def architecture(m, what: str) -> Arch:
     dense = [a for a in ARCHITECTURES.values() if not a.moe_block]
     if not m.num_experts:
         for arch in dense:
-            if (arch.qk_norm, arch.norm_placement) == (m.qk_norm, m.norm_placement):
+            if (arch.qk_norm, arch.norm_placement, arch.sliding_window) == (m.qk_norm, m.norm_placement,
+                                                                           bool(m.sliding_window)):
                 return _checked_head_dim(arch, m, what)
+        if m.sliding_window and (m.qk_norm, m.norm_placement) != ("none", "pre"):
+            raise config_lib.ConfigError(
+                f"{what} maps model.sliding_window={m.sliding_window} to Mistral (model.qk_norm='none', "
+                f"model.norm_placement='pre') only, not with model.qk_norm={m.qk_norm!r}, "
+                f"model.norm_placement={m.norm_placement!r}")
         raise config_lib.ConfigError(
             f"{what} has no class for model.norm_placement={m.norm_placement!r} with model.qk_norm="
             f"{m.qk_norm!r}; it maps " + ", ".join(
-                f"{a.norm_placement!r} with {a.qk_norm!r} ({a.name})" for a in dense))
+                f"{a.norm_placement!r} with {a.qk_norm!r} ({a.name})" for a in dense if not a.sliding_window))
     if m.norm_placement != "pre" or m.qk_norm == "full":
         raise config_lib.ConfigError(
             f"{what} maps a mixture-of-experts model with model.norm_placement='pre' and model.qk_norm "
@@ -168,6 +180,8 @@ def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
     aux_loss = m.load_balance_weight if m.load_balance == "aux_loss" else 0.0
     if arch is LLAMA:
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    if arch is MISTRAL:
+        config.update(sliding_window=m.sliding_window)
     if arch is OLMO2:
         config.update(attention_bias=False)
         del config["head_dim"]  # d_model / num_heads (`_checked_head_dim`)
@@ -177,7 +191,7 @@ def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
     if arch is MIXTRAL:
         config.update(intermediate_size=m.expert_mlp_dim,  # Mixtral's only MLPs are its experts
                       num_local_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
-                      sliding_window=None, router_jitter_noise=0.0, router_aux_loss_coef=aux_loss,
+                      sliding_window=m.sliding_window or None, router_jitter_noise=0.0, router_aux_loss_coef=aux_loss,
                       output_router_logits=False)
     if arch is QWEN3_MOE:  # intermediate_size: the dense layers' (mlp_only_layers)
         config.update(moe_intermediate_size=m.expert_mlp_dim, num_experts=m.num_experts,
@@ -273,8 +287,10 @@ def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
             unsupported += moe_unsupported
         else:
             mapped["num_experts"] = 0
-    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", arch is MIXTRAL):
-        unsupported.append(f"sliding_window={hf['sliding_window']} (maxlm's attention is full causal)")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    mapped["sliding_window"] = window or 0
+    if window and not (arch and arch.sliding_window):
+        unsupported.append(f"sliding_window={window} (maxlm maps a window only to and from Mistral and Mixtral)")
     if hf.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={hf['hidden_act']!r} (maxlm's MLP is SwiGLU: silu)")
     for key in ("attention_bias", "mlp_bias"):

@@ -58,20 +58,24 @@ LANES = 128  # a splash block is a multiple of this
 BLOCK_SIZES = (512, 256, 128)  # tried largest first; 512 is MaxText's default on v5e/v5p
 
 
-def attention_mask(segment_ids_BL):
-    """[B, 1, L, S] booleans: causal, and only within the same document (segment).
+def attention_mask(segment_ids_BL, window: int = 0):
+    """[B, 1, L, S] booleans: causal, and only within the same document (segment); with a
+    `window` > 0, only the query's own token and the window - 1 before it (`model.sliding_window`).
 
     Under sequence parallelism the rows (queries) are split like the tokens and the columns (keys)
     are whole: each device compares its own tokens' segment ids with all of the row's."""
     segment_ids_BS = nn.with_logical_constraint(segment_ids_BL, ("batch", None))  # the keys' ids, gathered
-    return nn.with_logical_constraint(causal_mask(segment_ids_BL, segment_ids_BS), ("batch", None, "length", None))
+    return nn.with_logical_constraint(causal_mask(segment_ids_BL, segment_ids_BS, window),
+                                      ("batch", None, "length", None))
 
 
-def causal_mask(segment_ids_BL, segment_ids_BS):
+def causal_mask(segment_ids_BL, segment_ids_BS, window: int = 0):
     """`attention_mask`'s booleans [B, 1, L, S] from the segment ids of the same rows twice: as
     the queries' [B, L] and as the keys' [B, S] (L = S), each with its own sharding."""
     length = segment_ids_BL.shape[1]
     causal_LS = jnp.tril(jnp.ones((length, length), dtype=bool))
+    if window:
+        causal_LS &= jnp.triu(causal_LS, -(window - 1))  # i - window < j <= i
     same_doc_BLS = segment_ids_BL[:, :, None] == segment_ids_BS[:, None, :]
     return (causal_LS[None] & same_doc_BLS)[:, None]
 
@@ -129,28 +133,30 @@ def attention_backend(name: str, dtype, seq_len: int | None = None, platform: st
     return name
 
 
-def document_mask(backend: str, segment_ids_BL, dtype):
-    """What `attend` takes as `mask_B1LS` for the resolved `backend`, made once per step."""
+def document_mask(backend: str, segment_ids_BL, dtype, window: int = 0):
+    """What `attend` takes as `mask_B1LS` for the resolved `backend`, made once per step; the
+    sliding `window` is in XLA's mask, and in the kernels' own masks (`attend`)."""
     if backend in SPLASH:
         return None  # masks inside the kernel, from the segment ids
     if backend == "cudnn":
         return document_bias(segment_ids_BL, dtype)
-    return attention_mask(segment_ids_BL)
+    return attention_mask(segment_ids_BL, window)
 
 
 def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=None,
-           splash_blocks: tuple[int, int] = (0, 0)):
+           splash_blocks: tuple[int, int] = (0, 0), window: int = 0):
     """Attention with the named backend and its form of the documents (`document_mask`): the
     [B, 1, L, S] mask for xla, the `document_bias` for cudnn, `segment_ids_BL` for splash (with
-    its (query, key/value) tiles, `splash_blocks`; 0 = `block_size`)."""
+    its (query, key/value) tiles, `splash_blocks`; 0 = `block_size`). A sliding `window` (> 0)
+    goes to the kernels, which skip the tiles it hides; XLA's mask holds it already."""
     backend = attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1])
     if backend == "cudnn":
-        return cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
+        return cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, window)
     if backend in SPLASH:
         if segment_ids_BL is None:
             raise ValueError("splash attention needs segment_ids_BL")
         return splash_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, block_q=splash_blocks[0],
-                                block_kv=splash_blocks[1], interpret=backend == SPLASH_INTERPRET)
+                                block_kv=splash_blocks[1], interpret=backend == SPLASH_INTERPRET, window=window)
     return xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
 
 
@@ -171,13 +177,15 @@ def document_bias(segment_ids_BL, dtype, segment_ids_BS=None):
     return jnp.where(same_doc_BLS, 0, blocked).astype(dtype)[:, None]
 
 
-def cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, bias_B1LS):
-    """cuDNN's fused flash attention in causal mode, documents from `document_bias`;
-    grouped-query heads are native. In a pipeline, whose stages run under vmap, the same kernel
-    through maxlm/model/cudnn.py: JAX's own batching rule cannot batch a bias shared by the heads."""
+def cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, bias_B1LS, window: int = 0):
+    """cuDNN's fused flash attention in causal mode (within a sliding `window` of tokens when > 0),
+    documents from `document_bias`; grouped-query heads are native. In a pipeline, whose stages
+    run under vmap, the same kernel through maxlm/model/cudnn.py: JAX's own batching rule cannot
+    batch a bias shared by the heads."""
     if pipeline.pipeline_stages() > 1:
-        return cudnn.attention(q_BLHDh, k_BSKDh, v_BSKDh, bias_B1LS)
+        return cudnn.attention(q_BLHDh, k_BSKDh, v_BSKDh, bias_B1LS, window)
     return jax.nn.dot_product_attention(q_BLHDh, k_BSKDh, v_BSKDh, bias=bias_B1LS, is_causal=True,
+                                        local_window_size=(window - 1, 0) if window else None,
                                         implementation="cudnn")
 
 
@@ -197,10 +205,14 @@ def splash_tiles(seq_len: int, block_q: int = 0, block_kv: int = 0) -> tuple[int
     return block_q or block_size(seq_len), block_kv or block_size(seq_len)
 
 
-def make_kernel(num_heads: int, seq_len: int, block_q: int, block_kv: int, interpret: bool = False):
+def make_kernel(num_heads: int, seq_len: int, block_q: int, block_kv: int, interpret: bool = False,
+                window: int = 0):
     """A causal splash kernel for `num_heads` query heads of `seq_len` tokens (one sequence), with
-    query tiles of `block_q` and key/value tiles of `block_kv` tokens."""
-    causal = splash_mask.CausalMask((seq_len, seq_len))
+    query tiles of `block_q` and key/value tiles of `block_kv` tokens; with a `window` > 0, each
+    query sees its own token and the window - 1 before it (the kernel skips the tiles outside)."""
+    shape = (seq_len, seq_len)
+    causal = splash_mask.LocalMask(shape, window_size=(window - 1, 0), offset=0) if window else \
+        splash_mask.CausalMask(shape)
     mask = splash_mask.MultiHeadMask(tuple(causal for _ in range(num_heads)))
     return splash_kernel.make_splash_mha(
         mask, block_sizes=splash_block_sizes(block_q, block_kv), head_shards=1, q_seq_shards=1, interpret=interpret
@@ -217,10 +229,10 @@ def splash_block_sizes(block_q: int, block_kv: int):
     )
 
 
-def splash_local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q, block_kv, interpret):
+def splash_local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q, block_kv, interpret, window=0):
     """The kernel on one device's shard (or the whole arrays without a mesh)."""
     _, L, H, Dh = q_BLHDh.shape
-    kernel = make_kernel(H, L, block_q, block_kv, interpret)
+    kernel = make_kernel(H, L, block_q, block_kv, interpret, window)
     q_BHLDh = jnp.swapaxes(q_BLHDh * (1.0 / math.sqrt(Dh)), 1, 2)  # the kernel does not scale
     k_BKSDh = jnp.swapaxes(k_BSKDh, 1, 2)
     v_BKSDh = jnp.swapaxes(v_BSKDh, 1, 2)
@@ -258,14 +270,15 @@ def _residuals_made_in_forward(fn):
 
 
 def splash_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q: int = 0, block_kv: int = 0,
-                     interpret: bool = False):
+                     interpret: bool = False, window: int = 0):
     """Causal, per-document attention [B, L, H, Dh] with the splash kernel.
 
     `block_q`, `block_kv`: the kernel's query and key/value tiles (0: `block_size(L)`).
     `interpret=True` runs the kernel in the Pallas interpreter on any backend (slow; for tests).
+    `window` > 0: a sliding window of that many tokens (`model.sliding_window`).
     """
     block_q, block_kv = splash_tiles(q_BLHDh.shape[1], block_q, block_kv)
-    local = functools.partial(splash_local, block_q=block_q, block_kv=block_kv, interpret=interpret)
+    local = functools.partial(splash_local, block_q=block_q, block_kv=block_kv, interpret=interpret, window=window)
     if jax.sharding.get_abstract_mesh().empty:
         return local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL)
     # The axes the active logical rules give batch and heads (none without rules: replicated).

@@ -135,7 +135,7 @@ class Attention(nn.Module):
             # by heads around attention (maxlm/model/ulysses.py).
             k_BSKDh = _constrain(positions.rotary(cfg, k_BSKDh, positions_BL), ("batch", "length", "kv_heads", "head_dim"))
             v_BSKDh = _constrain(v_BSKDh, ("batch", "length", "kv_heads", "head_dim"))
-            out_BLHDh = ulysses.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, blocks)
+            out_BLHDh = ulysses.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, blocks, cfg.sliding_window)
             return checkpoint_name(weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
         # Sequence parallelism, the all-gather strategy: queries stay split along the length (mesh
         # axis `sequence`), keys and values are gathered whole (length None), so each device
@@ -143,7 +143,8 @@ class Attention(nn.Module):
         # position. Without a sequence axis these constraints change nothing.
         k_BSKDh = _constrain(positions.rotary(cfg, k_BSKDh, positions_BL), ("batch", None, "kv_heads", "head_dim"))
         v_BSKDh = _constrain(v_BSKDh, ("batch", None, "kv_heads", "head_dim"))
-        out_BLHDh = attention.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL, blocks)
+        out_BLHDh = attention.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL, blocks,
+                                     cfg.sliding_window)
         return checkpoint_name(weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
 
 
@@ -212,7 +213,7 @@ def _document_mask(cfg, segment_ids_BL, dtype):
     if ring_attention.active(cfg) or ulysses.applies(cfg, *segment_ids_BL.shape):
         return None
     backend = attention.attention_backend(cfg.attention, dtype, segment_ids_BL.shape[1])
-    return attention.document_mask(backend, segment_ids_BL, dtype)
+    return attention.document_mask(backend, segment_ids_BL, dtype, cfg.sliding_window)
 
 
 class Transformer(nn.Module):

@@ -73,6 +73,12 @@ def _mlp_flops(model_cfg) -> int:
     return (dense + m.mtp_depth) * 3 * 2 * m.d_model * m.mlp_dim + (m.num_layers - dense) * per_moe_layer
 
 
+def _mean_keys_x2T(T: int, window: int) -> int:
+    """2T x the keys a query attends to on average: T/2 under the causal mask (the convention
+    above), W - W²/2T with a sliding window of W tokens."""
+    return T * T if not window or window >= T else 2 * T * window - window * window
+
+
 def forward_flops_breakdown(model_cfg, seq_len: int) -> dict[str, float]:
     """Forward-pass FLOPs per token, summed over layers, by component.
 
@@ -94,8 +100,9 @@ def forward_flops_breakdown(model_cfg, seq_len: int) -> dict[str, float]:
         "kv_proj": L * 2 * 2 * d * K * Dh,
         "out_proj": L * 2 * H * Dh * d,
         "mlp": _mlp_flops(model_cfg),
-        # QK^T and AV: 2*2*T*H*Dh per token, halved for the causal mask.
-        "attention": L * (2 * 2 * T * H * Dh) // 2,
+        # QK^T and AV: 2*2*T*H*Dh per token, halved for the causal mask; a sliding window of W
+        # keys: W - W²/2T keys on average (T/2 at W = T)
+        "attention": L * (2 * 2 * H * Dh) * _mean_keys_x2T(T, getattr(model_cfg, "sliding_window", 0)) // (2 * T),
         "lm_head": (1 + depth) * 2 * d * V,
         "mtp_proj": depth * 2 * 2 * d * d,
     }
