@@ -37,7 +37,9 @@ from maxlm.config_rules import (
     POSITIONS,
     POSITIVE,
     POSITIVE_INT,
+    MLP_ACTIVATIONS,
     NORM_PLACEMENTS,
+    NORMS,
     QK_NORMS,
     ROPE_SCALINGS,
     REMAT,
@@ -207,6 +209,11 @@ def _model_defaults() -> _Section:
     # where each block's RMSNorms sit: before each sublayer (Llama), on its output before the
     # residual add (OLMo 2), or both (Gemma 2/3)
     s.norm_placement = "pre", one_of(NORM_PLACEMENTS)
+    s.norm = "rmsnorm", one_of(NORMS)  # the blocks' and the final norm: RMSNorm, or LayerNorm with a bias (GPT-2)
+    # the dense MLP: SiLU-gated (Llama), tanh-GeLU-gated (Gemma), or ungated tanh GeLU (GPT-2)
+    s.mlp_activation = "swiglu", one_of(MLP_ACTIVATIONS)
+    s.use_bias = False, BOOL  # biases in every projection, attention's and the MLP's (GPT-2)
+    s.qkv_bias = False, BOOL  # biases in the query, key and value projections only (Qwen2)
     # > 0: each token attends to itself and the sliding_window - 1 tokens before it (Mistral; 0: the
     # whole causal prefix); the compute falls with it in the splash and cuDNN kernels
     s.sliding_window = 0, NON_NEGATIVE_INT

@@ -27,6 +27,8 @@ POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/mode
 ROPE_SCALINGS = ("none", "llama3", "yarn")  # model.rope_scaling: see maxlm/model/positions.py
 QK_NORMS = ("none", "per_head", "full")  # model.qk_norm: see maxlm/model/transformer.py Attention
 NORM_PLACEMENTS = ("pre", "post", "sandwich")  # model.norm_placement: see maxlm/model/transformer.py Block
+NORMS = ("rmsnorm", "layernorm")  # model.norm: see maxlm/model/norms.py
+MLP_ACTIVATIONS = ("swiglu", "geglu", "gelu")  # model.mlp_activation: see maxlm/model/transformer.py MLP
 ROUTERS = ("softmax", "sigmoid")  # model.router: see maxlm/model/moe.py
 LOAD_BALANCE = ("aux_loss", "bias", "none")  # model.load_balance: see maxlm/model/balance.py for bias
 GROUPED_MATMUL = ("auto", "ragged_dot", "tiled", "megablox")  # see grouped_matmul.grouped_matmul_backend
@@ -129,6 +131,15 @@ def _check_experts(c) -> None:
         m.expert_mlp_dim = m.mlp_dim
 
 
+def _check_layer_kinds(c) -> None:
+    """The MLP activation and biases, which the dense MLP has and the experts do not."""
+    m = c.model
+    if m.num_experts and (m.mlp_activation != "swiglu" or m.use_bias):
+        key = "model.mlp_activation=" + repr(m.mlp_activation) if m.mlp_activation != "swiglu" else "model.use_bias=True"
+        raise ConfigError(f"{key} is not supported with model.num_experts={m.num_experts} (the experts are "
+                          "SwiGLU without biases); use it with a dense model")
+
+
 def _check_sliding_window(c) -> None:
     m = c.model
     if m.sliding_window and m.sliding_window >= c.seq_len:
@@ -185,6 +196,7 @@ def check_model_and_optim(c) -> None:
         m.head_dim = m.d_model // m.num_heads
     _check_positions(c)
     _check_sliding_window(c)
+    _check_layer_kinds(c)
     _check_experts(c)
     _check_mtp(c)
     if c.optim.warmup_steps > c.steps:

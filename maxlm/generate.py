@@ -18,7 +18,7 @@ stopped_at_eos).
 
 The cached forward is a functional twin of `model.apply` over the same parameter pytree (scanned
 `layers` with a leading layer axis, or unrolled `layer_i`): it calls model.py's own pieces (the
-RMSNorm and SwiGLU modules, `embed`, the weight matmuls, the logits), positions.py's encodings and
+norm and MLP modules, `embed`, the weight matmuls, the logits), positions.py's encodings and
 attention.py's `xla_attention`, and only replaces where keys and values come from, so the two
 cannot drift apart; the tests check its logits against `model.apply`'s at every position.
 
@@ -53,8 +53,10 @@ def init_cache(model_cfg, params, batch_size: int, max_len: int) -> Cache | list
     return [{"k": zeros(), "v": zeros()} for _ in range(model_cfg.num_layers)]
 
 
-def _rms_norm(model_cfg, norm_params, x_BTD):
-    return model.RMSNorm(model_cfg.norm_eps, model.compute_dtype(model_cfg)).apply({"params": norm_params}, x_BTD)
+def _norm(model_cfg, norm_params, x_BTD):
+    """A block's or the final norm (`model.norm`)."""
+    return model.block_norm(model_cfg)(model_cfg.norm_eps, model.compute_dtype(model_cfg)).apply(
+        {"params": norm_params}, x_BTD)
 
 
 def _attention(model_cfg, p, x_BTD, positions_BT, cache):
@@ -64,6 +66,8 @@ def _attention(model_cfg, p, x_BTD, positions_BT, cache):
     q_BTHDh = model.weight_matmul(cfg, "bld,dhk->blhk", x_BTD, p["wq"], dtype)
     k_BTKDh = model.weight_matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wk"], dtype)
     v_BTKDh = model.weight_matmul(cfg, "bsd,dhk->bshk", x_BTD, p["wv"], dtype)
+    if "bq" in p:  # model.use_bias or model.qkv_bias
+        q_BTHDh, k_BTKDh, v_BTKDh = (x + p[b].astype(dtype) for x, b in ((q_BTHDh, "bq"), (k_BTKDh, "bk"), (v_BTKDh, "bv")))
     if cfg.qk_norm != "none":
         norm = lambda name, heads, x: model.RMSNorm(cfg.norm_eps, dtype, model.qk_norm_axes(cfg, heads)).apply(
             {"params": p[name]}, x)
@@ -79,6 +83,8 @@ def _attention(model_cfg, p, x_BTD, positions_BT, cache):
         mask_BTS &= slots_S[None, None, :] > positions_BT[:, :, None] - cfg.sliding_window
     out_BTHDh = attention.xla_attention(q_BTHDh, k_BSKDh, v_BSKDh, mask_BTS[:, None])
     out_BTD = model.weight_matmul(cfg, "blhk,hkd->bld", out_BTHDh, p["wo"], dtype)
+    if "bo" in p:  # model.use_bias
+        out_BTD = out_BTD + p["bo"].astype(dtype)
     return out_BTD, {"k": k_BSKDh, "v": v_BSKDh}
 
 
@@ -87,7 +93,7 @@ def _block(model_cfg, p, x_BTD, positions_BT, cache):
     before, after = model.norms_around(model_cfg)
 
     def norms(sublayer: str):
-        return [functools.partial(_rms_norm, model_cfg, p[f"{sublayer}{suffix}"]) if on else None
+        return [functools.partial(_norm, model_cfg, p[f"{sublayer}{suffix}"]) if on else None
                 for suffix, on in (("_norm", before), ("_out_norm", after))]
 
     def attend(h_BTD):
@@ -99,7 +105,7 @@ def _block(model_cfg, p, x_BTD, positions_BT, cache):
     if "router" in p["mlp"]:  # an MoE layer (maxlm/model/moe.py)
         mlp = lambda h_BTD: model.MoE(model_cfg).apply({"params": p["mlp"]}, h_BTD)[0]  # noqa: E731
     else:
-        mlp = functools.partial(model.SwiGLU(model_cfg).apply, {"params": p["mlp"]})
+        mlp = functools.partial(model.MLP(model_cfg).apply, {"params": p["mlp"]})
     return model.residual(x_BTD, mlp, *norms("mlp")), cache
 
 
@@ -127,7 +133,7 @@ def forward(model_cfg, params, tokens_BT, positions_BT, cache):
             x_BTD, layer_cache = _block(model_cfg, params[f"layer_{i}"], x_BTD, positions_BT, layer_cache)
             new_cache.append(layer_cache)
         cache = new_cache
-    x_BTD = _rms_norm(model_cfg, params["final_norm"], x_BTD)
+    x_BTD = _norm(model_cfg, params["final_norm"], x_BTD)
     return model.output_logits(model_cfg, x_BTD, model.head_weights(model_cfg, params)), cache
 
 

@@ -109,7 +109,8 @@ def test_eval_cli(run, tmp_path):
 
 
 @functools.lru_cache(maxsize=None)
-def small(scan: bool = True, positions: str = "rope", qk_norm: str = "none", placement: str = "pre", window: int = 0):
+def small(scan: bool = True, positions: str = "rope", qk_norm: str = "none", placement: str = "pre", window: int = 0,
+          kinds: tuple = ()):
     """A random model with grouped-query attention (4 heads, 2 kv heads) whose logits are far
     from ties (larger init), float32; its mesh is fsdp=4 x tensor=2. A learned position table
     has seq_len = 64 rows."""
@@ -118,9 +119,16 @@ def small(scan: bool = True, positions: str = "rope", qk_norm: str = "none", pla
                                                "model.scan_layers": scan, "mesh.fsdp": 4,
                                                "mesh.tensor": 2, "model.positions": positions,
                                                "model.qk_norm": qk_norm, "model.norm_placement": placement,
-                                               "model.sliding_window": window})
+                                               "model.sliding_window": window,
+                                               **{f"model.{k}": v for k, v in kinds}})
     cfg = config_lib.resolve(cfg, jax.device_count())
-    return cfg, model.init_params(cfg.model, jax.random.key(1))
+    params = model.init_params(cfg.model, jax.random.key(1))
+    rng = np.random.default_rng(2)
+
+    def nonzero_biases(path, x):  # they start at zero, where a bias left out of the cache's path would not show
+        name = str(path[-1].key)
+        return x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype) if name.startswith("b") else x
+    return cfg, jax.tree_util.tree_map_with_path(nonzero_biases, params)
 
 
 # both layer layouts with RoPE; the absolute position encodings (added to the embeddings) scanned;
@@ -133,13 +141,17 @@ LAYOUTS_AND_POSITIONS = pytest.mark.parametrize(
      (True, "rope", "per_head", "sandwich", 0), (False, "rope", "none", "pre", 4)],
     ids=["scanned", "unrolled", "sinusoidal", "learned", "qk_per_head", "qk_full_post_norm", "sandwich_norm",
          "sliding_window"])
+# GPT-2's block (LayerNorm, GeLU, biases, learned positions); Qwen2's query/key/value biases with GeGLU
+KINDS = pytest.mark.parametrize("kinds", [
+    (("norm", "layernorm"), ("mlp_activation", "gelu"), ("use_bias", True), ("positions", "learned")),
+    (("qkv_bias", True), ("mlp_activation", "geglu"))], ids=["gpt2_like", "qkv_bias_geglu"])
 
 
 @LAYOUTS_AND_POSITIONS
-def test_cached_logits_equal_apply(scan, positions, qk_norm, placement, window):
+def test_cached_logits_equal_apply(scan, positions, qk_norm, placement, window, kinds=()):
     """Teacher-forced through the cache (prefill of ragged prompts, then one token at a time),
     every position's logits equal model.apply's on the whole sequence."""
-    cfg, params = small(scan, positions, qk_norm, placement, window)
+    cfg, params = small(scan, positions, qk_norm, placement, window, kinds)
     assert ("layers" in params) == scan
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 64, (2, 12)), jnp.int32)
     batch = {"inputs": tokens, "segment_ids": jnp.ones_like(tokens),
@@ -157,6 +169,12 @@ def test_cached_logits_equal_apply(scan, positions, qk_norm, placement, window):
         positions = jnp.asarray(lengths + t, jnp.int32)
         logits, cache = decode(params, tokens[jnp.arange(2), positions], positions, cache)
         np.testing.assert_allclose(logits, expected[jnp.arange(2), positions], atol=1e-5, rtol=0)
+
+
+@KINDS
+def test_cached_logits_equal_apply_for_other_blocks(kinds):
+    test_cached_logits_equal_apply(True, dict(kinds).get("positions", "rope"), "none", "pre", 0,
+                                   tuple(kv for kv in kinds if kv[0] != "positions"))
 
 
 def greedy_without_cache(cfg, params, prompt, n):

@@ -249,6 +249,14 @@ def test_norm_placements_and_qk_norms_without_a_class_are_refused():
         architectures.architecture(_family_cfg("Olmo2ForCausalLM", {"model.head_dim": 24}).model, "X")
 
 
+def test_layernorm_gelu_and_biases_have_no_class_yet():
+    with pytest.raises(config_lib.ConfigError, match=r"^X has no class for model.norm='layernorm' \(their norms are "
+                                                     r"RMSNorm\); model.mlp_activation='gelu' .*; model.use_bias=True "
+                                                     r"\(their projections have no biases\) among the transformers"):
+        architectures.architecture(_cfg({"model.norm": "layernorm", "model.mlp_activation": "gelu",
+                                         "model.use_bias": True}).model, "X")
+
+
 def test_group_limited_routing_is_refused_and_every_refusal_is_listed():
     cfg = _moe_cfg({"model.router": "sigmoid", "model.router_groups": 2, "model.router_topk_groups": 1,
                     "model.shared_experts": 1})

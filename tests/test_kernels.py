@@ -233,6 +233,10 @@ def test_attention_backend_choice(monkeypatch):
                                        "every token anyway; use 0 (full causal attention)"),
         ({"model.sliding_window": 16, "model.context_parallel": "ring", "mesh.sequence": 4, "mesh.fsdp": 2},
          "model.sliding_window=16 is not supported with model.context_parallel='ring'"),
+        ({"model.num_experts": 4, "model.mlp_activation": "geglu"},
+         "model.mlp_activation='geglu' is not supported with model.num_experts=4 (the experts are SwiGLU without "
+         "biases); use it with a dense model"),
+        ({"model.num_experts": 4, "model.use_bias": True}, "model.use_bias=True is not supported with model.num_experts=4"),
     ],
 )
 def test_config_rejects(overrides, message):

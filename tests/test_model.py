@@ -29,10 +29,12 @@ def tiny_model_cfg(**overrides):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-@pytest.mark.parametrize("kv_heads, qk_norm, placement", [(1, "none", "pre"), (2, "none", "sandwich"), (4, "none", "pre"),
-                                                     (2, "per_head", "pre"), (1, "full", "post")])
-def test_param_count_matches_formula(tie, kv_heads, qk_norm, placement):
-    cfg = tiny_model_cfg(tie_embeddings=tie, num_kv_heads=kv_heads, qk_norm=qk_norm, norm_placement=placement)
+@pytest.mark.parametrize("kv_heads, qk_norm, placement, kinds", [
+    (1, "none", "pre", {}), (2, "none", "sandwich", {"norm": "layernorm", "mlp_activation": "gelu", "use_bias": True}),
+    (4, "none", "pre", {"mlp_activation": "geglu", "qkv_bias": True}), (2, "per_head", "pre", {"mtp_depth": 1}),
+    (1, "full", "post", {"norm": "layernorm", "use_bias": True, "mtp_depth": 1})])
+def test_param_count_matches_formula(tie, kv_heads, qk_norm, placement, kinds):
+    cfg = tiny_model_cfg(tie_embeddings=tie, num_kv_heads=kv_heads, qk_norm=qk_norm, norm_placement=placement, **kinds)
     params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))  # shapes: nothing to compile
     assert sum(p.size for p in jax.tree.leaves(params)) == model.count_params(cfg)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
@@ -134,6 +136,14 @@ def reference_logits(cfg, params, batch):
     def norm(x, scale, over=(-1,)):
         return x / np.sqrt((x * x).mean(over, keepdims=True) + cfg.norm_eps) * scale
 
+    def block_norm(x, params):  # model.norm: RMSNorm, or LayerNorm (centred, with a bias)
+        if cfg.norm == "layernorm":
+            return norm(x - x.mean(-1, keepdims=True), params["scale"]) + params["bias"]
+        return norm(x, params["scale"])
+
+    def tanh_gelu(x):
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
     def qk_norm(x, norm_params):  # [B, L, heads, Dh]: each head's (per_head) or all heads' (full)
         return {"none": lambda: x, "per_head": lambda: norm(x, norm_params["scale"]),
                 "full": lambda: norm(x, norm_params["scale"], over=(-2, -1))}[cfg.qk_norm]()
@@ -159,25 +169,31 @@ def reference_logits(cfg, params, batch):
         attn, mlp = layer["attn"], layer["mlp"]
 
         def attention(h):
-            q = qk_norm(np.einsum("bld,dhk->blhk", h, attn["wq"]), attn.get("q_norm"))
-            k = np.repeat(qk_norm(np.einsum("bld,dhk->blhk", h, attn["wk"]), attn.get("k_norm")), group, axis=2)
-            v = np.repeat(np.einsum("bld,dhk->blhk", h, attn["wv"]), group, axis=2)
+            bias = lambda name: attn.get(name, 0.0)  # noqa: E731  (model.use_bias / qkv_bias)
+            q = qk_norm(np.einsum("bld,dhk->blhk", h, attn["wq"]) + bias("bq"), attn.get("q_norm"))
+            k = np.repeat(qk_norm(np.einsum("bld,dhk->blhk", h, attn["wk"]) + bias("bk"), attn.get("k_norm")), group, axis=2)
+            v = np.repeat(np.einsum("bld,dhk->blhk", h, attn["wv"]) + bias("bv"), group, axis=2)
             if cfg.positions == "rope":
                 q, k = rope(q), rope(k)
             scores = np.where(visible[:, None], np.einsum("blhk,bshk->bhls", q, k) / np.sqrt(cfg.head_dim), -np.inf)
             probs = np.exp(scores - scores.max(-1, keepdims=True))
             probs /= probs.sum(-1, keepdims=True)
-            return np.einsum("bhls,bshk,hkd->bld", probs, v, attn["wo"])
+            return np.einsum("bhls,bshk,hkd->bld", probs, v, attn["wo"]) + bias("bo")
 
-        def swiglu(h):
-            gate = h @ mlp["w_gate"]
-            return (gate / (1 + np.exp(-gate)) * (h @ mlp["w_up"])) @ mlp["w_down"]
+        def feed_forward(h):  # model.mlp_activation
+            up = h @ mlp["w_up"] + mlp.get("b_up", 0.0)
+            if cfg.mlp_activation == "gelu":
+                hidden = tanh_gelu(up)
+            else:
+                gate = h @ mlp["w_gate"] + mlp.get("b_gate", 0.0)
+                hidden = (gate / (1 + np.exp(-gate)) if cfg.mlp_activation == "swiglu" else tanh_gelu(gate)) * up
+            return hidden @ mlp["w_down"] + mlp.get("b_down", 0.0)
 
-        for name, sublayer in (("attn", attention), ("mlp", swiglu)):  # pre: x + f(norm(x)); post: x + norm(f(x))
-            h = norm(x, layer[f"{name}_norm"]["scale"]) if cfg.norm_placement in ("pre", "sandwich") else x
+        for name, sublayer in (("attn", attention), ("mlp", feed_forward)):  # pre: x + f(norm(x)); post: x + norm(f(x))
+            h = block_norm(x, layer[f"{name}_norm"]) if cfg.norm_placement in ("pre", "sandwich") else x
             out = sublayer(h)
-            x = x + (norm(out, layer[f"{name}_out_norm"]["scale"]) if cfg.norm_placement in ("post", "sandwich") else out)
-    x = norm(x, p["final_norm"]["scale"])
+            x = x + (block_norm(out, layer[f"{name}_out_norm"]) if cfg.norm_placement in ("post", "sandwich") else out)
+    x = block_norm(x, p["final_norm"])
     return x @ (p["embed"].T if cfg.tie_embeddings else p["head"])
 
 
@@ -190,21 +206,28 @@ def reference_case(positions="rope", **overrides):
     cfg = tiny_model_cfg(positions=positions, **variant, **overrides)
     params = random_params(cfg, std=0.1)
     batch = packed_batch(2, 64, cfg.vocab_size)
-    reference_cfg = tiny_model_cfg(positions=positions, **variant, qk_norm=cfg.qk_norm, norm_placement=cfg.norm_placement,
-                                   sliding_window=cfg.sliding_window)
+    kinds = {k: cfg[k] for k in ("qk_norm", "norm_placement", "sliding_window", "norm", "mlp_activation", "use_bias",
+                                 "qkv_bias")}
+    reference_cfg = tiny_model_cfg(positions=positions, **variant, **kinds)
     return cfg, params, batch, reference_logits(reference_cfg, params, batch)
 
 
-@pytest.mark.parametrize("positions, qk_norm, placement, window",
-                         [(p, "none", "pre", 0) for p in config_lib.POSITIONS]
-                         + [("rope", "per_head", "pre", 0), ("rope", "full", "post", 0), ("sinusoidal", "none", "sandwich", 0),
-                            ("rope", "none", "pre", 7)])
-def test_logits_equal_a_reference_implementation(positions, qk_norm, placement, window):
+GPT2_LIKE = {"norm": "layernorm", "mlp_activation": "gelu", "use_bias": True}
+
+
+@pytest.mark.parametrize("positions, qk_norm, placement, window, kinds",
+                         [(p, "none", "pre", 0, {}) for p in config_lib.POSITIONS]
+                         + [("rope", "per_head", "pre", 0, {}), ("rope", "full", "post", 0, {}),
+                            ("sinusoidal", "none", "sandwich", 0, {"mlp_activation": "geglu"}),
+                            ("rope", "none", "pre", 7, {"qkv_bias": True}), ("learned", "none", "pre", 0, GPT2_LIKE)],
+                         ids=["rope", "sinusoidal", "learned", "qk_per_head", "post_norm", "sandwich_geglu",
+                              "window_qkv_bias", "gpt2_like"])
+def test_logits_equal_a_reference_implementation(positions, qk_norm, placement, window, kinds):
     """The forward pass (jitted, packed rows of 3 documents, 2 kv heads for 4 query heads) against
     the float64 transcription above: 1e-4 on logits of a few units (2e-6 measured); a sliding
-    window of 7 tokens, shorter than the documents."""
+    window of 7 tokens, shorter than the documents; GPT-2's LayerNorm, GeLU MLP and biases."""
     cfg, params, batch, reference = reference_case(positions, qk_norm=qk_norm, norm_placement=placement,
-                                                   sliding_window=window)
+                                                   sliding_window=window, **kinds)
     logits = np.asarray(jax.jit(functools.partial(model.apply, cfg))(params, batch))
     assert np.abs(reference).max() > 2.0  # far from zero: the comparison means something
     np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-4)

@@ -135,16 +135,18 @@ def test_config_rejects(overrides, message):
 
 
 @pytest.mark.parametrize("scan", [False, True])
-def test_weight_decay_skips_norms(scan):
-    """Also the qk-norms' scales, [heads, head_dim] with model.qk_norm=full."""
+def test_weight_decay_skips_norms_and_biases(scan):
+    """Also the qk-norms' scales, [heads, head_dim] with model.qk_norm=full, LayerNorm's biases
+    and the projections' (the query's, key's and value's [heads, head_dim])."""
     cfg = config_lib.resolve(load_config("tiny"), 1)
-    cfg.model.scan_layers, cfg.model.qk_norm = scan, "full"
+    cfg.model.scan_layers, cfg.model.qk_norm, cfg.model.norm, cfg.model.use_bias = scan, "full", "layernorm", True
     params = model.init_params(cfg.model, jax.random.key(0))
     mask = optim.weight_decay_mask(params)
     layer = mask["layers"] if scan else mask["layer_0"]
     assert layer["attn"]["wq"] and layer["mlp"]["w_down"] and mask["embed"] and mask["head"]
-    assert not layer["attn_norm"]["scale"] and not mask["final_norm"]["scale"]
+    assert not layer["attn_norm"]["scale"] and not mask["final_norm"]["scale"] and not mask["final_norm"]["bias"]
     assert not layer["attn"]["q_norm"]["scale"] and not layer["attn"]["k_norm"]["scale"]
+    assert not any(layer["attn"][b] for b in ("bq", "bk", "bv", "bo")) and not layer["mlp"]["b_up"]
 
 
 @pytest.mark.parametrize("name", config_lib.OPTIMIZERS)

@@ -63,6 +63,10 @@ def check_expressible(cfg, target: str = "") -> None:
         f"model.qk_norm={m.qk_norm!r} (MaxText's llama2 and mixtral blocks have no qk-norm)": m.qk_norm != "none",
         f"model.norm_placement={m.norm_placement!r} (MaxText's llama2 and mixtral blocks are pre-norm)":
             m.norm_placement != "pre",
+        f"model.norm={m.norm!r}, mlp_activation={m.mlp_activation!r}, use_bias={m.use_bias}, qkv_bias={m.qkv_bias} "
+        "(MaxText's llama2 and mixtral blocks: RMSNorm, SwiGLU, no biases)":
+            (m.norm, m.mlp_activation, m.use_bias, m.qkv_bias) != ("rmsnorm", "swiglu", False, False),
+        f"model.sliding_window={m.sliding_window} (not mapped to MaxText's sliding_window_size)": m.sliding_window,
         **moe_problems(m),
         "model.logits_chunk_size on CPU (a TPU plan maps it to MaxText's vocabulary tiling)":
             on_cpu and m.logits_chunk_size,

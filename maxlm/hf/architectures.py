@@ -84,6 +84,15 @@ def architecture(m, what: str) -> Arch:
             f"{what} needs model.positions='rope', got {m.positions!r}: the transformers classes maxlm maps "
             f"({', '.join(a.name for a in ARCHITECTURES.values())}) have only RoPE, no sinusoidal or learned "
             "position embeddings")
+    kinds = [why for refused, why in (
+        (m.norm != "rmsnorm", f"model.norm={m.norm!r} (their norms are RMSNorm)"),
+        (m.mlp_activation != "swiglu", f"model.mlp_activation={m.mlp_activation!r} (their MLPs are SwiGLU)"),
+        (m.use_bias, "model.use_bias=True (their projections have no biases)"),
+        (m.qkv_bias, "model.qkv_bias=True (their projections have no biases)"),
+    ) if refused]
+    if kinds:
+        raise config_lib.ConfigError(f"{what} has no class for " + "; ".join(kinds) + " among the transformers "
+                                     f"classes maxlm maps ({', '.join(a.name for a in ARCHITECTURES.values())})")
     dense = [a for a in ARCHITECTURES.values() if not a.moe_block]
     if not m.num_experts:
         for arch in dense:

@@ -17,14 +17,14 @@ Nothing here knows about meshes, optimizers or data files.
 """
 
 from maxlm.model.moe import MoE
-from maxlm.model.norms import RMSNorm, norms_around, qk_norm_axes, residual
+from maxlm.model.norms import LayerNorm, RMSNorm, block_norm, norms_around, qk_norm_axes, residual
 from maxlm.model.pipeline import bubble_fraction, pipeline_stages
 from maxlm.model.transformer import (
     REMAT_POLICIES,
     Attention,
     Batch,
     Block,
-    SwiGLU,
+    MLP,
     Transformer,
     active_params,
     apply,
@@ -54,11 +54,13 @@ __all__ = [
     "Batch",
     "Block",
     "MoE",
+    "LayerNorm",
     "RMSNorm",
-    "SwiGLU",
+    "MLP",
     "Transformer",
     "active_params",
     "apply",
+    "block_norm",
     "bubble_fraction",
     "compute_dtype",
     "count_params",

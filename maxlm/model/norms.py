@@ -1,4 +1,5 @@
-"""The normalisations: RMSNorm, and where a block puts it (`model.norm_placement`, `model.qk_norm`).
+"""The normalisations: RMSNorm or LayerNorm (`model.norm`), and where a block puts them
+(`model.norm_placement`, `model.qk_norm`).
 
     x_BLD = residual(x_BLD, sublayer, norm_before, norm_after)   # x + sublayer(x), normed as placed
     before, after = norms_around(model_cfg)                      # which of the two a block has
@@ -27,6 +28,28 @@ class RMSNorm(nn.Module):
         x = x_BLD.astype(jnp.float32)  # the mean square in float32 even for bfloat16 compute
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=tuple(range(-n, 0)), keepdims=True) + self.eps)
         return (x * scale_D).astype(self.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim (logical name `axes`): centred, scaled and shifted (GPT-2's)."""
+    eps: float
+    dtype: Any
+    axes: tuple[str, ...] = ("embed",)
+
+    @nn.compact
+    def __call__(self, x_BLD):
+        shape = x_BLD.shape[-1:]
+        scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes), shape, jnp.float32)
+        bias_D = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes), shape, jnp.float32)
+        x = x_BLD.astype(jnp.float32)  # statistics in float32 even for bfloat16 compute
+        x = x - jnp.mean(x, axis=-1, keepdims=True)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * scale_D + bias_D).astype(self.dtype)
+
+
+def block_norm(model_cfg):
+    """The class of the blocks' and the final norm, `model.norm` (qk-norm is always RMSNorm)."""
+    return LayerNorm if model_cfg.norm == "layernorm" else RMSNorm
 
 
 def residual(x_BLD, sublayer, norm_before=None, norm_after=None):

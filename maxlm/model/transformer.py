@@ -3,7 +3,7 @@
     params = init_params(model_cfg, rng)            # a plain pytree of float32 arrays
     logits_BLV = apply(model_cfg, params, batch)    # no hidden state
 
-Blocks are x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)) (pre-norm, Llama's), or with
+Blocks are x + Attention(RMSNorm(x)), then x + MLP(RMSNorm(x)) (pre-norm, Llama's), or with
 the norm on each sublayer's output, x + RMSNorm(Attention(x)) (post, OLMo 2's), or both
 (sandwich, Gemma's): `model.norm_placement`. Attention is grouped-query, its queries and keys
 optionally RMS-normed before RoPE (`model.qk_norm`).
@@ -33,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from maxlm.model import attention, backward_order, fp8, head, moe, mtp, pipeline, positions, ring_attention, ulysses, zigzag
-from maxlm.model.norms import RMSNorm, norms_around, qk_norm_axes, residual
+from maxlm.model.norms import RMSNorm, block_norm, norms_around, qk_norm_axes, residual
 
 Batch = dict[str, jax.Array]
 
@@ -79,7 +79,7 @@ def microbatches(x, n: int, axes):
 
 
 # What the backward pass may keep instead of recomputing (`model.remat`). The names are the
-# `checkpoint_name` tags in Attention and SwiGLU.
+# `checkpoint_name` tags in Attention and MLP.
 REMAT_POLICIES = {
     "none": None,  # no rematerialisation: keep every activation
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
@@ -96,8 +96,19 @@ def weight_matmul(cfg, spec: str, x, w, dtype):
     return jnp.einsum(spec, x, w.astype(dtype))
 
 
+def _bias(module: nn.Module, name: str, shape, axes, dtype):
+    """A projection's bias (zeros at init), in the compute dtype."""
+    return _param(module, name, nn.initializers.zeros, shape, axes).astype(dtype)
+
+
 class Attention(nn.Module):
     cfg: Any
+
+    def _out(self, out_BLHDh, wo_HDhD):
+        """The output projection, with its bias under `model.use_bias`."""
+        cfg, dtype = self.cfg, compute_dtype(self.cfg)
+        out_BLD = weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype)
+        return out_BLD + _bias(self, "bo", (cfg.d_model,), ("embed",), dtype) if cfg.use_bias else out_BLD
 
     @nn.compact
     def __call__(self, x_BLD, positions_BL, mask_B1LS, segment_ids_BL):
@@ -110,9 +121,15 @@ class Attention(nn.Module):
         wv_DKDh = _param(self, "wv", _normal(cfg.init_std), (D, K, Dh), ("embed", "kv_heads", "head_dim"))
         wo_HDhD = _param(self, "wo", _normal(out_std), (H, Dh, D), ("heads", "head_dim", "embed"))
 
-        q_BLHDh = checkpoint_name(weight_matmul(cfg, "bld,dhk->blhk", x_BLD, wq_DHDh, dtype), "q_proj")
-        k_BSKDh = checkpoint_name(weight_matmul(cfg, "bsd,dhk->bshk", x_BLD, wk_DKDh, dtype), "k_proj")
-        v_BSKDh = checkpoint_name(weight_matmul(cfg, "bsd,dhk->bshk", x_BLD, wv_DKDh, dtype), "v_proj")
+        q_BLHDh = weight_matmul(cfg, "bld,dhk->blhk", x_BLD, wq_DHDh, dtype)
+        k_BSKDh = weight_matmul(cfg, "bsd,dhk->bshk", x_BLD, wk_DKDh, dtype)
+        v_BSKDh = weight_matmul(cfg, "bsd,dhk->bshk", x_BLD, wv_DKDh, dtype)
+        if cfg.use_bias or cfg.qkv_bias:
+            q_BLHDh = q_BLHDh + _bias(self, "bq", (H, Dh), ("heads", "head_dim"), dtype)
+            k_BSKDh = k_BSKDh + _bias(self, "bk", (K, Dh), ("kv_heads", "head_dim"), dtype)
+            v_BSKDh = v_BSKDh + _bias(self, "bv", (K, Dh), ("kv_heads", "head_dim"), dtype)
+        q_BLHDh, k_BSKDh = checkpoint_name(q_BLHDh, "q_proj"), checkpoint_name(k_BSKDh, "k_proj")
+        v_BSKDh = checkpoint_name(v_BSKDh, "v_proj")
         if cfg.qk_norm != "none":  # before RoPE, as Qwen3 and OLMo 2 do: bounds the attention logits
             q_BLHDh = RMSNorm(cfg.norm_eps, dtype, qk_norm_axes(cfg, "heads"), name="q_norm")(q_BLHDh)
             k_BSKDh = RMSNorm(cfg.norm_eps, dtype, qk_norm_axes(cfg, "kv_heads"), name="k_norm")(k_BSKDh)
@@ -125,7 +142,7 @@ class Attention(nn.Module):
             token_index_L = jnp.asarray(zigzag.token_order(length, n) if n else np.arange(length), jnp.int32)
             kernel = ring_attention.block_kernel(cfg, dtype, length)  # splash, cuDNN, or None: XLA einsums
             out_BLHDh = ring_attention.ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L, kernel)
-            return checkpoint_name(weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
+            return checkpoint_name(self._out(out_BLHDh, wo_HDhD), "attn_out")
         # Init only needs the parameters' shapes, from a 1 x 8 dummy batch that a splash kernel
         # could neither tile nor split over the mesh: the plain path traces the same parameters.
         backend = "xla" if self.is_initializing() else cfg.attention
@@ -136,7 +153,7 @@ class Attention(nn.Module):
             k_BSKDh = _constrain(positions.rotary(cfg, k_BSKDh, positions_BL), ("batch", "length", "kv_heads", "head_dim"))
             v_BSKDh = _constrain(v_BSKDh, ("batch", "length", "kv_heads", "head_dim"))
             out_BLHDh = ulysses.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, blocks, cfg.sliding_window)
-            return checkpoint_name(weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
+            return checkpoint_name(self._out(out_BLHDh, wo_HDhD), "attn_out")
         # Sequence parallelism, the all-gather strategy: queries stay split along the length (mesh
         # axis `sequence`), keys and values are gathered whole (length None), so each device
         # attends its query rows to every key. RoPE ran before the gather, on each token's own
@@ -145,10 +162,12 @@ class Attention(nn.Module):
         v_BSKDh = _constrain(v_BSKDh, ("batch", None, "kv_heads", "head_dim"))
         out_BLHDh = attention.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL, blocks,
                                      cfg.sliding_window)
-        return checkpoint_name(weight_matmul(cfg, "blhk,hkd->bld", out_BLHDh, wo_HDhD, dtype), "attn_out")
+        return checkpoint_name(self._out(out_BLHDh, wo_HDhD), "attn_out")
 
 
-class SwiGLU(nn.Module):
+class MLP(nn.Module):
+    """The dense MLP, `model.mlp_activation`: down(silu(gate(x)) · up(x)) (swiglu), the same with
+    tanh-GeLU (geglu), or down(gelu(up(x))) (gelu, no gate); biases with `model.use_bias`."""
     cfg: Any
 
     @nn.compact
@@ -157,13 +176,22 @@ class SwiGLU(nn.Module):
         dtype = compute_dtype(cfg)
         D, F = cfg.d_model, cfg.mlp_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        w_gate_DF = _param(self, "w_gate", _normal(cfg.init_std), (D, F), ("embed", "mlp"))
-        w_up_DF = _param(self, "w_up", _normal(cfg.init_std), (D, F), ("embed", "mlp"))
-        w_down_FD = _param(self, "w_down", _normal(out_std), (F, D), ("mlp", "embed"))
-        gate_BLF = weight_matmul(cfg, "bld,df->blf", x_BLD, w_gate_DF, dtype)
-        up_BLF = weight_matmul(cfg, "bld,df->blf", x_BLD, w_up_DF, dtype)
-        hidden_BLF = _constrain(nn.silu(gate_BLF) * up_BLF, ("batch", "length", "mlp"))
-        return checkpoint_name(weight_matmul(cfg, "blf,fd->bld", hidden_BLF, w_down_FD, dtype), "mlp_out")
+
+        def project(name, spec, x, shape, axes, init):
+            y = weight_matmul(cfg, spec, x, _param(self, f"w_{name}", init, shape, axes), dtype)
+            return y + _bias(self, f"b_{name}", shape[-1:], axes[-1:], dtype) if cfg.use_bias else y
+
+        if cfg.mlp_activation == "gelu":
+            hidden_BLF = nn.gelu(project("up", "bld,df->blf", x_BLD, (D, F), ("embed", "mlp"), _normal(cfg.init_std)),
+                                 approximate=True)
+        else:  # gate first: the parameters' init draws in the order they were always made
+            gate_BLF = project("gate", "bld,df->blf", x_BLD, (D, F), ("embed", "mlp"), _normal(cfg.init_std))
+            up_BLF = project("up", "bld,df->blf", x_BLD, (D, F), ("embed", "mlp"), _normal(cfg.init_std))
+            act = nn.silu if cfg.mlp_activation == "swiglu" else functools.partial(nn.gelu, approximate=True)
+            hidden_BLF = act(gate_BLF) * up_BLF
+        hidden_BLF = _constrain(hidden_BLF, ("batch", "length", "mlp"))
+        out_BLD = project("down", "blf,fd->bld", hidden_BLF, (F, D), ("mlp", "embed"), _normal(out_std))
+        return checkpoint_name(out_BLD, "mlp_out")
 
 
 class Block(nn.Module):
@@ -179,7 +207,7 @@ class Block(nn.Module):
         before, after = norms_around(cfg)
 
         def norms(sublayer: str):
-            return [RMSNorm(cfg.norm_eps, dtype, name=f"{sublayer}{suffix}") if on else None
+            return [block_norm(cfg)(cfg.norm_eps, dtype, name=f"{sublayer}{suffix}") if on else None
                     for suffix, on in (("_norm", before), ("_out_norm", after))]
 
         attend = functools.partial(Attention(cfg, name="attn"), positions_BL=positions_BL, mask_B1LS=mask_B1LS,
@@ -192,7 +220,7 @@ class Block(nn.Module):
                 mlp_BLD, stats = moe.MoE(cfg, name="mlp")(h_BLD)
                 return mlp_BLD
         else:
-            mlp = SwiGLU(cfg, name="mlp")
+            mlp = MLP(cfg, name="mlp")
         x_BLD = residual(x_BLD, mlp, *norms("mlp"))
         return _constrain(x_BLD, ("batch", "length", "act_embed")), stats  # (carry, out) for scan
 
@@ -258,9 +286,9 @@ class Transformer(nn.Module):
             self.sow("intermediates", "router_stats", jax.tree.map(lambda *a: jnp.concatenate(a), *router_stats))
         if not cfg.tie_embeddings:  # declared here so init creates it; used by `head_weights`
             _param(self, "head", _normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
-        final_norm = RMSNorm(cfg.norm_eps, dtype, name="final_norm")  # shared by the MTP modules' heads
+        final_norm = block_norm(cfg)(cfg.norm_eps, dtype, name="final_norm")  # shared by the MTP modules' heads
         if targets_BL is not None:
-            depths = [mtp.Depth(cfg, block, RMSNorm, name=f"mtp_{k}") for k in range(cfg.mtp_depth)]
+            depths = [mtp.Depth(cfg, block, block_norm(cfg), name=f"mtp_{k}") for k in range(cfg.mtp_depth)]
             for state_BLD in _mtp_states(cfg, depths, final_norm, embed_VD, x_BLD, targets_BL, positions_BL,
                                          mask_B1LS, segment_ids_BL):
                 self.sow("intermediates", "mtp", state_BLD)
@@ -393,9 +421,9 @@ def pipelined_forward(model_cfg, params, batch: Batch, stages: int, with_mtp: bo
         if experts:
             sown["router_stats"] = moe.whole_batch_stats(stats)
     x_BLD = _constrain(x_MbLD.swapaxes(0, 1).reshape(B, L, cfg.d_model), ("batch", "length", "act_embed"))
-    final_norm = functools.partial(RMSNorm(cfg.norm_eps, dtype).apply, {"params": params["final_norm"]})
+    final_norm = functools.partial(block_norm(cfg)(cfg.norm_eps, dtype).apply, {"params": params["final_norm"]})
     if with_mtp and cfg.mtp_depth:
-        depths = [functools.partial(mtp.Depth(cfg, _block_class(cfg), RMSNorm).apply, {"params": params[f"mtp_{k}"]})
+        depths = [functools.partial(mtp.Depth(cfg, _block_class(cfg), block_norm(cfg)).apply, {"params": params[f"mtp_{k}"]})
                   for k in range(cfg.mtp_depth)]
         sown["mtp"] = _mtp_states(cfg, depths, final_norm, params["embed"], x_BLD, batch["targets"],
                                   positions_BL, mask_B1LS, segment_ids_BL)
@@ -511,16 +539,21 @@ def count_params(model_cfg) -> int:
     """Closed-form parameter count (checked against the real pytree in the tests)."""
     D, H, K, Dh, F, V = (model_cfg.d_model, model_cfg.num_heads, model_cfg.num_kv_heads,
                          model_cfg.head_dim, model_cfg.mlp_dim, model_cfg.vocab_size)
-    qk_norms = {"none": 0, "per_head": 2 * Dh, "full": (H + K) * Dh}[model_cfg.qk_norm]
-    block_norms = D * sum(norms_around(model_cfg)) * 2  # before and/or after each of the two sublayers
-    attention_and_norms = D * H * Dh + 2 * D * K * Dh + H * Dh * D + block_norms + qk_norms
-    dense = moe.dense_layers(model_cfg)
-    layers = (dense * (attention_and_norms + 3 * D * F)
-              + (model_cfg.num_layers - dense) * (attention_and_norms + moe.expert_params(model_cfg)))
-    head = 0 if model_cfg.tie_embeddings else D * V
-    position_table = model_cfg.max_positions * D if model_cfg.positions == "learned" else 0
-    mtp_modules = model_cfg.mtp_depth * (attention_and_norms + 3 * D * F) + mtp.module_params(model_cfg)  # dense blocks
-    return V * D + position_table + layers + D + head + mtp_modules
+    m = model_cfg
+    qk_norms = {"none": 0, "per_head": 2 * Dh, "full": (H + K) * Dh}[m.qk_norm]
+    norm = D * (2 if m.norm == "layernorm" else 1)  # a LayerNorm has a bias beside its scale
+    block_norms = norm * sum(norms_around(m)) * 2  # before and/or after each of the two sublayers
+    biases = (H + 2 * K) * Dh * (m.use_bias or m.qkv_bias) + D * m.use_bias
+    attention_and_norms = D * H * Dh + 2 * D * K * Dh + H * Dh * D + block_norms + qk_norms + biases
+    matrices = 2 if m.mlp_activation == "gelu" else 3  # (gate,) up, down
+    mlp = matrices * D * F + ((matrices - 1) * F + D) * m.use_bias
+    dense = moe.dense_layers(m)
+    layers = dense * (attention_and_norms + mlp) + (m.num_layers - dense) * (attention_and_norms + moe.expert_params(m))
+    head = 0 if m.tie_embeddings else D * V
+    position_table = m.max_positions * D if m.positions == "learned" else 0
+    # dense blocks, and each module's projection and two norms
+    mtp_modules = m.mtp_depth * (attention_and_norms + mlp + 2 * norm) + mtp.module_params(m) - m.mtp_depth * 2 * D
+    return V * D + position_table + layers + norm + head + mtp_modules
 
 
 def active_params(model_cfg) -> int:

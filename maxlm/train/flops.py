@@ -64,13 +64,14 @@ def _head_dim(model_cfg) -> int:
 
 
 def _mlp_flops(model_cfg) -> int:
-    """Forward MLP FLOPs per token over the layers: gate, up and down of the dense SwiGLUs (the
+    """Forward MLP FLOPs per token over the layers: (gate,) up and down of the dense MLPs (the
     multi-token prediction modules' too); in MoE layers those of the *active* experts (the K
     routed ones, the shared ones) and the router."""
     m = model_cfg
     dense = moe.dense_layers(m)
     per_moe_layer = 2 * (m.d_model * m.num_experts + 3 * m.d_model * m.expert_mlp_dim * (m.experts_per_token + m.shared_experts))
-    return (dense + m.mtp_depth) * 3 * 2 * m.d_model * m.mlp_dim + (m.num_layers - dense) * per_moe_layer
+    matrices = 2 if getattr(m, "mlp_activation", "swiglu") == "gelu" else 3  # ungated: up and down only
+    return (dense + m.mtp_depth) * matrices * 2 * m.d_model * m.mlp_dim + (m.num_layers - dense) * per_moe_layer
 
 
 def _mean_keys_x2T(T: int, window: int) -> int:

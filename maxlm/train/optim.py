@@ -104,8 +104,9 @@ _AFTER_WARMUP = {"linear": _linear, "polynomial": _polynomial, "step": _step, "w
 
 
 def weight_decay_mask(params):
-    """True for parameters that take weight decay: matrices, not vectors nor norm scales (a
-    `scale`, which is [heads, head_dim] for model.qk_norm=full).
+    """True for parameters that take weight decay: matrices, not vectors, norm scales (a
+    `scale`, which is [heads, head_dim] for model.qk_norm=full) nor biases (the query, key and
+    value projections' are [heads, head_dim]).
 
     Scanned layers (`params["layers"]`, an MoE model's `params["dense_layers"]`) carry a leading
     layer axis that does not count.
@@ -113,7 +114,7 @@ def weight_decay_mask(params):
 
     def is_matrix(path, p):
         scanned = getattr(path[0], "key", None) in ("layers", "dense_layers")
-        return p.ndim - scanned >= 2 and getattr(path[-1], "key", None) != "scale"
+        return p.ndim - scanned >= 2 and getattr(path[-1], "key", None) not in ("scale", "bq", "bk", "bv")
 
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
