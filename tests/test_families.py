@@ -18,6 +18,8 @@ FAMILIES = {
     "olmo2": ({"model.norm_placement": "post", "model.qk_norm": "full"}, "Olmo2ForCausalLM"),
     "qwen3": ({"model.qk_norm": "per_head"}, "Qwen3ForCausalLM"),
     "mistral": ({"model.sliding_window": 16}, "MistralForCausalLM"),
+    "gpt2": ({"model.positions": "learned", "model.norm": "layernorm", "model.mlp_activation": "gelu",
+              "model.use_bias": True, "model.num_kv_heads": 4, "model.tie_embeddings": True}, "GPT2LMHeadModel"),
 }
 
 

@@ -198,13 +198,22 @@ def test_mismatches_are_one_clear_error(tmp_path):
         hf.check_init_from_hf(both)
 
 
+NO_CLASS = {  # a Llama-shaped run with another position encoding: why no transformers class holds it
+    "sinusoidal": "has no class for model.positions='sinusoidal': the transformers classes maxlm maps have RoPE "
+                  "(Llama, Mistral, Qwen3, Olmo2, Mixtral, Qwen3Moe) or a learned table (GPT2)",
+    "learned": "maps model.positions='learned', model.norm='rmsnorm', model.mlp_activation='swiglu' and "
+               "model.use_bias=False to GPT2LMHeadModel alone (the other classes have RoPE, RMSNorm, SwiGLU, no "
+               "biases), which needs model.norm='layernorm' (not 'rmsnorm'); model.mlp_activation='gelu' (not "
+               "'swiglu'); model.use_bias=True; model.num_kv_heads=model.num_heads=4 (not 2)",
+}
+
+
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
-def test_non_rope_models_are_refused(tmp_path, positions):
-    """The transformers classes maxlm maps have only RoPE: export and import refuse other position
-    encodings with one line, before writing or reading anything."""
+def test_non_rope_models_without_a_class_are_refused(tmp_path, positions):
+    """Only RoPE classes, and GPT-2 with its learned table, hold position encodings: export and
+    import refuse others with one line, before writing or reading anything."""
     cfg = _cfg({"model.positions": positions, "checkpoint.init_from_hf": str(tmp_path / "hf")})
-    why = re.escape(f"needs model.positions='rope', got '{positions}': the transformers classes maxlm maps "
-                    "(Llama, Mistral, Qwen3, Olmo2, Mixtral, Qwen3Moe) have only RoPE")
+    why = re.escape(NO_CLASS[positions])
     with pytest.raises(config_lib.ConfigError, match=f"^the Hugging Face export {why}"):
         hf.export(random_params(cfg.model), cfg, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
@@ -220,10 +229,7 @@ def test_export_cli_refuses_a_non_rope_run(tmp_path):
     (tmp_path / "config.json").write_text(config_lib.to_json(cfg))
     result = _cli("maxlm.export", f"--workdir={tmp_path}", f"--out={tmp_path / 'hf'}")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "maxlm: config error: the Hugging Face export needs model.positions='rope', got 'learned': "
-        "the transformers classes maxlm maps (Llama, Mistral, Qwen3, Olmo2, Mixtral, Qwen3Moe) have only RoPE, no sinusoidal "
-        "or learned position embeddings"]
+    assert result.stderr.strip().splitlines() == [f"maxlm: config error: the Hugging Face export {NO_CLASS['learned']}"]
     assert not (tmp_path / "hf").exists()
 
 

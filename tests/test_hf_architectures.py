@@ -41,6 +41,9 @@ FAMILIES = {
     "Qwen3ForCausalLM": ({"model.qk_norm": "per_head"}, dict(num_hidden_layers=2, intermediate_size=128)),
     "Olmo2ForCausalLM": ({"model.qk_norm": "full", "model.norm_placement": "post"},
                          dict(num_hidden_layers=2, intermediate_size=128)),
+    "GPT2LMHeadModel": ({"model.positions": "learned", "model.norm": "layernorm", "model.mlp_activation": "gelu",
+                         "model.use_bias": True, "model.num_kv_heads": 4},
+                        dict(num_hidden_layers=2, n_inner=128, n_positions=64)),
 }
 
 
@@ -87,7 +90,7 @@ def _hf_greedy(hf_model, prompt, new_tokens: int) -> list[int]:
 
 @pytest.mark.parametrize("hf_class, scanned", [("MixtralForCausalLM", True), ("Qwen3MoeForCausalLM", False),
                                                ("Qwen3ForCausalLM", True), ("Olmo2ForCausalLM", False),
-                                               ("MistralForCausalLM", True)])
+                                               ("MistralForCausalLM", True), ("GPT2LMHeadModel", True)])
 def test_export_is_the_class_with_maxlm_logits_and_greedy_tokens(tmp_path, hf_class, scanned):
     cfg = _family_cfg(hf_class, {"model.scan_layers": scanned})
     params = random_params(cfg.model, seed=1)
@@ -109,20 +112,20 @@ def test_export_is_the_class_with_maxlm_logits_and_greedy_tokens(tmp_path, hf_cl
 def _random_hf(directory, hf_class: str, tied: bool):
     """A tiny model of transformers' own class `hf_class`, random weights (norm scales 1 + noise,
     so a swapped norm shows), saved as transformers saves it."""
-    config_class = getattr(transformers, hf_class.replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, hf_class.replace("ForCausalLM", "Config").replace("LMHeadModel", "Config"))
     config = config_class(**SHAPE, **FAMILIES[hf_class][1], tie_word_embeddings=tied)
     torch.manual_seed(0)
     hf_model = getattr(transformers, hf_class)(config).eval()
     with torch.no_grad():
         for name, p in hf_model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name or ".ln_" in name else 0.05 * torch.randn_like(p))
     hf_model.save_pretrained(directory)
     return hf_model
 
 
 @pytest.mark.parametrize("hf_class, tied", [("MixtralForCausalLM", False), ("Qwen3MoeForCausalLM", True),
                                             ("Qwen3ForCausalLM", False), ("Olmo2ForCausalLM", True),
-                                            ("MistralForCausalLM", False)])
+                                            ("MistralForCausalLM", False), ("GPT2LMHeadModel", True)])
 def test_import_gives_transformers_logits_and_exports_back_the_same(tmp_path, hf_class, tied):
     theirs = _random_hf(tmp_path / "hf", hf_class, tied)
     cfg = _family_cfg(hf_class, {"model.tie_embeddings": tied, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
@@ -145,7 +148,7 @@ def test_import_gives_transformers_logits_and_exports_back_the_same(tmp_path, hf
 
 
 @pytest.mark.parametrize("hf_class", ["Qwen3ForCausalLM", "Olmo2ForCausalLM", "MistralForCausalLM",
-                                      "MixtralForCausalLM", "Qwen3MoeForCausalLM"])
+                                      "GPT2LMHeadModel", "MixtralForCausalLM", "Qwen3MoeForCausalLM"])
 def test_a_packed_row_gives_transformers_logits_of_each_document_alone(tmp_path, hf_class):
     """Two documents and padding in one row (positions restarting, segment ids): each document's
     logits are transformers' forward pass of that document alone, within 1e-5."""
@@ -249,12 +252,15 @@ def test_norm_placements_and_qk_norms_without_a_class_are_refused():
         architectures.architecture(_family_cfg("Olmo2ForCausalLM", {"model.head_dim": 24}).model, "X")
 
 
-def test_layernorm_gelu_and_biases_have_no_class_yet():
-    with pytest.raises(config_lib.ConfigError, match=r"^X has no class for model.norm='layernorm' \(their norms are "
-                                                     r"RMSNorm\); model.mlp_activation='gelu' .*; model.use_bias=True "
-                                                     r"\(their projections have no biases\) among the transformers"):
+def test_gpt_style_keys_go_to_gpt2_alone_and_qkv_biases_to_no_class():
+    with pytest.raises(config_lib.ConfigError, match=r"^X maps model.positions='rope', model.norm='layernorm', "
+                                                     r"model.mlp_activation='gelu' and model.use_bias=True to "
+                                                     r"GPT2LMHeadModel alone .* which needs model.positions='learned' "
+                                                     r"\(not 'rope'\); model.num_kv_heads=model.num_heads=4 \(not 2\)$"):
         architectures.architecture(_cfg({"model.norm": "layernorm", "model.mlp_activation": "gelu",
                                          "model.use_bias": True}).model, "X")
+    with pytest.raises(config_lib.ConfigError, match=r"^X has no class for model.qkv_bias=True"):
+        architectures.architecture(_cfg({"model.qkv_bias": True}).model, "X")
 
 
 def test_group_limited_routing_is_refused_and_every_refusal_is_listed():

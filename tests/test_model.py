@@ -19,6 +19,7 @@ PUBLISHED = {  # parameter counts of the architectures the configs claim
     "llama_8b": 8_030_261_248,  # Llama 3 8B
     "olmo2_1b": 1_484_916_736,  # OLMo 2 1B (OLMo-2-0425-1B): post-norm, whole-projection qk-norm
     "qwen3_0p6b": 596_049_920,  # Qwen3 0.6B: per-head qk-norm, head_dim 128 > d_model / heads
+    "gpt2_124m": 124_439_808,  # GPT-2 small: learned positions, LayerNorm, GeLU, biases
 }
 
 

@@ -13,6 +13,8 @@ The class follows from the model config:
 and, with model.norm_placement = post and model.qk_norm = full (a dense model),
 Olmo2ForCausalLM. Every other class has model.norm_placement = pre. A model.sliding_window
 makes a dense Llama-shaped model MistralForCausalLM; Mixtral holds one too, the others none.
+GPT2LMHeadModel holds the GPT-style model: learned positions, LayerNorm, GeLU, biases
+(`gpt2_refusals`); every other class has RoPE, RMSNorm, SwiGLU and no biases.
 
 A key the class cannot hold is refused with one line naming it (`architecture`). The weights'
 names are in `maxlm/hf/mapping.py`.
@@ -39,18 +41,37 @@ class Arch(NamedTuple):
 
     @property
     def name(self) -> str:
-        return self.hf_class.removesuffix("ForCausalLM")
+        return self.hf_class.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
 
 
 LLAMA = Arch("LlamaForCausalLM", "llama")
 MISTRAL = Arch("MistralForCausalLM", "mistral", sliding_window=True)
+GPT2 = Arch("GPT2LMHeadModel", "gpt2")  # learned positions, LayerNorm, GeLU, biases: `gpt2_refusals`
 QWEN3 = Arch("Qwen3ForCausalLM", "qwen3", qk_norm="per_head")
 OLMO2 = Arch("Olmo2ForCausalLM", "olmo2", qk_norm="full", norm_placement="post")
 MIXTRAL = Arch("MixtralForCausalLM", "mixtral", moe_block="block_sparse_moe", expert_weights=("w1", "w3", "w2"),
                sliding_window=True)
 QWEN3_MOE = Arch("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm="per_head", moe_block="mlp",
                  expert_weights=("gate_proj", "up_proj", "down_proj"))
-ARCHITECTURES = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN3, OLMO2, MIXTRAL, QWEN3_MOE)}
+ARCHITECTURES = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN3, OLMO2, GPT2, MIXTRAL, QWEN3_MOE)}
+ROPE_CLASSES = [a for a in ARCHITECTURES.values() if a is not GPT2]
+
+
+def gpt2_refusals(m) -> list[str]:
+    """What keeps the model `m` from GPT-2's block, each with the value it needs."""
+    return [why for refused, why in (
+        (m.positions != "learned", f"model.positions='learned' (not {m.positions!r})"),
+        (m.norm != "layernorm", f"model.norm='layernorm' (not {m.norm!r})"),
+        (m.mlp_activation != "gelu", f"model.mlp_activation='gelu' (not {m.mlp_activation!r})"),
+        (not m.use_bias, "model.use_bias=True"),
+        (m.norm_placement != "pre", f"model.norm_placement='pre' (not {m.norm_placement!r})"),
+        (m.qk_norm != "none", f"model.qk_norm='none' (not {m.qk_norm!r})"),
+        (m.sliding_window, f"model.sliding_window=0 (not {m.sliding_window})"),
+        (m.num_experts, f"model.num_experts=0 (not {m.num_experts})"),
+        (m.num_kv_heads != m.num_heads, f"model.num_kv_heads=model.num_heads={m.num_heads} (not {m.num_kv_heads})"),
+        (m.head_dim * m.num_heads != m.d_model, f"model.head_dim=d_model / num_heads={m.d_model // m.num_heads} "
+                                               f"(not {m.head_dim})"),
+    ) if refused]
 
 
 def _moe_refusals(arch: Arch, m) -> list[str]:
@@ -79,21 +100,21 @@ def _moe_refusals(arch: Arch, m) -> list[str]:
 def architecture(m, what: str) -> Arch:
     """The class that holds the model `m`, or ConfigError naming every key it cannot hold (`what`
     is the export or the import, for the message)."""
-    if m.positions != "rope":
+    if m.positions == "sinusoidal":
         raise config_lib.ConfigError(
-            f"{what} needs model.positions='rope', got {m.positions!r}: the transformers classes maxlm maps "
-            f"({', '.join(a.name for a in ARCHITECTURES.values())}) have only RoPE, no sinusoidal or learned "
-            "position embeddings")
-    kinds = [why for refused, why in (
-        (m.norm != "rmsnorm", f"model.norm={m.norm!r} (their norms are RMSNorm)"),
-        (m.mlp_activation != "swiglu", f"model.mlp_activation={m.mlp_activation!r} (their MLPs are SwiGLU)"),
-        (m.use_bias, "model.use_bias=True (their projections have no biases)"),
-        (m.qkv_bias, "model.qkv_bias=True (their projections have no biases)"),
-    ) if refused]
-    if kinds:
-        raise config_lib.ConfigError(f"{what} has no class for " + "; ".join(kinds) + " among the transformers "
-                                     f"classes maxlm maps ({', '.join(a.name for a in ARCHITECTURES.values())})")
-    dense = [a for a in ARCHITECTURES.values() if not a.moe_block]
+            f"{what} has no class for model.positions='sinusoidal': the transformers classes maxlm maps have RoPE "
+            f"({', '.join(a.name for a in ROPE_CLASSES)}) or a learned table (GPT2)")
+    if (m.positions, m.norm, m.mlp_activation, m.use_bias) != ("rope", "rmsnorm", "swiglu", False):
+        if refused := gpt2_refusals(m):  # a GPT-style model, or nothing
+            raise config_lib.ConfigError(
+                f"{what} maps model.positions={m.positions!r}, model.norm={m.norm!r}, model.mlp_activation="
+                f"{m.mlp_activation!r} and model.use_bias={m.use_bias} to GPT2LMHeadModel alone (the other classes "
+                f"have RoPE, RMSNorm, SwiGLU, no biases), which needs " + "; ".join(refused))
+        return GPT2
+    if m.qkv_bias:
+        raise config_lib.ConfigError(f"{what} has no class for model.qkv_bias=True (Qwen2's biases; the classes "
+                                     f"maxlm maps, {', '.join(a.name for a in ARCHITECTURES.values())}, have none)")
+    dense = [a for a in ROPE_CLASSES if not a.moe_block]
     if not m.num_experts:
         for arch in dense:
             if (arch.qk_norm, arch.norm_placement, arch.sliding_window) == (m.qk_norm, m.norm_placement,
@@ -158,6 +179,8 @@ def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
     """
     m = cfg.model
     arch = architecture(m, "the Hugging Face export")
+    if arch is GPT2:
+        return _gpt2_config(m, tokenizer, dtype)
     config = {
         "architectures": [arch.hf_class],
         "model_type": arch.model_type,
@@ -208,6 +231,38 @@ def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
                       decoder_sparse_step=1, mlp_only_layers=list(range(m.first_dense_layers)),
                       router_aux_loss_coef=aux_loss, output_router_logits=False)
     return config
+
+
+def _gpt2_config(m, tokenizer, dtype: str) -> dict:
+    """GPT2Config's names; its attention scales by 1/sqrt(head_dim) and adds no per-layer factor."""
+    return {
+        "architectures": [GPT2.hf_class], "model_type": GPT2.model_type, "vocab_size": m.vocab_size,
+        "n_positions": m.max_positions, "n_embd": m.d_model, "n_layer": m.num_layers, "n_head": m.num_heads,
+        "n_inner": m.mlp_dim, "activation_function": "gelu_new", "layer_norm_epsilon": m.norm_eps,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": m.init_std,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": bool(m.tie_embeddings), "use_cache": True, "torch_dtype": dtype, "dtype": dtype,
+        "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id,
+    }
+
+
+def _gpt2_keys(hf: dict) -> tuple[dict, list[str]]:
+    """A GPT2Config as maxlm's keys (GPT2Config's defaults where it is silent), and what maxlm
+    cannot represent."""
+    d, heads = hf.get("n_embd", 768), hf.get("n_head", 12)
+    mapped = {"num_layers": hf.get("n_layer", 12), "d_model": d, "num_heads": heads, "num_kv_heads": heads,
+              "head_dim": d // heads, "mlp_dim": hf.get("n_inner") or 4 * d, "vocab_size": hf.get("vocab_size", 50257),
+              "tie_embeddings": bool(hf.get("tie_word_embeddings", True)), "positions": "learned",
+              "max_positions": hf.get("n_positions", 1024), "norm": "layernorm", "mlp_activation": "gelu",
+              "use_bias": True, "qkv_bias": False, "norm_placement": "pre", "qk_norm": "none", "sliding_window": 0,
+              "num_experts": 0, "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5))}
+    unsupported = [why for refused, why in (
+        (hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"),
+         f"activation_function={hf.get('activation_function')!r} (maxlm's GeLU is the tanh approximation)"),
+        (hf.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx=true"),
+        (not hf.get("scale_attn_weights", True), "scale_attn_weights=false"),
+    ) if refused]
+    return mapped, unsupported
 
 
 # ----------------------------------------------------------------------------- import
@@ -262,6 +317,8 @@ def _moe_keys(arch: Arch, hf: dict) -> tuple[dict, list[str]]:
 
 def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
     """({maxlm model key: value}, [features maxlm's model cannot represent]) of an HF config."""
+    if hf.get("model_type") == GPT2.model_type:
+        return _gpt2_keys(hf)
     required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
                 "vocab_size")
     if missing := [key for key in required if not isinstance(hf.get(key), int)]:
@@ -280,6 +337,7 @@ def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         **rope,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "positions": "rope", "norm": "rmsnorm", "mlp_activation": "swiglu", "use_bias": False, "qkv_bias": False,
     }
     model_type = hf.get("model_type", "llama")
     arch = ARCHITECTURES.get(model_type)

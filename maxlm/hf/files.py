@@ -254,16 +254,23 @@ def _slice_as(array, index: tuple, dtype):
 
 
 def _arrays(model_cfg, params, dtype):
-    """{HF name: (a thunk giving the host numpy tensor, Tensor, nbytes)}, in file order."""
+    """{HF name: (a thunk giving the HF numpy tensor, nbytes)}, in file order. A tensor fused
+    from several arrays (GPT-2's c_attn) is their parts joined along its last axis."""
     itemsize = jnp.dtype(dtype).itemsize
-    found = {}
+    parts = {}
     for source in sources(model_cfg, params):
         leaf = functools.reduce(lambda t, k: t[k], source.keys, params)
         for index, name in hf_index(source):
-            found[name] = (functools.partial(lambda a, at: _to_host(_slice_as(a, at, dtype)), leaf, index),
-                           source.tensor)
-    order = hf_tensors(model_cfg)
-    return {n: (*found[n], math.prod(t.hf_shape) * itemsize) for n, t in order.items()}
+            part = functools.partial(lambda a, at, t: to_hf(_to_host(_slice_as(a, at, dtype)), t), leaf, index,
+                                     source.tensor)
+            parts.setdefault(name, {})[source.tensor.part[0]] = part
+
+    def joined(name):
+        pieces = [parts[name][k]() for k in sorted(parts[name])]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-1)
+
+    return {n: (functools.partial(joined, n), math.prod(t.hf_shape) * itemsize)
+            for n, t in hf_tensors(model_cfg).items()}
 
 
 def _shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
@@ -289,23 +296,22 @@ def write_weights(params, model_cfg, out: str, dtype: str = "float32",
     from safetensors.numpy import save_file
 
     arrays = _arrays(model_cfg, params, jnp.dtype(dtype))
-    plan = _shard_plan({n: a[2] for n, a in arrays.items()}, max_shard_bytes)
+    plan = _shard_plan({n: a[1] for n, a in arrays.items()}, max_shard_bytes)
     names = [WEIGHTS] if len(plan) == 1 else [
         f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
     writer = jax.process_index() == 0
     for file, tensor_names in zip(names, plan):
         tensors = {}
         for name in tensor_names:
-            thunk, tensor, _ = arrays[name]
-            host = thunk()
+            host = arrays[name][0]()
             if writer:
-                tensors[name] = to_hf(host, tensor)
+                tensors[name] = host
             del host
         if writer:
             save_file(tensors, os.path.join(out, file), metadata={"format": "pt"})
         del tensors
     if len(plan) > 1 and writer:
-        index = {"metadata": {"total_size": sum(a[2] for a in arrays.values())},
+        index = {"metadata": {"total_size": sum(a[1] for a in arrays.values())},
                  "weight_map": {n: f for f, ns in zip(names, plan) for n in ns}}
         _write_json(os.path.join(out, INDEX), index)
     return names + ([INDEX] if len(plan) > 1 else [])

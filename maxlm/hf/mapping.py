@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from maxlm.hf.architectures import Arch, architecture
+from maxlm.hf.architectures import GPT2, Arch, architecture
 from maxlm.model import layer_groups, moe
 
 
@@ -59,10 +59,18 @@ class Tensor(NamedTuple):
 
     groups: tuple[tuple[int, ...], ...]  # the HF tensor's axes, each a group of maxlm-sized dims
     perm: tuple[int, ...]  # maxlm's array = the grouped dims (flattened) transposed by `perm`
+    part: tuple[int, int] = (0, 1)  # (k, n): the array is the k-th of n equal slices of the last axis
+    #                                 (GPT-2's fused query, key and value projection)
+
+    @property
+    def part_shape(self) -> tuple[int, ...]:
+        """The array's share of the HF tensor (`to_hf`'s result)."""
+        return tuple(math.prod(g) for g in self.groups)
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
-        return tuple(math.prod(g) for g in self.groups)
+        *rest, last = self.part_shape
+        return (*rest, last * self.part[1])
 
 
 class Source(NamedTuple):
@@ -102,11 +110,32 @@ def _mlp_tensors(m, arch: Arch, experts: bool) -> dict[tuple[str, ...], tuple[st
             ("mlp", "w_down"): (down, Tensor(((D,), (F,)), (1, 0)))}
 
 
+def _gpt2_layer_tensors(m) -> dict[tuple[str, ...], tuple[str, Tensor]]:
+    """GPT-2's block: Conv1D weights stored [in, out], the query, key and value projections fused
+    into `c_attn` as its three slices of the output axis, LayerNorms with biases."""
+    D, H, Dh, F = m.d_model, m.num_heads, m.head_dim, m.mlp_dim
+    out = {}
+    for k, name in enumerate("qkv"):
+        out[("attn", f"w{name}")] = ("attn.c_attn.weight", Tensor(((D,), (H, Dh)), (0, 1, 2), (k, 3)))
+        out[("attn", f"b{name}")] = ("attn.c_attn.bias", Tensor(((H, Dh),), (0, 1), (k, 3)))
+    for norm, hf in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+        out[(norm, "scale")], out[(norm, "bias")] = (f"{hf}.weight", Tensor(((D,),), (0,))), (f"{hf}.bias", Tensor(((D,),), (0,)))
+    return {**out,
+            ("attn", "wo"): ("attn.c_proj.weight", Tensor(((H, Dh), (D,)), (0, 1, 2))),
+            ("attn", "bo"): ("attn.c_proj.bias", Tensor(((D,),), (0,))),
+            ("mlp", "w_up"): ("mlp.c_fc.weight", Tensor(((D,), (F,)), (0, 1))),
+            ("mlp", "b_up"): ("mlp.c_fc.bias", Tensor(((F,),), (0,))),
+            ("mlp", "w_down"): ("mlp.c_proj.weight", Tensor(((F,), (D,)), (0, 1))),
+            ("mlp", "b_down"): ("mlp.c_proj.bias", Tensor(((D,),), (0,)))}
+
+
 def _layer_tensors(m, experts: bool) -> dict[tuple[str, ...], tuple[str, Tensor]]:
     """A block's parameters (path within the block) → (HF name within the layer, Tensor);
     `experts`: an MoE layer's."""
     D, H, K, Dh = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
     arch = architecture(m, "the Hugging Face mapping")
+    if arch is GPT2:
+        return _gpt2_layer_tensors(m)
     # per_head: one [Dh] scale for all heads; full: the whole projection's, [H·Dh] and [K·Dh]
     q_dims, k_dims = ((Dh,), (Dh,)) if arch.qk_norm == "per_head" else ((H, Dh), (K, Dh))
     qk_norms = {("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", Tensor((q_dims,), tuple(range(len(q_dims))))),
@@ -134,8 +163,14 @@ BLOCK_NORMS = {
 def _top_tensors(m) -> dict[tuple[str, ...], tuple[str, Tensor]]:
     """maxlm's parameters outside the blocks → (HF name, Tensor)."""
     D, V = m.d_model, m.vocab_size
-    out = {("embed",): ("model.embed_tokens.weight", Tensor(((V,), (D,)), (0, 1))),
-           ("final_norm", "scale"): ("model.norm.weight", Tensor(((D,),), (0,)))}
+    if architecture(m, "the Hugging Face mapping") is GPT2:
+        out = {("embed",): ("transformer.wte.weight", Tensor(((V,), (D,)), (0, 1))),
+               ("pos_embed",): ("transformer.wpe.weight", Tensor(((m.max_positions,), (D,)), (0, 1))),
+               ("final_norm", "scale"): ("transformer.ln_f.weight", Tensor(((D,),), (0,))),
+               ("final_norm", "bias"): ("transformer.ln_f.bias", Tensor(((D,),), (0,)))}
+    else:
+        out = {("embed",): ("model.embed_tokens.weight", Tensor(((V,), (D,)), (0, 1))),
+               ("final_norm", "scale"): ("model.norm.weight", Tensor(((D,),), (0,)))}
     if not m.tie_embeddings:
         out[("head",)] = ("lm_head.weight", Tensor(((V,), (D,)), (1, 0)))
     return out
@@ -145,6 +180,11 @@ def _is_moe_layer(m, i: int) -> bool:
     return bool(m.num_experts) and i >= moe.dense_layers(m)
 
 
+def _layer_prefix(m) -> str:
+    """Layer i's tensors' prefix, `{i}` for i."""
+    return "transformer.h.{i}." if architecture(m, "the Hugging Face mapping") is GPT2 else "model.layers.{i}."
+
+
 def hf_tensors(m) -> dict[str, Tensor]:
     """Every HF tensor name of a model config, in file order, with its Tensor."""
     top = _top_tensors(m)
@@ -152,7 +192,7 @@ def hf_tensors(m) -> dict[str, Tensor]:
     for i in range(m.num_layers):
         for name, tensor in _layer_tensors(m, _is_moe_layer(m, i)).values():
             for e in range(m.num_experts) if "{e}" in name else [None]:
-                out[f"model.layers.{i}." + name.format(e=e)] = tensor
+                out[_layer_prefix(m).format(i=i) + name.format(e=e)] = tensor
     for key, (name, tensor) in top.items():
         if key != ("embed",):
             out[name] = tensor
@@ -171,11 +211,11 @@ def sources(m, params) -> list[Source]:
     if any(group in params for group, _, _ in layer_groups(m)):  # scanned
         first = 0
         for group, count, experts in layer_groups(m):
-            layer_sources(group, range(first, first + count), experts, "model.layers.{i}.")
+            layer_sources(group, range(first, first + count), experts, _layer_prefix(m))
             first += count
     else:
         for i in range(m.num_layers):
-            layer_sources(f"layer_{i}", None, _is_moe_layer(m, i), f"model.layers.{i}.")
+            layer_sources(f"layer_{i}", None, _is_moe_layer(m, i), _layer_prefix(m).format(i=i))
     return out
 
 
@@ -188,7 +228,7 @@ def to_hf(array, tensor: Tensor) -> np.ndarray:
     """One maxlm array (one layer's) → the HF tensor (numpy, C-contiguous)."""
     array = np.asarray(array)
     nd = array.transpose(np.argsort(tensor.perm))
-    return np.ascontiguousarray(nd.reshape(tensor.hf_shape))
+    return np.ascontiguousarray(nd.reshape(tensor.part_shape))
 
 
 def read_block(hf_slice, tensor: Tensor, index: tuple[slice, ...]) -> np.ndarray:
@@ -215,5 +255,7 @@ def read_block(hf_slice, tensor: Tensor, index: tuple[slice, ...]) -> np.ndarray
         block_shape += [stop - start, *group[1:]]
         within += [slice(None), *(slice(a, b) for a, b in rest)]
         k += len(group)
+    offset = tensor.part[0] * tensor.part_shape[-1]  # this part's place along a fused last axis
+    hf_index[-1] = slice(hf_index[-1].start + offset, hf_index[-1].stop + offset)
     block = np.asarray(hf_slice[tuple(hf_index)]).reshape(block_shape)[tuple(within)]
     return block.transpose(tensor.perm)

@@ -11,11 +11,12 @@ its selection biases across the layers; `mtp.py` the multi-token prediction modu
 `cudnn.py` cuDNN's calls batched under vmap, `ring_attention.py`, `ring_blocks.py`,
 `zigzag.py` and `ulysses.py` the context-parallel strategies, `attention_plan.py` which kernels
 run, `positions.py` the position encodings,
-`head.py` the output projection, `fp8.py` float8 matmuls, `backward_order.py` the unrolled
+`counts.py` the parameter counts, `head.py` the output projection, `fp8.py` float8 matmuls, `backward_order.py` the unrolled
 layers' backward order.
 Nothing here knows about meshes, optimizers or data files.
 """
 
+from maxlm.model.counts import active_params, count_params
 from maxlm.model.moe import MoE
 from maxlm.model.norms import LayerNorm, RMSNorm, block_norm, norms_around, qk_norm_axes, residual
 from maxlm.model.pipeline import bubble_fraction, pipeline_stages
@@ -26,10 +27,8 @@ from maxlm.model.transformer import (
     Block,
     MLP,
     Transformer,
-    active_params,
     apply,
     compute_dtype,
-    count_params,
     embed,
     forward,
     head_weights,

@@ -535,36 +535,6 @@ def loss_fn(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict]:
     return objective, aux
 
 
-def count_params(model_cfg) -> int:
-    """Closed-form parameter count (checked against the real pytree in the tests)."""
-    D, H, K, Dh, F, V = (model_cfg.d_model, model_cfg.num_heads, model_cfg.num_kv_heads,
-                         model_cfg.head_dim, model_cfg.mlp_dim, model_cfg.vocab_size)
-    m = model_cfg
-    qk_norms = {"none": 0, "per_head": 2 * Dh, "full": (H + K) * Dh}[m.qk_norm]
-    norm = D * (2 if m.norm == "layernorm" else 1)  # a LayerNorm has a bias beside its scale
-    block_norms = norm * sum(norms_around(m)) * 2  # before and/or after each of the two sublayers
-    biases = (H + 2 * K) * Dh * (m.use_bias or m.qkv_bias) + D * m.use_bias
-    attention_and_norms = D * H * Dh + 2 * D * K * Dh + H * Dh * D + block_norms + qk_norms + biases
-    matrices = 2 if m.mlp_activation == "gelu" else 3  # (gate,) up, down
-    mlp = matrices * D * F + ((matrices - 1) * F + D) * m.use_bias
-    dense = moe.dense_layers(m)
-    layers = dense * (attention_and_norms + mlp) + (m.num_layers - dense) * (attention_and_norms + moe.expert_params(m))
-    head = 0 if m.tie_embeddings else D * V
-    position_table = m.max_positions * D if m.positions == "learned" else 0
-    # dense blocks, and each module's projection and two norms
-    mtp_modules = m.mtp_depth * (attention_and_norms + mlp + 2 * norm) + mtp.module_params(m) - m.mtp_depth * 2 * D
-    return V * D + position_table + layers + norm + head + mtp_modules
-
-
-def active_params(model_cfg) -> int:
-    """The parameters one token's forward pass uses: `count_params`, less the experts an MoE
-    layer does not route it to (all of them for a dense model)."""
-    moe_layers = model_cfg.num_layers - moe.dense_layers(model_cfg)
-    if not moe_layers:
-        return count_params(model_cfg)
-    return count_params(model_cfg) - moe_layers * (moe.expert_params(model_cfg) - moe.active_params(model_cfg))
-
-
 def stack_layers(params):
     """Unrolled params (`layer_0`, `layer_1`, ...) → the scanned layout: `layers`, a leading layer
     axis; an MoE model's dense layers (below its MoE ones) as `dense_layers`."""
