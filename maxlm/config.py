@@ -236,6 +236,7 @@ def _model_defaults() -> _Section:
     s.splash_block_kv = 0, NON_NEGATIVE_INT
     s.fp8 = False, BOOL  # layer weight matmuls with float8 operands (maxlm/model/fp8.py)
     s.logits_chunk_size = 0, NON_NEGATIVE  # >0: the loss computes logits this many positions at a time
+    s.final_logit_softcap = 0.0, NON_NEGATIVE  # > 0: logits = c·tanh(logits / c), bounded by c (Gemma 2's 30); 0: off
     s.z_loss = 0.0, NON_NEGATIVE  # weight of log²Z in the objective (PaLM uses 1e-4)
     s.label_smoothing = 0.0, between("[0, 1)")
     # Mixture of experts (maxlm/model/moe.py, docs/moe.md): the SwiGLU of every layer after the

@@ -97,6 +97,7 @@ def test_remat_policies_map_to_the_same_saved_tensors(remat, scan, expected):
     ({"model.norm_placement": "post"}, "model.norm_placement='post'"),
     ({"model.mlp_activation": "gelu"}, "mlp_activation='gelu'"),
     ({"model.sliding_window": 16}, "model.sliding_window=16"),
+    ({"model.final_logit_softcap": 30.0}, "model.final_logit_softcap=30"),
     ({"model.label_smoothing": 0.1}, "model.label_smoothing"),
     ({"optim.name": "lion"}, "optim.name='lion'"),
     ({"model.remat": "none"}, "model.remat='none' with model.scan_layers"),

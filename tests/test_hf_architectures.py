@@ -261,6 +261,8 @@ def test_gpt_style_keys_go_to_gpt2_alone_and_qkv_biases_to_no_class():
                                          "model.use_bias": True}).model, "X")
     with pytest.raises(config_lib.ConfigError, match=r"^X has no class for model.qkv_bias=True"):
         architectures.architecture(_cfg({"model.qkv_bias": True}).model, "X")
+    with pytest.raises(config_lib.ConfigError, match=r"^X has no class for model.final_logit_softcap=30 "):
+        architectures.architecture(_cfg({"model.final_logit_softcap": 30.0}).model, "X")
 
 
 def test_group_limited_routing_is_refused_and_every_refusal_is_listed():

@@ -195,7 +195,9 @@ def reference_logits(cfg, params, batch):
             out = sublayer(h)
             x = x + (block_norm(out, layer[f"{name}_out_norm"]) if cfg.norm_placement in ("post", "sandwich") else out)
     x = block_norm(x, p["final_norm"])
-    return x @ (p["embed"].T if cfg.tie_embeddings else p["head"])
+    logits = x @ (p["embed"].T if cfg.tie_embeddings else p["head"])
+    cap = cfg.final_logit_softcap
+    return cap * np.tanh(logits / cap) if cap else logits
 
 
 def reference_case(positions="rope", **overrides):
@@ -208,7 +210,7 @@ def reference_case(positions="rope", **overrides):
     params = random_params(cfg, std=0.1)
     batch = packed_batch(2, 64, cfg.vocab_size)
     kinds = {k: cfg[k] for k in ("qk_norm", "norm_placement", "sliding_window", "norm", "mlp_activation", "use_bias",
-                                 "qkv_bias")}
+                                 "qkv_bias", "final_logit_softcap")}
     reference_cfg = tiny_model_cfg(positions=positions, **variant, **kinds)
     return cfg, params, batch, reference_logits(reference_cfg, params, batch)
 
@@ -219,14 +221,15 @@ GPT2_LIKE = {"norm": "layernorm", "mlp_activation": "gelu", "use_bias": True}
 @pytest.mark.parametrize("positions, qk_norm, placement, window, kinds",
                          [(p, "none", "pre", 0, {}) for p in config_lib.POSITIONS]
                          + [("rope", "per_head", "pre", 0, {}), ("rope", "full", "post", 0, {}),
-                            ("sinusoidal", "none", "sandwich", 0, {"mlp_activation": "geglu"}),
+                            ("sinusoidal", "none", "sandwich", 0, {"mlp_activation": "geglu", "final_logit_softcap": 2.5}),
                             ("rope", "none", "pre", 7, {"qkv_bias": True}), ("learned", "none", "pre", 0, GPT2_LIKE)],
-                         ids=["rope", "sinusoidal", "learned", "qk_per_head", "post_norm", "sandwich_geglu",
+                         ids=["rope", "sinusoidal", "learned", "qk_per_head", "post_norm", "sandwich_geglu_softcap",
                               "window_qkv_bias", "gpt2_like"])
 def test_logits_equal_a_reference_implementation(positions, qk_norm, placement, window, kinds):
     """The forward pass (jitted, packed rows of 3 documents, 2 kv heads for 4 query heads) against
     the float64 transcription above: 1e-4 on logits of a few units (2e-6 measured); a sliding
-    window of 7 tokens, shorter than the documents; GPT-2's LayerNorm, GeLU MLP and biases."""
+    window of 7 tokens, shorter than the documents; GPT-2's LayerNorm, GeLU MLP and biases; logits
+    soft-capped at 2.5, below the largest (Gemma 2's final soft-cap)."""
     cfg, params, batch, reference = reference_case(positions, qk_norm=qk_norm, norm_placement=placement,
                                                    sliding_window=window, **kinds)
     logits = np.asarray(jax.jit(functools.partial(model.apply, cfg))(params, batch))

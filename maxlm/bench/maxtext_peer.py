@@ -67,6 +67,8 @@ def check_expressible(cfg, target: str = "") -> None:
         "(MaxText's llama2 and mixtral blocks: RMSNorm, SwiGLU, no biases)":
             (m.norm, m.mlp_activation, m.use_bias, m.qkv_bias) != ("rmsnorm", "swiglu", False, False),
         f"model.sliding_window={m.sliding_window} (not mapped to MaxText's sliding_window_size)": m.sliding_window,
+        f"model.final_logit_softcap={m.final_logit_softcap:g} (not mapped to MaxText's final_logits_soft_cap)":
+            m.final_logit_softcap,
         **moe_problems(m),
         "model.logits_chunk_size on CPU (a TPU plan maps it to MaxText's vocabulary tiling)":
             on_cpu and m.logits_chunk_size,

@@ -100,6 +100,10 @@ def _moe_refusals(arch: Arch, m) -> list[str]:
 def architecture(m, what: str) -> Arch:
     """The class that holds the model `m`, or ConfigError naming every key it cannot hold (`what`
     is the export or the import, for the message)."""
+    if m.final_logit_softcap:
+        raise config_lib.ConfigError(
+            f"{what} has no class for model.final_logit_softcap={m.final_logit_softcap:g} (Gemma 2's; the classes "
+            f"maxlm maps, {', '.join(a.name for a in ARCHITECTURES.values())}, do not cap their logits)")
     if m.positions == "sinusoidal":
         raise config_lib.ConfigError(
             f"{what} has no class for model.positions='sinusoidal': the transformers classes maxlm maps have RoPE "

@@ -436,9 +436,13 @@ def head_weights(model_cfg, params) -> jax.Array:
 
 
 def output_logits(model_cfg, x_BLD, w_head):
-    """Float32 logits [B, L, V] of final hidden states (`w_head` from `head_weights`)."""
+    """Float32 logits [B, L, V] of final hidden states (`w_head` from `head_weights`), soft-capped
+    at ±`model.final_logit_softcap` when it is set (every loss, eval and generation reads them here)."""
     logits_BLV = head.project("vd" if model_cfg.tie_embeddings else "dv", x_BLD, w_head.astype(x_BLD.dtype))
-    return _constrain(logits_BLV.astype(jnp.float32), ("batch", "length", "vocab"))
+    logits_BLV = logits_BLV.astype(jnp.float32)
+    if cap := model_cfg.final_logit_softcap:
+        logits_BLV = cap * jnp.tanh(logits_BLV / cap)
+    return _constrain(logits_BLV, ("batch", "length", "vocab"))
 
 
 def apply(model_cfg, params, batch: Batch) -> jax.Array:
