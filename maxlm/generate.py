@@ -90,11 +90,8 @@ def _attention(model_cfg, p, x_BTD, positions_BT, cache):
 
 def _block(model_cfg, p, x_BTD, positions_BT, cache):
     """model.Block with the cached attention."""
-    before, after = model.norms_around(model_cfg)
-
     def norms(sublayer: str):
-        return [functools.partial(_norm, model_cfg, p[f"{sublayer}{suffix}"]) if on else None
-                for suffix, on in (("_norm", before), ("_out_norm", after))]
+        return model.placed_norms(model_cfg, sublayer, lambda name: functools.partial(_norm, model_cfg, p[name]))
 
     def attend(h_BTD):
         nonlocal cache

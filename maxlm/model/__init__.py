@@ -18,7 +18,7 @@ Nothing here knows about meshes, optimizers or data files.
 
 from maxlm.model.counts import active_params, count_params
 from maxlm.model.moe import MoE
-from maxlm.model.norms import LayerNorm, RMSNorm, block_norm, norms_around, qk_norm_axes, residual
+from maxlm.model.norms import LayerNorm, RMSNorm, block_norm, norms_around, placed_norms, qk_norm_axes, residual
 from maxlm.model.pipeline import bubble_fraction, pipeline_stages
 from maxlm.model.transformer import (
     REMAT_POLICIES,
@@ -74,6 +74,7 @@ __all__ = [
     "microbatches",
     "norms_around",
     "output_logits",
+    "placed_norms",
     "param_logical_specs",
     "pipeline_stages",
     "pipelined_forward",

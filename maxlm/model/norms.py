@@ -2,7 +2,7 @@
 (`model.norm_placement`, `model.qk_norm`).
 
     x_BLD = residual(x_BLD, sublayer, norm_before, norm_after)   # x + sublayer(x), normed as placed
-    before, after = norms_around(model_cfg)                      # which of the two a block has
+    before, after = placed_norms(model_cfg, "attn", make)        # the norms `model.norm_placement` puts
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def block_norm(model_cfg):
 
 
 def residual(x_BLD, sublayer, norm_before=None, norm_after=None):
-    """x + sublayer(x), with the norms `norms_around` says are there (None: none)."""
+    """x + sublayer(x), with the norms `placed_norms` gives (None: none)."""
     out_BLD = sublayer(norm_before(x_BLD) if norm_before else x_BLD)
     return x_BLD + (norm_after(out_BLD) if norm_after else out_BLD)
 
@@ -62,6 +62,12 @@ def norms_around(model_cfg) -> tuple[bool, bool]:
     """(a norm before each sublayer, one after it) for `model.norm_placement`. A block's norms are
     `attn_norm`, `mlp_norm` before and `attn_out_norm`, `mlp_out_norm` after."""
     return model_cfg.norm_placement in ("pre", "sandwich"), model_cfg.norm_placement in ("post", "sandwich")
+
+
+def placed_norms(model_cfg, sublayer: str, make) -> list:
+    """[the norm before `sublayer` ("attn", "mlp"), the one after] for `residual`, each
+    `make(name)` where `norms_around` puts one, else None."""
+    return [make(f"{sublayer}{suffix}") if on else None for suffix, on in zip(("_norm", "_out_norm"), norms_around(model_cfg))]
 
 
 def qk_norm_axes(cfg, heads: str) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from maxlm.model import attention, backward_order, fp8, head, moe, mtp, pipeline, positions, ring_attention, ulysses, zigzag
-from maxlm.model.norms import RMSNorm, block_norm, norms_around, qk_norm_axes, residual
+from maxlm.model.norms import RMSNorm, block_norm, placed_norms, qk_norm_axes, residual
 
 Batch = dict[str, jax.Array]
 
@@ -204,11 +204,8 @@ class Block(nn.Module):
     def __call__(self, x_BLD, positions_BL, mask_B1LS, segment_ids_BL):
         cfg = self.cfg
         dtype = compute_dtype(cfg)
-        before, after = norms_around(cfg)
-
         def norms(sublayer: str):
-            return [block_norm(cfg)(cfg.norm_eps, dtype, name=f"{sublayer}{suffix}") if on else None
-                    for suffix, on in (("_norm", before), ("_out_norm", after))]
+            return placed_norms(cfg, sublayer, lambda name: block_norm(cfg)(cfg.norm_eps, dtype, name=name))
 
         attend = functools.partial(Attention(cfg, name="attn"), positions_BL=positions_BL, mask_B1LS=mask_B1LS,
                                    segment_ids_BL=segment_ids_BL)
