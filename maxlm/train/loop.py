@@ -276,8 +276,9 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
              f"{model.count_params(m):,}", active, per_token, peak["total_flops_per_sec"], peak["device_kind"],
              peak["source"])
     kernels = attention_plan.kernels(cfg)
-    log.info("attention: %s (context parallel: %s), layers %s, remat %s, compute %s, fp8 %s",
-             kernels["attention"], kernels["context_parallel"],
+    window = f", sliding window {m.sliding_window}" if m.sliding_window else ""  # may change on resume: say it
+    log.info("attention: %s%s (context parallel: %s), layers %s, remat %s, compute %s, fp8 %s",
+             kernels["attention"], window, kernels["context_parallel"],
              "scanned" if m.scan_layers else "unrolled", m.remat, m.dtype, "on" if m.fp8 else "off")
     log.info("optimizer: %s", optim.describe(cfg))
     if cfg.mesh.stage > 1 or cfg.mesh.sequence > 1:
