@@ -210,6 +210,8 @@ def _model_defaults() -> _Section:
     # residual add (OLMo 2), or both (Gemma 2/3)
     s.norm_placement = "pre", one_of(NORM_PLACEMENTS)
     s.norm = "rmsnorm", one_of(NORMS)  # the blocks' and the final norm: RMSNorm, or LayerNorm with a bias (GPT-2)
+    s.norm_plus_one = False, BOOL  # RMSNorm scales by 1 + w, w stored and initialised at 0 (Gemma)
+    s.scale_embeddings = False, BOOL  # token embeddings times √d_model (Gemma)
     # the dense MLP: SiLU-gated (Llama), tanh-GeLU-gated (Gemma), or ungated tanh GeLU (GPT-2)
     s.mlp_activation = "swiglu", one_of(MLP_ACTIVATIONS)
     s.use_bias = False, BOOL  # biases in every projection, attention's and the MLP's (GPT-2)
@@ -217,6 +219,11 @@ def _model_defaults() -> _Section:
     # > 0: each token attends to itself and the sliding_window - 1 tokens before it (Mistral; 0: the
     # whole causal prefix); the compute falls with it in the splash and cuDNN kernels
     s.sliding_window = 0, NON_NEGATIVE_INT
+    # local (L: the sliding window) and global (G: the whole causal prefix) layers, the pattern
+    # repeating from the bottom layer up: Gemma 3 "LLLLLG", OLMo 3 "LLLG" ("": every layer alike)
+    s.layer_pattern = ""
+    s.rope_theta_local = 0.0, NON_NEGATIVE  # with a layer_pattern: the local layers' RoPE base, unscaled (0: rope_theta)
+    s.attn_logit_softcap = 0.0, NON_NEGATIVE  # > 0: attention scores = c·tanh(scores / c) (Gemma 2's 50); 0: off
     s.qk_norm = "none", one_of(QK_NORMS)  # RMSNorm of queries and keys before RoPE: each head's (Qwen3), or whole (OLMo 2)
     s.dtype = "float32", one_of(DTYPES)  # compute dtype; parameters are always float32
     s.init_std = 0.02, NON_NEGATIVE

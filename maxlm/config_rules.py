@@ -24,7 +24,7 @@ LR_BATCH_SCALING = ("none", "sqrt", "linear")  # optim.lr_batch_scaling
 REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
 ATTENTION = ("auto", "xla", "cudnn", "splash")  # see attention.attention_backend
 POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/model/positions.py
-ROPE_SCALINGS = ("none", "llama3", "yarn")  # model.rope_scaling: see maxlm/model/positions.py
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling: see maxlm/model/positions.py
 QK_NORMS = ("none", "per_head", "full")  # model.qk_norm: see maxlm/model/transformer.py Attention
 NORM_PLACEMENTS = ("pre", "post", "sandwich")  # model.norm_placement: see maxlm/model/transformer.py Block
 NORMS = ("rmsnorm", "layernorm")  # model.norm: see maxlm/model/norms.py
@@ -132,8 +132,12 @@ def _check_experts(c) -> None:
 
 
 def _check_layer_kinds(c) -> None:
-    """The MLP activation and biases, which the dense MLP has and the experts do not."""
+    """The MLP activation and biases, which the dense MLP has and the experts do not; Gemma's norm
+    weight, which RMSNorm has and LayerNorm does not."""
     m = c.model
+    if m.norm_plus_one and m.norm != "rmsnorm":
+        raise ConfigError(f"model.norm_plus_one=True is Gemma's RMSNorm weight (1 + w); model.norm={m.norm!r} has "
+                          "its own scale and bias: set model.norm='rmsnorm' or model.norm_plus_one=False")
     if m.num_experts and (m.mlp_activation != "swiglu" or m.use_bias):
         key = "model.mlp_activation=" + repr(m.mlp_activation) if m.mlp_activation != "swiglu" else "model.use_bias=True"
         raise ConfigError(f"{key} is not supported with model.num_experts={m.num_experts} (the experts are "
@@ -145,10 +149,42 @@ def _check_sliding_window(c) -> None:
     if m.sliding_window and m.sliding_window >= c.seq_len:
         raise ConfigError(f"model.sliding_window={m.sliding_window} must be below seq_len={c.seq_len}, where it "
                           "would see every token anyway; use 0 (full causal attention)")
-    if m.sliding_window and m.context_parallel == "ring" and c.mesh.sequence > 1:
+    ring = m.context_parallel == "ring" and c.mesh.sequence > 1
+    if m.sliding_window and ring:
         raise ConfigError(f"model.sliding_window={m.sliding_window} is not supported with "
                           "model.context_parallel='ring' (its blocks know only whole or causal parts); use "
                           "'ulysses' or 'all_gather'")
+    if m.attn_logit_softcap and (ring or m.attention == "cudnn"):
+        where = "model.context_parallel='ring' (its blocks' backward pass has no soft cap); use 'ulysses' or " \
+            "'all_gather'" if ring else "model.attention='cudnn' (cuDNN has no soft cap); use 'auto' or 'xla'"
+        raise ConfigError(f"model.attn_logit_softcap={m.attn_logit_softcap:g} is not supported with {where}")
+    _check_layer_pattern(c)
+
+
+def _check_layer_pattern(c) -> None:
+    """model.layer_pattern's letters, its window and local RoPE base, and whole pattern groups per
+    pipeline chunk (a stage's chunks run one compiled body, so every chunk's layers must be of
+    the same kinds in the same order)."""
+    m, pattern = c.model, c.model.layer_pattern
+    if set(pattern) - {"L", "G"} or (pattern and "L" not in pattern):
+        raise ConfigError(f"model.layer_pattern={pattern!r} must be '' or letters L (a local layer, "
+                          "model.sliding_window) and G (a global one) with at least one L, e.g. 'LLLLLG' (Gemma 3)")
+    if pattern and not m.sliding_window:
+        raise ConfigError(f"model.layer_pattern={pattern!r} has local layers: set model.sliding_window > 0 "
+                          "(their window, in tokens)")
+    if m.rope_theta_local and len(set(pattern)) < 2:
+        raise ConfigError(f"model.rope_theta_local={m.rope_theta_local:g} is the local layers' RoPE base under a "
+                          "model.layer_pattern of local and global layers; without one, set model.rope_theta")
+    from maxlm.model import layer_pattern, moe  # the model's own grouping of the layers
+    units = c.mesh.stage * m.pipeline_repeats
+    dense = moe.dense_layers(m) if m.num_experts else 0
+    for first, count in ((0, dense), (dense, m.num_layers - dense)):
+        p = layer_pattern.period(layer_pattern.kinds(m, first, count)) if count else 1
+        if c.mesh.stage > 1 and p > 1 and count % (p * units):
+            raise ConfigError(
+                f"model.layer_pattern={pattern!r} repeats every {p} layers, and each of mesh.stage={c.mesh.stage} "
+                f"x model.pipeline_repeats={m.pipeline_repeats} pipeline chunks must hold whole repeats: "
+                f"{count} layers do not split so; use a multiple of {p * units} layers")
 
 
 def _check_mtp(c) -> None:
@@ -276,7 +312,7 @@ def _check_rope_scaling(m) -> None:
     if not scaled:
         for key in ("rope_scaling_factor", "rope_original_max_len"):
             if m[key]:
-                raise ConfigError(f"model.{key}={m[key]} is read by model.rope_scaling='llama3' or 'yarn' only, "
+                raise ConfigError(f"model.{key}={m[key]} is read by model.rope_scaling='linear', 'llama3' or 'yarn' only, "
                                   "got model.rope_scaling='none'")
         return
     if m.positions != "rope":
@@ -285,7 +321,7 @@ def _check_rope_scaling(m) -> None:
     if m.rope_scaling_factor <= 1:
         raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor} must be > 1 with model.rope_scaling="
                           f"{m.rope_scaling!r} (how many times the original length the context grows)")
-    if m.rope_original_max_len == 0:
+    if m.rope_original_max_len == 0 and m.rope_scaling != "linear":
         raise ConfigError(f"model.rope_original_max_len must be set with model.rope_scaling={m.rope_scaling!r}: "
                           "the sequence length the model was trained at before the extension")
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:

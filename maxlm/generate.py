@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxlm import cli, model
-from maxlm.model import attention, positions
+from maxlm.model import attention, layer_pattern, positions
 from maxlm.train import distributed, mesh as mesh_lib, runs, state as state_lib
 
 # ----------------------------------------------------------------------------- the cached forward
@@ -69,8 +69,7 @@ def _attention(model_cfg, p, x_BTD, positions_BT, cache):
     if "bq" in p:  # model.use_bias or model.qkv_bias
         q_BTHDh, k_BTKDh, v_BTKDh = (x + p[b].astype(dtype) for x, b in ((q_BTHDh, "bq"), (k_BTKDh, "bk"), (v_BTKDh, "bv")))
     if cfg.qk_norm != "none":
-        norm = lambda name, heads, x: model.RMSNorm(cfg.norm_eps, dtype, model.qk_norm_axes(cfg, heads)).apply(
-            {"params": p[name]}, x)
+        norm = lambda name, heads, x: model.qk_norm(cfg, dtype, heads).apply({"params": p[name]}, x)
         q_BTHDh, k_BTKDh = norm("q_norm", "heads", q_BTHDh), norm("k_norm", "kv_heads", k_BTKDh)
     q_BTHDh = positions.rotary(cfg, q_BTHDh, positions_BT)
     k_BTKDh = positions.rotary(cfg, k_BTKDh, positions_BT)
@@ -81,7 +80,7 @@ def _attention(model_cfg, p, x_BTD, positions_BT, cache):
     mask_BTS = slots_S[None, None, :] <= positions_BT[:, :, None]
     if cfg.sliding_window:  # the token itself and the sliding_window - 1 before it
         mask_BTS &= slots_S[None, None, :] > positions_BT[:, :, None] - cfg.sliding_window
-    out_BTHDh = attention.xla_attention(q_BTHDh, k_BSKDh, v_BSKDh, mask_BTS[:, None])
+    out_BTHDh = attention.xla_attention(q_BTHDh, k_BSKDh, v_BSKDh, mask_BTS[:, None], cfg.attn_logit_softcap)
     out_BTD = model.weight_matmul(cfg, "blhk,hkd->bld", out_BTHDh, p["wo"], dtype)
     if "bo" in p:  # model.use_bias
         out_BTD = out_BTD + p["bo"].astype(dtype)
@@ -109,25 +108,27 @@ def _block(model_cfg, p, x_BTD, positions_BT, cache):
 def forward(model_cfg, params, tokens_BT, positions_BT, cache):
     """Float32 logits [B, T, V] of T new tokens at `positions_BT` (one document per row, its
     earlier tokens in the cache), and the cache with their keys and values added."""
-    x_BTD = model.embed(params["embed"], tokens_BT, model.compute_dtype(model_cfg))
+    x_BTD = model.embed(model_cfg, params["embed"], tokens_BT)
     x_BTD = positions.add_positions(model_cfg, x_BTD, positions_BT, params.get("pos_embed"))
-    if "layers" in params:  # the scanned layout: one layer body per group over its leading layer axis
+    if "layers" in params:  # the scanned layout: one layer body (or pattern group) per group over its leading layer axis
 
-        def body(x_BTD, layer):
+        def step(kind, x_BTD, layer):
             layer_params, layer_cache = layer
-            return _block(model_cfg, layer_params, x_BTD, positions_BT, layer_cache)
+            return _block(layer_pattern.kind_config(model_cfg, kind), layer_params, x_BTD, positions_BT, layer_cache)
 
         caches, start = [], 0
         for name, length, _ in model.layer_groups(model_cfg):  # an MoE model's dense layers, then its MoE ones
             group_cache = jax.tree.map(lambda c, start=start, length=length: c[start:start + length], cache)
-            x_BTD, group_cache = jax.lax.scan(body, x_BTD, (params[name], group_cache))
+            x_BTD, group_cache = layer_pattern.run(step, x_BTD, (params[name], group_cache),
+                                                   layer_pattern.kinds(model_cfg, start, length))
             caches.append(group_cache)
             start += length
         cache = jax.tree.map(lambda *c: jnp.concatenate(c), *caches)
     else:
         new_cache = []
-        for i, layer_cache in enumerate(cache):
-            x_BTD, layer_cache = _block(model_cfg, params[f"layer_{i}"], x_BTD, positions_BT, layer_cache)
+        for i, (layer_cache, kind) in enumerate(zip(cache, layer_pattern.kinds(model_cfg))):
+            x_BTD, layer_cache = _block(layer_pattern.kind_config(model_cfg, kind), params[f"layer_{i}"], x_BTD,
+                                        positions_BT, layer_cache)
             new_cache.append(layer_cache)
         cache = new_cache
     x_BTD = _norm(model_cfg, params["final_norm"], x_BTD)

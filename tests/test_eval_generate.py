@@ -177,6 +177,16 @@ def test_cached_logits_equal_apply_for_other_blocks(kinds):
                                    tuple(kv for kv in kinds if kv[0] != "positions"))
 
 
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_cached_logits_equal_apply_with_a_layer_pattern(scan):
+    """Gemma 3's block on 5 layers of local, local, global (a window of 4 tokens, the local RoPE
+    base), scores soft-capped, norms scaling by 1 + w, embeddings by √D: the cache's logits are
+    model.apply's at every position."""
+    gemma = (("layer_pattern", "LLG"), ("num_layers", 5), ("rope_theta_local", 100.0), ("attn_logit_softcap", 2.0),
+             ("norm_plus_one", True), ("scale_embeddings", True), ("mlp_activation", "geglu"))
+    test_cached_logits_equal_apply(scan, "rope", "per_head", "sandwich", 4, gemma)
+
+
 def greedy_without_cache(cfg, params, prompt, n):
     """Greedy tokens recomputing model.apply over the whole growing sequence for each token (the
     sequence padded to a fixed length: causal attention never reads the tail)."""

@@ -21,7 +21,7 @@ import pytest
 from maxlm import config as config_lib, model
 from maxlm.data import make_dataset
 from maxlm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer
-from maxlm.hf import architectures as hf_architectures, files as hf
+from maxlm.hf import config_json as hf_config_json, files as hf
 from maxlm.train import loop, mesh as mesh_lib, runs, state as state_lib
 from tests.helpers import ROOT, command_env, load_config, random_params, with_overrides
 
@@ -177,10 +177,10 @@ def test_mismatches_are_one_clear_error(tmp_path):
     scaled = dict(hf_cfg, rope_parameters={"rope_type": "dynamic", "rope_theta": 5e5, "factor": 32.0},
                   attention_bias=True, model_type="mistral")
     with pytest.raises(config_lib.ConfigError, match="rope type 'dynamic'.*attention_bias=true") as e:
-        hf_architectures.check_config(scaled, cfg.model, "X")
+        hf_config_json.check_config(scaled, cfg.model, "X")
     assert "mistral" in str(e.value)
     with pytest.raises(config_lib.ConfigError, match="config.json lacks num_hidden_layers"):
-        hf_architectures.check_config({"model_type": "llama"}, cfg.model, "X")
+        hf_config_json.check_config({"model_type": "llama"}, cfg.model, "X")
     # weights that do not fit the config they came with
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -200,10 +200,10 @@ def test_mismatches_are_one_clear_error(tmp_path):
 
 NO_CLASS = {  # a Llama-shaped run with another position encoding: why no transformers class holds it
     "sinusoidal": "has no class for model.positions='sinusoidal': the transformers classes maxlm maps have RoPE "
-                  "(Llama, Mistral, Qwen3, Olmo2, Mixtral, Qwen3Moe) or a learned table (GPT2)",
+                  "(Llama, Mistral, Qwen3, Olmo2, Olmo3, Gemma2, Gemma3, Mixtral, Qwen3Moe) or a learned table (GPT2)",
     "learned": "maps model.positions='learned', model.norm='rmsnorm', model.mlp_activation='swiglu' and "
-               "model.use_bias=False to GPT2LMHeadModel alone (the other classes have RoPE, RMSNorm, SwiGLU, no "
-               "biases), which needs model.norm='layernorm' (not 'rmsnorm'); model.mlp_activation='gelu' (not "
+               "model.use_bias=False to GPT2LMHeadModel alone (the other classes have RoPE, RMSNorm, a gated MLP, "
+               "no biases), which needs model.norm='layernorm' (not 'rmsnorm'); model.mlp_activation='gelu' (not "
                "'swiglu'); model.use_bias=True; model.num_kv_heads=model.num_heads=4 (not 2)",
 }
 

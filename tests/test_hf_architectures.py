@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, model
-from maxlm.hf import architectures, files as hf
+from maxlm.hf import architectures, config_json, files as hf
 from tests.helpers import random_params
 from tests.test_hf import _abstract, _assert_bitwise_equal, _bits, _cfg, _cli, _sequence
 
@@ -26,6 +26,9 @@ MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.expert_mlp_d
 # configs/tiny.py's shape in transformers' words, RoPE base 1e6 (Mixtral's and Qwen3's default)
 SHAPE = dict(vocab_size=264, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+OLMO = {"model.qk_norm": "full", "model.norm_placement": "post"}
+GEMMA = {"model.norm_placement": "sandwich", "model.mlp_activation": "geglu", "model.norm_plus_one": True,
+         "model.scale_embeddings": True}
 # class → (maxlm overrides, the transformers config of the same model)
 FAMILIES = {
     "MixtralForCausalLM": ({**MOE, "model.sliding_window": 16},  # a window shorter than the test rows
@@ -44,7 +47,30 @@ FAMILIES = {
     "GPT2LMHeadModel": ({"model.positions": "learned", "model.norm": "layernorm", "model.mlp_activation": "gelu",
                          "model.use_bias": True, "model.num_kv_heads": 4},
                         dict(num_hidden_layers=2, n_inner=128, n_positions=64)),
+    # OLMo 3: local, local, global (a window shorter than the test rows), its local layers' own base
+    "Olmo3ForCausalLM": ({**OLMO, "model.num_layers": 3, "model.layer_pattern": "LLG", "model.sliding_window": 9,
+                          "model.rope_theta_local": 1e4},
+                         dict(num_hidden_layers=3, intermediate_size=128, sliding_window=9,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # Gemma 2: local and global layers, both soft caps (below the largest scores and logits)
+    "Gemma2ForCausalLM": ({**GEMMA, "model.num_layers": 3, "model.layer_pattern": "LG", "model.sliding_window": 9,
+                           "model.attn_logit_softcap": 1.5, "model.final_logit_softcap": 3.0},
+                          dict(num_hidden_layers=3, intermediate_size=128, sliding_window=9, query_pre_attn_scalar=16,
+                               attn_logit_softcapping=1.5, final_logit_softcapping=3.0)),
+    # Gemma 3: 5 local to 1 global on 7 layers (one scanned group and a layer after it), the local base
+    "Gemma3ForCausalLM": ({**GEMMA, "model.qk_norm": "per_head", "model.num_layers": 7, "model.layer_pattern": "LLLLLG",
+                           "model.sliding_window": 9, "model.rope_theta_local": 1e4},
+                          dict(num_hidden_layers=7, intermediate_size=128, sliding_window=9, query_pre_attn_scalar=16,
+                               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
+
+
+# the import tests' logit tolerance: 1e-5, but 5e-5 for Gemma 3's 7 layers of sandwiched norms (logits
+# up to 3; measured against transformers in float64: maxlm 1.9e-5 off, transformers' own float32 2.6e-5)
+IMPORT_ATOL = {"Gemma3ForCausalLM": 5e-5}
 
 
 def _family_cfg(hf_class, overrides=None):
@@ -90,7 +116,9 @@ def _hf_greedy(hf_model, prompt, new_tokens: int) -> list[int]:
 
 @pytest.mark.parametrize("hf_class, scanned", [("MixtralForCausalLM", True), ("Qwen3MoeForCausalLM", False),
                                                ("Qwen3ForCausalLM", True), ("Olmo2ForCausalLM", False),
-                                               ("MistralForCausalLM", True), ("GPT2LMHeadModel", True)])
+                                               ("MistralForCausalLM", True), ("GPT2LMHeadModel", True),
+                                               ("Olmo3ForCausalLM", False), ("Gemma2ForCausalLM", True),
+                                               ("Gemma3ForCausalLM", True)])
 def test_export_is_the_class_with_maxlm_logits_and_greedy_tokens(tmp_path, hf_class, scanned):
     cfg = _family_cfg(hf_class, {"model.scan_layers": scanned})
     params = random_params(cfg.model, seed=1)
@@ -112,8 +140,9 @@ def test_export_is_the_class_with_maxlm_logits_and_greedy_tokens(tmp_path, hf_cl
 def _random_hf(directory, hf_class: str, tied: bool):
     """A tiny model of transformers' own class `hf_class`, random weights (norm scales 1 + noise,
     so a swapped norm shows), saved as transformers saves it."""
-    config_class = getattr(transformers, hf_class.replace("ForCausalLM", "Config").replace("LMHeadModel", "Config"))
-    config = config_class(**SHAPE, **FAMILIES[hf_class][1], tie_word_embeddings=tied)
+    config_class = getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(
+        hf_class, hf_class.replace("ForCausalLM", "Config").replace("LMHeadModel", "Config")))
+    config = config_class(**{**SHAPE, **FAMILIES[hf_class][1]}, tie_word_embeddings=tied)
     torch.manual_seed(0)
     hf_model = getattr(transformers, hf_class)(config).eval()
     with torch.no_grad():
@@ -125,14 +154,16 @@ def _random_hf(directory, hf_class: str, tied: bool):
 
 @pytest.mark.parametrize("hf_class, tied", [("MixtralForCausalLM", False), ("Qwen3MoeForCausalLM", True),
                                             ("Qwen3ForCausalLM", False), ("Olmo2ForCausalLM", True),
-                                            ("MistralForCausalLM", False), ("GPT2LMHeadModel", True)])
+                                            ("MistralForCausalLM", False), ("GPT2LMHeadModel", True),
+                                            ("Olmo3ForCausalLM", False), ("Gemma2ForCausalLM", True),
+                                            ("Gemma3ForCausalLM", False)])
 def test_import_gives_transformers_logits_and_exports_back_the_same(tmp_path, hf_class, tied):
     theirs = _random_hf(tmp_path / "hf", hf_class, tied)
     cfg = _family_cfg(hf_class, {"model.tie_embeddings": tied, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     params = hf.load_params(str(tmp_path / "hf"), cfg.model, _abstract(cfg))
     batch = _sequence(48, 264, seed=4)
     ours = np.asarray(jax.jit(functools.partial(model.apply, cfg.model))(params, batch))
-    np.testing.assert_allclose(ours, _logits(theirs, batch["inputs"]), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ours, _logits(theirs, batch["inputs"]), atol=IMPORT_ATOL.get(hf_class, 1e-5), rtol=0)
     # unrolled: the same parameters
     unrolled = _family_cfg(hf_class, {"model.tie_embeddings": tied, "model.scan_layers": False})
     _assert_bitwise_equal(hf.load_params(str(tmp_path / "hf"), unrolled.model, _abstract(unrolled)),
@@ -148,10 +179,11 @@ def test_import_gives_transformers_logits_and_exports_back_the_same(tmp_path, hf
 
 
 @pytest.mark.parametrize("hf_class", ["Qwen3ForCausalLM", "Olmo2ForCausalLM", "MistralForCausalLM",
-                                      "GPT2LMHeadModel", "MixtralForCausalLM", "Qwen3MoeForCausalLM"])
+                                      "GPT2LMHeadModel", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+                                      "Olmo3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"])
 def test_a_packed_row_gives_transformers_logits_of_each_document_alone(tmp_path, hf_class):
     """Two documents and padding in one row (positions restarting, segment ids): each document's
-    logits are transformers' forward pass of that document alone, within 1e-5."""
+    logits are transformers' forward pass of that document alone, within 1e-5 (`IMPORT_ATOL`)."""
     theirs = _random_hf(tmp_path / "hf", hf_class, tied=False)
     cfg = _family_cfg(hf_class)
     params = hf.load_params(str(tmp_path / "hf"), cfg.model, _abstract(cfg))
@@ -160,8 +192,9 @@ def test_a_packed_row_gives_transformers_logits_of_each_document_alone(tmp_path,
     batch = {"inputs": row, "segment_ids": np.repeat([[1, 2, 0]], [29, 15, 4], axis=1).astype(np.int32),
              "positions": np.concatenate([np.arange(29), np.arange(15), np.arange(4)])[None].astype(np.int32)}
     ours = np.asarray(jax.jit(functools.partial(model.apply, cfg.model))(params, batch))[0]
-    np.testing.assert_allclose(ours[:29], _logits(theirs, first[None])[0], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(ours[29:44], _logits(theirs, second[None])[0], atol=1e-5, rtol=0)
+    atol = IMPORT_ATOL.get(hf_class, 1e-5)
+    np.testing.assert_allclose(ours[:29], _logits(theirs, first[None])[0], atol=atol, rtol=0)
+    np.testing.assert_allclose(ours[29:44], _logits(theirs, second[None])[0], atol=atol, rtol=0)
 
 
 def test_import_mismatches_name_the_keys(tmp_path):
@@ -170,37 +203,37 @@ def test_import_mismatches_name_the_keys(tmp_path):
     with pytest.raises(config_lib.ConfigError) as e:
         hf.load_params(str(tmp_path), dense.model, _abstract(dense))
     assert str(e.value).endswith(
-        "does not match the run: model.num_experts=0 but the checkpoint has 4; model.expert_mlp_dim=0 but the "
-        "checkpoint has 48; model.sliding_window=0 but the checkpoint has 16 (set --config.model.num_experts=4 "
-        "--config.model.expert_mlp_dim=48 --config.model.sliding_window=16)")
+        "does not match the run: model.sliding_window=0 but the checkpoint has 16; model.num_experts=0 but the "
+        "checkpoint has 4; model.expert_mlp_dim=0 but the checkpoint has 48 (set --config.model.sliding_window=16 "
+        "--config.model.num_experts=4 --config.model.expert_mlp_dim=48)")
     other = _moe_cfg({"model.num_experts": 8, "model.mlp_dim": 96})
     with pytest.raises(config_lib.ConfigError) as e:  # mlp_dim: Mixtral has no dense MLP to compare
         hf.load_params(str(tmp_path), other.model, _abstract(other))
     assert "model.num_experts=8 but the checkpoint has 4 (set --config.model.num_experts=4)" in str(e.value)
     hf_cfg = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(config_lib.ConfigError, match=r"model.sliding_window=16 but the checkpoint has 4096"):
-        architectures.check_config(dict(hf_cfg, sliding_window=4096), _moe_cfg().model, "X")
+        config_json.check_config(dict(hf_cfg, sliding_window=4096), _moe_cfg().model, "X")
     qwen3 = {**hf_cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "sliding_window": 4096}
-    with pytest.raises(config_lib.ConfigError, match=r"unsupported: sliding_window=4096 \(maxlm maps a window only"):
-        architectures.check_config({**qwen3, "use_sliding_window": True}, _cfg().model, "X")
+    with pytest.raises(config_lib.ConfigError, match=r"unsupported: sliding_window=4096 \(maxlm maps a window on every layer only"):
+        config_json.check_config({**qwen3, "use_sliding_window": True}, _cfg().model, "X")
     with pytest.raises(config_lib.ConfigError) as e:  # a window Qwen3 does not use is no window
-        architectures.check_config({**qwen3, "use_sliding_window": False}, _cfg().model, "X")
+        config_json.check_config({**qwen3, "use_sliding_window": False}, _cfg().model, "X")
     assert "sliding_window" not in str(e.value)
     # a Mixtral is no Qwen3-MoE: the qk-norm differs
     with pytest.raises(config_lib.ConfigError, match=r"model.qk_norm='per_head' but the checkpoint has 'none'"):
-        architectures.check_config(hf_cfg, _moe_cfg({"model.qk_norm": "per_head"}).model, "X")
+        config_json.check_config(hf_cfg, _moe_cfg({"model.qk_norm": "per_head"}).model, "X")
 
 
 def test_qwen3_moe_dense_layers_are_read_from_mlp_only_layers_and_the_sparse_step():
     qwen = dict(SHAPE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=4,
                 intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
-    mapped, unsupported = architectures.model_config_from_hf(dict(qwen, mlp_only_layers=[0, 1]))
+    mapped, unsupported = config_json.model_config_from_hf(dict(qwen, mlp_only_layers=[0, 1]))
     assert unsupported == [] and (mapped["first_dense_layers"], mapped["mlp_dim"]) == (2, 96)
     assert mapped["router_renormalize"] is False and mapped["qk_norm"] == "per_head"
-    mapped, _ = architectures.model_config_from_hf(qwen)  # every layer MoE: no dense MLP to compare
+    mapped, _ = config_json.model_config_from_hf(qwen)  # every layer MoE: no dense MLP to compare
     assert mapped["first_dense_layers"] == 0 and "mlp_dim" not in mapped
     for odd in (dict(mlp_only_layers=[1]), dict(decoder_sparse_step=2)):
-        assert architectures.model_config_from_hf(dict(qwen, **odd))[1][0].startswith("dense layers [")
+        assert config_json.model_config_from_hf(dict(qwen, **odd))[1][0].startswith("dense layers [")
 
 
 # ----------------------------------------------------------------------------- refused
@@ -237,19 +270,38 @@ def test_what_a_class_cannot_hold_is_refused_naming_the_key(tmp_path, hf_class, 
 
 
 def test_norm_placements_and_qk_norms_without_a_class_are_refused():
-    """Each dense class is one (norm placement, qk-norm) pair; an MoE class is pre-norm."""
-    for placement, qk_norm in (("pre", "full"), ("post", "none"), ("post", "per_head"), ("sandwich", "none")):
+    """Each dense class is one (norm placement, qk-norm) pair; an MoE class is pre-norm; Gemma's
+    block comes with all of Gemma's pieces."""
+    for placement, qk_norm in (("pre", "full"), ("post", "none"), ("post", "per_head"), ("sandwich", "full")):
         with pytest.raises(config_lib.ConfigError, match=f"^X has no class for model.norm_placement='{placement}' "
                                                          f"with model.qk_norm='{qk_norm}'; it maps 'pre' with 'none' "
                                                          r"\(Llama\), 'pre' with 'per_head' \(Qwen3\), 'post' with "
-                                                         r"'full' \(Olmo2\)"):
+                                                         r"'full' \(Olmo2\), 'sandwich' with 'none' \(Gemma2\), "
+                                                         r"'sandwich' with 'per_head' \(Gemma3\)$"):
             architectures.architecture(_cfg({"model.norm_placement": placement, "model.qk_norm": qk_norm}).model, "X")
     with pytest.raises(config_lib.ConfigError, match="^X maps a mixture-of-experts model with "
                                                      "model.norm_placement='pre' .* not norm_placement='post'"):
         architectures.architecture(_cfg({**MOE, "model.norm_placement": "post", "model.qk_norm": "full"}).model, "X")
-    with pytest.raises(config_lib.ConfigError, match="^X maps to Olmo2ForCausalLM, whose heads are d_model / "
-                                                     "num_heads = 16 wide, not model.head_dim=24"):
+    with pytest.raises(config_lib.ConfigError, match=r"^X maps .* to transformers' Olmo2ForCausalLM, which cannot "
+                                                     r"hold model.head_dim=24 \(Olmo2's heads are d_model / num_heads "
+                                                     r"= 16 wide\)$"):
         architectures.architecture(_family_cfg("Olmo2ForCausalLM", {"model.head_dim": 24}).model, "X")
+    with pytest.raises(config_lib.ConfigError, match=r"^X maps model.norm_placement='sandwich' with model.qk_norm="
+                                                     r"'none' to transformers' Gemma2ForCausalLM, which cannot hold "
+                                                     r"model.mlp_activation='swiglu' \(Gemma2 has GeGLU MLP\); "
+                                                     r"model.norm_plus_one=False .*; model.scale_embeddings=False"):
+        architectures.architecture(_cfg({"model.norm_placement": "sandwich"}).model, "X")
+    gemma3 = _family_cfg("Gemma3ForCausalLM", {"model.attn_logit_softcap": 50.0}).model
+    with pytest.raises(config_lib.ConfigError, match=r"which cannot hold model.attn_logit_softcap=50 \(Gemma3's "
+                                                     r"attention does not cap its scores\)$"):
+        architectures.architecture(gemma3, "X")
+    olmo = _cfg({**OLMO, "model.sliding_window": 9, "model.layer_pattern": "LLG", "model.rope_theta_local": 1e4})
+    assert architectures.architecture(olmo.model, "X") is architectures.OLMO3
+    with pytest.raises(config_lib.ConfigError, match=r"Llama.* model.sliding_window=9 with model.layer_pattern='LLG' "
+                                                     r"\(Llama holds no sliding window\); model.rope_theta_local=10000 "
+                                                     r"\(Llama's layers share one RoPE\)$"):
+        architectures.architecture(_cfg({"model.sliding_window": 9, "model.layer_pattern": "LLG",
+                                         "model.rope_theta_local": 1e4}).model, "X")
 
 
 def test_gpt_style_keys_go_to_gpt2_alone_and_qkv_biases_to_no_class():
@@ -261,7 +313,8 @@ def test_gpt_style_keys_go_to_gpt2_alone_and_qkv_biases_to_no_class():
                                          "model.use_bias": True}).model, "X")
     with pytest.raises(config_lib.ConfigError, match=r"^X has no class for model.qkv_bias=True"):
         architectures.architecture(_cfg({"model.qkv_bias": True}).model, "X")
-    with pytest.raises(config_lib.ConfigError, match=r"^X has no class for model.final_logit_softcap=30 "):
+    with pytest.raises(config_lib.ConfigError, match=r"^X maps .* to transformers' LlamaForCausalLM, which cannot hold "
+                                                     r"model.final_logit_softcap=30 \(Llama does not cap its logits\)$"):
         architectures.architecture(_cfg({"model.final_logit_softcap": 30.0}).model, "X")
 
 

@@ -49,7 +49,7 @@ def _outputs_and_grads(attend_fn, q, k, v, cotangent):
     return (out, *vjp(cotangent))
 
 
-def _compare_with_xla(q, k, v, cotangent, segment_ids, splash_fn, window=0):
+def _compare_with_xla(q, k, v, cotangent, segment_ids, splash_fn, window=0, softcap=0.0):
     """Splash's output and (q, k, v) gradients against `attention.xla_attention` with the model's mask;
     returns the jitted splash function (output, dq, dk, dv).
 
@@ -59,7 +59,7 @@ def _compare_with_xla(q, k, v, cotangent, segment_ids, splash_fn, window=0):
     """
     # jitted: its sharding constraints need a trace under a mesh
     mask = jax.jit(attention.attention_mask, static_argnums=1)(segment_ids, window)
-    expected = _outputs_and_grads(lambda q, k, v: attention.xla_attention(q, k, v, mask), q, k, v, cotangent)
+    expected = _outputs_and_grads(lambda q, k, v: attention.xla_attention(q, k, v, mask, softcap), q, k, v, cotangent)
     run = jax.jit(lambda *a: _outputs_and_grads(splash_fn, *a))
     for name, a, e in zip(("output", "dq", "dk", "dv"), run(q, k, v, cotangent), expected):
         assert_close(a, e, 2e-5, name)  # also: every value finite, padding rows included
@@ -104,6 +104,19 @@ def test_splash_with_a_sliding_window_matches_xla_and_skips_the_tiles_outside():
 
     causal, local = (attention.make_kernel(1, 1024, 128, 128, interpret=True, window=w) for w in (0, 100))
     assert (tiles(causal), tiles(local)) == (36, 15)  # 8 query tiles: the lower triangle; each tile and the one before
+
+
+def test_splash_with_a_soft_cap_matches_xla():
+    """model.attn_logit_softcap=0.5 (below the largest scores of these inputs, so the cap bends
+    them): splash's capped scores give XLA's output and gradients; without the cap they differ."""
+    q, k, v, cotangent = _qkv(2)
+    segment_ids = jnp.asarray(SEGMENT_IDS)
+    scores = jnp.einsum("blhd,bshd->bhls", q, jnp.repeat(k, 2, axis=2)) / np.sqrt(q.shape[-1])
+    assert float(jnp.abs(scores).max()) > 1.0
+    run = _compare_with_xla(q, k, v, cotangent, segment_ids, lambda q, k, v: attention.splash_attention(
+        q, k, v, segment_ids, block_q=128, block_kv=128, interpret=True, window=100, softcap=0.5), window=100, softcap=0.5)
+    uncapped = attention.xla_attention(q, k, v, jax.jit(attention.attention_mask, static_argnums=1)(segment_ids, 100))
+    assert float(jnp.abs(run(q, k, v, cotangent)[0] - uncapped).max()) > 1e-3
 
 
 def test_splash_residuals_made_at_the_forward_kernel_change_no_number(monkeypatch):
@@ -173,16 +186,21 @@ def test_model_with_splash_matches_xla(tiny):
     np.testing.assert_allclose(loss(splash_cfg), loss(cfg.model), rtol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring"])
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring", "layer_pattern"])
 def test_the_pipeline_runs_splash_under_its_vmap(strategy):
     """mesh.stage=2 runs its stages under vmap; the splash kernel (interpreted) runs inside: on
-    whole rows with fsdp 2 x tensor 2, or over sequence=4 as Ulysses or as the ring's blocks. The
-    loss and gradients of a packed batch with padding are the unpipelined XLA model's."""
+    whole rows with fsdp 2 x tensor 2, or over sequence=4 as Ulysses or as the ring's blocks; and
+    on whole rows for Gemma-like local and global layers (each stage holding one group of the
+    pattern "LG", a window of 32 tokens, scores soft-capped). The loss and gradients of a packed
+    batch with padding are the unpipelined XLA model's."""
     cfg = load_config("tiny")
+    if strategy == "layer_pattern":
+        config_lib.apply_overrides(cfg, {"model.num_layers": 4, "model.layer_pattern": "LG", "model.sliding_window": 32,
+                                         "model.attn_logit_softcap": 1.0, "model.rope_theta_local": 100.0})
+        strategy = "all_gather"
     sequence = 1 if strategy == "all_gather" else 4
     cfg.mesh.update(stage=2, data=1, fsdp=2 if sequence == 1 else 1, sequence=sequence, tensor=2 if sequence == 1 else 1)
-    config_lib.apply_overrides(cfg, {"seq_len": 512 if sequence > 1 else 128, "model.num_layers": 2,
-                                     "model.num_heads": 4, "model.num_kv_heads": 2,
+    config_lib.apply_overrides(cfg, {"seq_len": 512 if sequence > 1 else 128, "model.num_heads": 4, "model.num_kv_heads": 2,
                                      "model.pipeline_microbatches": 2, "model.context_parallel": strategy})
     cfg = config_lib.resolve(cfg, 8)
     params = model.init_params(cfg.model, jax.random.key(0))
@@ -217,6 +235,7 @@ def test_attention_backend_choice(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert attention.attention_backend("auto", jnp.bfloat16, 256) == "cudnn"
     assert attention.attention_backend("auto", jnp.float32, 256) == "xla"
+    assert attention.attention_backend("auto", jnp.bfloat16, 256, softcap=50.0) == "xla"  # cuDNN has no soft cap
 
 
 @pytest.mark.parametrize(
@@ -237,6 +256,20 @@ def test_attention_backend_choice(monkeypatch):
          "model.mlp_activation='geglu' is not supported with model.num_experts=4 (the experts are SwiGLU without "
          "biases); use it with a dense model"),
         ({"model.num_experts": 4, "model.use_bias": True}, "model.use_bias=True is not supported with model.num_experts=4"),
+        ({"model.attn_logit_softcap": 50.0, "model.context_parallel": "ring", "mesh.sequence": 4, "mesh.fsdp": 2},
+         "model.attn_logit_softcap=50 is not supported with model.context_parallel='ring'"),
+        ({"model.attn_logit_softcap": 50.0, "model.attention": "cudnn"},
+         "model.attn_logit_softcap=50 is not supported with model.attention='cudnn' (cuDNN has no soft cap)"),
+        ({"model.layer_pattern": "LLX", "model.sliding_window": 16}, "model.layer_pattern='LLX' must be '' or letters L"),
+        ({"model.layer_pattern": "GG", "model.sliding_window": 16}, "model.layer_pattern='GG' must be '' or letters L"),
+        ({"model.layer_pattern": "LG"}, "model.layer_pattern='LG' has local layers: set model.sliding_window > 0"),
+        ({"model.rope_theta_local": 1e4}, "model.rope_theta_local=10000 is the local layers' RoPE base under a "
+                                          "model.layer_pattern of local and global layers"),
+        ({"model.layer_pattern": "LLG", "model.sliding_window": 16, "model.num_layers": 4, "mesh.stage": 2,
+          "mesh.fsdp": 4}, "model.layer_pattern='LLG' repeats every 3 layers, and each of mesh.stage=2 x "
+                           "model.pipeline_repeats=1 pipeline chunks must hold whole repeats: 4 layers do not split "
+                           "so; use a multiple of 6 layers"),
+        ({"model.norm_plus_one": True, "model.norm": "layernorm"}, "model.norm_plus_one=True is Gemma's RMSNorm weight"),
     ],
 )
 def test_config_rejects(overrides, message):

@@ -129,13 +129,16 @@ def reference_logits(cfg, params, batch):
     RMS-normed per head or whole with model.qk_norm, then rotated by
     RoPE pairing dims (i, i + Dh/2); query head h reading kv
     head h // (H/K), softmax of q·k/sqrt(Dh) over the earlier tokens of the same document) and a
-    pre-norm residual SwiGLU MLP; a final RMSNorm; the head (the embedding itself when tied)."""
+    pre-norm residual SwiGLU MLP; a final RMSNorm; the head (the embedding itself when tied).
+    Gemma's pieces: norms scaling by 1 + w, embeddings times √D, scores soft-capped, and a
+    `layer_pattern` of local (windowed, own RoPE base) and global layers, layer i of kind
+    pattern[i mod len(pattern)]."""
     p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
     tokens, segments, positions = (np.asarray(batch[k]) for k in ("inputs", "segment_ids", "positions"))
     B, L = tokens.shape
 
     def norm(x, scale, over=(-1,)):
-        return x / np.sqrt((x * x).mean(over, keepdims=True) + cfg.norm_eps) * scale
+        return x / np.sqrt((x * x).mean(over, keepdims=True) + cfg.norm_eps) * (1 + scale if cfg.norm_plus_one else scale)
 
     def block_norm(x, params):  # model.norm: RMSNorm, or LayerNorm (centred, with a bias)
         if cfg.norm == "layernorm":
@@ -149,24 +152,26 @@ def reference_logits(cfg, params, batch):
         return {"none": lambda: x, "per_head": lambda: norm(x, norm_params["scale"]),
                 "full": lambda: norm(x, norm_params["scale"], over=(-2, -1))}[cfg.qk_norm]()
 
-    def rope(x):  # [B, L, heads, Dh]
+    def rope(x, theta):  # [B, L, heads, Dh]
         half = x.shape[-1] // 2
-        angle = positions[:, :, None, None] * cfg.rope_theta ** (-np.arange(half) / half)
+        angle = positions[:, :, None, None] * theta ** (-np.arange(half) / half)
         a, b = x[..., :half], x[..., half:]
         return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], -1)
 
-    x = p["embed"][tokens]
+    x = p["embed"][tokens] * (np.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0)
     if cfg.positions == "sinusoidal":
         angle = positions[..., None] / 10000.0 ** (np.arange(0, cfg.d_model, 2) / cfg.d_model)
         x = x + np.stack([np.sin(angle), np.cos(angle)], -1).reshape(B, L, cfg.d_model)
     elif cfg.positions == "learned":
         x = x + p["pos_embed"][positions]
-    visible = np.tril(np.ones((L, L), bool)) & (segments[:, :, None] == segments[:, None, :])  # [B, L, S]
-    if cfg.sliding_window:  # key j within the window of query i: i - j < W
-        visible &= np.arange(L)[:, None] - np.arange(L)[None, :] < cfg.sliding_window
+    causal = np.tril(np.ones((L, L), bool)) & (segments[:, :, None] == segments[:, None, :])  # [B, L, S]
+    in_window = np.arange(L)[:, None] - np.arange(L)[None, :] < cfg.sliding_window  # key j near query i: i - j < W
     group = cfg.num_heads // cfg.num_kv_heads
     for i in range(cfg.num_layers):
         layer = jax.tree.map(lambda w: w[i], p["layers"]) if "layers" in p else p[f"layer_{i}"]
+        local = cfg.sliding_window and (not cfg.layer_pattern or cfg.layer_pattern[i % len(cfg.layer_pattern)] == "L")
+        visible = causal & in_window if local else causal
+        theta = cfg.rope_theta_local if local and cfg.rope_theta_local else cfg.rope_theta
         attn, mlp = layer["attn"], layer["mlp"]
 
         def attention(h):
@@ -175,8 +180,11 @@ def reference_logits(cfg, params, batch):
             k = np.repeat(qk_norm(np.einsum("bld,dhk->blhk", h, attn["wk"]) + bias("bk"), attn.get("k_norm")), group, axis=2)
             v = np.repeat(np.einsum("bld,dhk->blhk", h, attn["wv"]) + bias("bv"), group, axis=2)
             if cfg.positions == "rope":
-                q, k = rope(q), rope(k)
-            scores = np.where(visible[:, None], np.einsum("blhk,bshk->bhls", q, k) / np.sqrt(cfg.head_dim), -np.inf)
+                q, k = rope(q, theta), rope(k, theta)
+            scores = np.einsum("blhk,bshk->bhls", q, k) / np.sqrt(cfg.head_dim)
+            if cfg.attn_logit_softcap:
+                scores = cfg.attn_logit_softcap * np.tanh(scores / cfg.attn_logit_softcap)
+            scores = np.where(visible[:, None], scores, -np.inf)
             probs = np.exp(scores - scores.max(-1, keepdims=True))
             probs /= probs.sum(-1, keepdims=True)
             return np.einsum("bhls,bshk,hkd->bld", probs, v, attn["wo"]) + bias("bo")
@@ -210,26 +218,33 @@ def reference_case(positions="rope", **overrides):
     params = random_params(cfg, std=0.1)
     batch = packed_batch(2, 64, cfg.vocab_size)
     kinds = {k: cfg[k] for k in ("qk_norm", "norm_placement", "sliding_window", "norm", "mlp_activation", "use_bias",
-                                 "qkv_bias", "final_logit_softcap")}
+                                 "qkv_bias", "final_logit_softcap", "norm_plus_one", "scale_embeddings", "layer_pattern",
+                                 "rope_theta_local", "attn_logit_softcap", "num_layers")}
     reference_cfg = tiny_model_cfg(positions=positions, **variant, **kinds)
     return cfg, params, batch, reference_logits(reference_cfg, params, batch)
 
 
 GPT2_LIKE = {"norm": "layernorm", "mlp_activation": "gelu", "use_bias": True}
+# Gemma 3's block on 5 layers of the pattern local, local, global: one scanned group of three
+# layers and two unrolled after it; the local layers' RoPE base differs, the scores are capped
+GEMMA3_LIKE = {"mlp_activation": "geglu", "norm_plus_one": True, "scale_embeddings": True, "num_layers": 5,
+               "layer_pattern": "LLG", "rope_theta_local": 1e3, "attn_logit_softcap": 1.5}
 
 
 @pytest.mark.parametrize("positions, qk_norm, placement, window, kinds",
                          [(p, "none", "pre", 0, {}) for p in config_lib.POSITIONS]
                          + [("rope", "per_head", "pre", 0, {}), ("rope", "full", "post", 0, {}),
                             ("sinusoidal", "none", "sandwich", 0, {"mlp_activation": "geglu", "final_logit_softcap": 2.5}),
-                            ("rope", "none", "pre", 7, {"qkv_bias": True}), ("learned", "none", "pre", 0, GPT2_LIKE)],
+                            ("rope", "none", "pre", 7, {"qkv_bias": True}), ("learned", "none", "pre", 0, GPT2_LIKE),
+                            ("rope", "per_head", "sandwich", 7, GEMMA3_LIKE)],
                          ids=["rope", "sinusoidal", "learned", "qk_per_head", "post_norm", "sandwich_geglu_softcap",
-                              "window_qkv_bias", "gpt2_like"])
+                              "window_qkv_bias", "gpt2_like", "gemma3_like"])
 def test_logits_equal_a_reference_implementation(positions, qk_norm, placement, window, kinds):
     """The forward pass (jitted, packed rows of 3 documents, 2 kv heads for 4 query heads) against
     the float64 transcription above: 1e-4 on logits of a few units (2e-6 measured); a sliding
     window of 7 tokens, shorter than the documents; GPT-2's LayerNorm, GeLU MLP and biases; logits
-    soft-capped at 2.5, below the largest (Gemma 2's final soft-cap)."""
+    soft-capped at 2.5, below the largest (Gemma 2's final soft-cap); Gemma 3's block and layer
+    pattern with scores capped at 1.5, below the largest."""
     cfg, params, batch, reference = reference_case(positions, qk_norm=qk_norm, norm_placement=placement,
                                                    sliding_window=window, **kinds)
     logits = np.asarray(jax.jit(functools.partial(model.apply, cfg))(params, batch))
@@ -287,6 +302,15 @@ def test_scan_and_remat_equal_unrolled(remat):
     """Scanned (any remat policy) and unrolled layers: same loss, same gradients."""
     assert_scanned_equals_unrolled(tiny_model_cfg(scan_layers=False, remat="none"),
                                    tiny_model_cfg(scan_layers=True, remat=remat))
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_layer_pattern_scanned_equals_unrolled(remat):
+    """Local and global layers (`GEMMA3_LIKE`: a scanned group of the pattern, two layers after it)
+    give the unrolled layers' loss and gradients, with and without remat."""
+    gemma = {**GEMMA3_LIKE, "sliding_window": 7, "qk_norm": "per_head", "norm_placement": "sandwich"}
+    assert_scanned_equals_unrolled(tiny_model_cfg(scan_layers=False, remat="none", **gemma),
+                                   tiny_model_cfg(scan_layers=True, remat=remat, **gemma))
 
 
 def assert_scanned_equals_unrolled(unrolled, scanned):

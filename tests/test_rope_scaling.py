@@ -20,6 +20,7 @@ CASES = [
     ("yarn", 1000000.0, 128, 4.0, 32768, {}),  # Qwen3's recommended YaRN
     ("yarn", 10000.0, 16, 2.0, 64, {}),
     ("yarn", 10000.0, 64, 8.0, 4096, {"beta_fast": 16.0, "beta_slow": 2.0}),
+    ("linear", 1000000.0, 256, 8.0, 4096, {}),  # Gemma 3's global layers (4B and up)
 ]
 MAXLM_NAMES = {"low_freq_factor": "rope_low_freq_factor", "high_freq_factor": "rope_high_freq_factor",
                "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow"}

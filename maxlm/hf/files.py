@@ -35,7 +35,8 @@ import numpy as np
 from etils import epath
 
 from maxlm import config as config_lib, console, paths, processes
-from maxlm.hf.architectures import architecture, check_config, hf_config
+from maxlm.hf.architectures import architecture
+from maxlm.hf.config_json import check_config, hf_config
 from maxlm.hf.mapping import hf_index, hf_tensors, read_block, sources, to_hf
 
 WEIGHTS = "model.safetensors"

@@ -2,9 +2,9 @@
 `maxlm/hf/architectures.py`, the files read and written in `maxlm/hf/files.py`).
 
 maxlm's layers are Llama's (pre-norm RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases),
-or OLMo 2's (the norms after each sublayer, the whole projections' qk-norm), so a run converts to
-the transformers class `architectures.architecture` picks (Llama, Qwen3, OLMo 2, Mixtral,
-Qwen3-MoE) without custom code:
+OLMo 2's and 3's (the norms after each sublayer, the whole projections' qk-norm), Gemma's (norms
+before and after each sublayer, GeGLU) or GPT-2's, so a run converts to the transformers class
+`architectures.architecture` picks without custom code:
 
     maxlm parameter                      HF tensor (`model.layers.{i}.` prefix for a layer's)
     embed            [V, D]              model.embed_tokens.weight        [V, D]
@@ -20,6 +20,7 @@ Qwen3-MoE) without custom code:
   OLMo 2's block (norm_placement=post) has instead, after each sublayer (`BLOCK_NORMS`):
     attn_out_norm.scale [D]              post_attention_layernorm.weight  [D]
     mlp_out_norm.scale  [D]              post_feedforward_layernorm.weight [D]
+  and Gemma's (sandwich) both, its norm before the MLP being pre_feedforward_layernorm.weight
     mlp.w_gate, w_up [D, F]              mlp.{gate,up}_proj.weight        [F, D]
     mlp.w_down       [F, D]              mlp.down_proj.weight             [D, F]
   an MoE layer (Mixtral: B = block_sparse_moe, gate/up/down = w1/w3/w2; Qwen3-MoE: B = mlp,
@@ -152,11 +153,14 @@ def _layer_tensors(m, experts: bool) -> dict[tuple[str, ...], tuple[str, Tensor]
     }
 
 
-# A block's norms (maxlm/model/transformer.py `norms_around`) by model.norm_placement → their HF
-# names: `post_attention_layernorm` is Llama's norm before the MLP, OLMo 2's after attention.
+# A block's norms (maxlm/model/norms.py `norms_around`) by model.norm_placement → their HF
+# names: `post_attention_layernorm` is Llama's norm before the MLP, OLMo 2's and Gemma's after
+# attention. Gemma's norm weights are w of its 1 + w, as maxlm's with model.norm_plus_one.
 BLOCK_NORMS = {
     "pre": {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"},
     "post": {"attn_out_norm": "post_attention_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"},
+    "sandwich": {"attn_norm": "input_layernorm.weight", "attn_out_norm": "post_attention_layernorm.weight",
+                 "mlp_norm": "pre_feedforward_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"},
 }
 
 

@@ -18,7 +18,7 @@ Nothing here knows about meshes, optimizers or data files.
 
 from maxlm.model.counts import active_params, count_params
 from maxlm.model.moe import MoE
-from maxlm.model.norms import LayerNorm, RMSNorm, block_norm, norms_around, placed_norms, qk_norm_axes, residual
+from maxlm.model.norms import LayerNorm, RMSNorm, block_norm, norms_around, placed_norms, qk_norm, residual
 from maxlm.model.pipeline import bubble_fraction, pipeline_stages
 from maxlm.model.transformer import (
     REMAT_POLICIES,
@@ -78,7 +78,7 @@ __all__ = [
     "param_logical_specs",
     "pipeline_stages",
     "pipelined_forward",
-    "qk_norm_axes",
+    "qk_norm",
     "residual",
     "stack_layers",
     "token_losses",

@@ -80,8 +80,10 @@ def causal_mask(segment_ids_BL, segment_ids_BS, window: int = 0):
     return (causal_LS[None] & same_doc_BLS)[:, None]
 
 
-def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS):
-    """Plain einsum attention with grouped-query heads; softmax in float32.
+def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, softcap: float = 0.0):
+    """Plain einsum attention with grouped-query heads; softmax in float32; with a `softcap` > 0,
+    the scaled scores are capped to softcap·tanh(scores / softcap) first (Gemma 2's
+    `model.attn_logit_softcap`).
 
     q is scaled before the matmul ([B, L, H, Dh] is far smaller than the [.., L, S] scores), and
     the small q/k/v arrays are put heads-major first, so every [.., L, S] array comes out of its
@@ -94,6 +96,8 @@ def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS):
     q_BKGLDh = q_BLHDh.reshape(B, L, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
     k_BKSDh, v_BKSDh = k_BSKDh.transpose(0, 2, 1, 3), v_BSKDh.transpose(0, 2, 1, 3)
     scores_BKGLS = jnp.einsum("bkgld,bksd->bkgls", q_BKGLDh, k_BKSDh).astype(jnp.float32)
+    if softcap:
+        scores_BKGLS = softcap * jnp.tanh(scores_BKGLS / softcap)
     # Every row keeps at least its diagonal, so the softmax never sees an all-masked row.
     scores_BKGLS = jnp.where(mask_B1LS[:, :, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
     probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(q_BLHDh.dtype)
@@ -116,16 +120,17 @@ def target_platform() -> str:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
-def attention_backend(name: str, dtype, seq_len: int | None = None, platform: str | None = None) -> str:
+def attention_backend(name: str, dtype, seq_len: int | None = None, platform: str | None = None,
+                      softcap: float = 0.0) -> str:
     """Resolves `model.attention` for `platform` (default: `target_platform()`): "auto" is the
     Pallas splash kernel on TPUs (when `seq_len`, if given, suits it: a multiple of 128), cuDNN's
-    fused attention on NVIDIA GPUs with 16-bit compute (it has no float32 kernel), the plain XLA
-    path otherwise."""
+    fused attention on NVIDIA GPUs with 16-bit compute (it has no float32 kernel) and no score
+    `softcap` (it has no soft cap), the plain XLA path otherwise."""
     platform = platform or target_platform()
     if name == "auto":
         if platform == "tpu":
             return "splash" if seq_len is None or seq_len % LANES == 0 else "xla"
-        return "cudnn" if platform == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
+        return "cudnn" if platform == "gpu" and jnp.dtype(dtype).itemsize == 2 and not softcap else "xla"
     if name == "cudnn" and platform != "gpu":
         raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, not {platform}")
     if name == "splash" and platform != "tpu":
@@ -144,20 +149,22 @@ def document_mask(backend: str, segment_ids_BL, dtype, window: int = 0):
 
 
 def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=None,
-           splash_blocks: tuple[int, int] = (0, 0), window: int = 0):
+           splash_blocks: tuple[int, int] = (0, 0), window: int = 0, softcap: float = 0.0):
     """Attention with the named backend and its form of the documents (`document_mask`): the
     [B, 1, L, S] mask for xla, the `document_bias` for cudnn, `segment_ids_BL` for splash (with
     its (query, key/value) tiles, `splash_blocks`; 0 = `block_size`). A sliding `window` (> 0)
-    goes to the kernels, which skip the tiles it hides; XLA's mask holds it already."""
-    backend = attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1])
+    goes to the kernels, which skip the tiles it hides; XLA's mask holds it already. A score
+    `softcap` (> 0) goes to XLA and splash (config.resolve refuses it with cuDNN)."""
+    backend = attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1], softcap=softcap)
     if backend == "cudnn":
         return cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, window)
     if backend in SPLASH:
         if segment_ids_BL is None:
             raise ValueError("splash attention needs segment_ids_BL")
         return splash_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, block_q=splash_blocks[0],
-                                block_kv=splash_blocks[1], interpret=backend == SPLASH_INTERPRET, window=window)
-    return xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS)
+                                block_kv=splash_blocks[1], interpret=backend == SPLASH_INTERPRET, window=window,
+                                softcap=softcap)
+    return xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, softcap)
 
 
 # ----------------------------------------------------------------------------- cuDNN
@@ -206,17 +213,18 @@ def splash_tiles(seq_len: int, block_q: int = 0, block_kv: int = 0) -> tuple[int
 
 
 def make_kernel(num_heads: int, seq_len: int, block_q: int, block_kv: int, interpret: bool = False,
-                window: int = 0):
+                window: int = 0, softcap: float = 0.0):
     """A causal splash kernel for `num_heads` query heads of `seq_len` tokens (one sequence), with
     query tiles of `block_q` and key/value tiles of `block_kv` tokens; with a `window` > 0, each
-    query sees its own token and the window - 1 before it (the kernel skips the tiles outside)."""
+    query sees its own token and the window - 1 before it (the kernel skips the tiles outside);
+    with a `softcap` > 0, the kernel caps the scores as `xla_attention` does."""
     shape = (seq_len, seq_len)
     causal = splash_mask.LocalMask(shape, window_size=(window - 1, 0), offset=0) if window else \
         splash_mask.CausalMask(shape)
     mask = splash_mask.MultiHeadMask(tuple(causal for _ in range(num_heads)))
     return splash_kernel.make_splash_mha(
-        mask, block_sizes=splash_block_sizes(block_q, block_kv), head_shards=1, q_seq_shards=1, interpret=interpret
-    )
+        mask, block_sizes=splash_block_sizes(block_q, block_kv), head_shards=1, q_seq_shards=1, interpret=interpret,
+        attn_logits_soft_cap=softcap or None)
 
 
 def splash_block_sizes(block_q: int, block_kv: int):
@@ -229,10 +237,10 @@ def splash_block_sizes(block_q: int, block_kv: int):
     )
 
 
-def splash_local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q, block_kv, interpret, window=0):
+def splash_local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q, block_kv, interpret, window=0, softcap=0.0):
     """The kernel on one device's shard (or the whole arrays without a mesh)."""
     _, L, H, Dh = q_BLHDh.shape
-    kernel = make_kernel(H, L, block_q, block_kv, interpret, window)
+    kernel = make_kernel(H, L, block_q, block_kv, interpret, window, softcap)
     q_BHLDh = jnp.swapaxes(q_BLHDh * (1.0 / math.sqrt(Dh)), 1, 2)  # the kernel does not scale
     k_BKSDh = jnp.swapaxes(k_BSKDh, 1, 2)
     v_BKSDh = jnp.swapaxes(v_BSKDh, 1, 2)
@@ -270,15 +278,17 @@ def _residuals_made_in_forward(fn):
 
 
 def splash_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, *, block_q: int = 0, block_kv: int = 0,
-                     interpret: bool = False, window: int = 0):
+                     interpret: bool = False, window: int = 0, softcap: float = 0.0):
     """Causal, per-document attention [B, L, H, Dh] with the splash kernel.
 
     `block_q`, `block_kv`: the kernel's query and key/value tiles (0: `block_size(L)`).
     `interpret=True` runs the kernel in the Pallas interpreter on any backend (slow; for tests).
-    `window` > 0: a sliding window of that many tokens (`model.sliding_window`).
+    `window` > 0: a sliding window of that many tokens (`model.sliding_window`); `softcap` > 0:
+    the scores capped (`model.attn_logit_softcap`).
     """
     block_q, block_kv = splash_tiles(q_BLHDh.shape[1], block_q, block_kv)
-    local = functools.partial(splash_local, block_q=block_q, block_kv=block_kv, interpret=interpret, window=window)
+    local = functools.partial(splash_local, block_q=block_q, block_kv=block_kv, interpret=interpret, window=window,
+                              softcap=softcap)
     if jax.sharding.get_abstract_mesh().empty:
         return local(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL)
     # The axes the active logical rules give batch and heads (none without rules: replicated).

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -15,19 +16,22 @@ import jax.numpy as jnp
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the trailing `len(axes)` dims of its input (their logical names: `axes`)."""
+    """RMSNorm over the trailing `len(axes)` dims of its input (their logical names: `axes`).
+    `plus_one` (`model.norm_plus_one`, Gemma's): the parameter w starts at 0 and the norm scales by
+    1 + w, so weight decay pulls the scale towards 1, not 0, and Gemma's checkpoints map as they are."""
     eps: float
     dtype: Any
     axes: tuple[str, ...] = ("embed",)
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x_BLD):
         n = len(self.axes)
-        scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes), x_BLD.shape[-n:],
-                             jnp.float32)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale_D = self.param("scale", nn.with_logical_partitioning(init, self.axes), x_BLD.shape[-n:], jnp.float32)
         x = x_BLD.astype(jnp.float32)  # the mean square in float32 even for bfloat16 compute
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=tuple(range(-n, 0)), keepdims=True) + self.eps)
-        return (x * scale_D).astype(self.dtype)
+        return (x * (1.0 + scale_D if self.plus_one else scale_D)).astype(self.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -49,7 +53,14 @@ class LayerNorm(nn.Module):
 
 def block_norm(model_cfg):
     """The class of the blocks' and the final norm, `model.norm` (qk-norm is always RMSNorm)."""
-    return LayerNorm if model_cfg.norm == "layernorm" else RMSNorm
+    if model_cfg.norm == "layernorm":
+        return LayerNorm
+    return functools.partial(RMSNorm, plus_one=model_cfg.norm_plus_one) if model_cfg.norm_plus_one else RMSNorm
+
+
+def qk_norm(model_cfg, dtype, heads: str, name: str | None = None) -> RMSNorm:
+    """The RMSNorm `model.qk_norm` puts on the queries (`heads`="heads") or keys ("kv_heads")."""
+    return RMSNorm(model_cfg.norm_eps, dtype, qk_norm_axes(model_cfg, heads), model_cfg.norm_plus_one, name=name)
 
 
 def residual(x_BLD, sublayer, norm_before=None, norm_after=None):

@@ -5,7 +5,8 @@
     learned     rows of a [max_positions, D] parameter table, added to the token embeddings
 
 RoPE's frequencies can be scaled to extend the context (`model.rope_scaling`: `rope_frequencies`):
-Llama 3.1's rule or YaRN, as transformers' `ROPE_INIT_FUNCTIONS` computes them.
+linear interpolation (every frequency divided by the factor: Gemma 3's global layers), Llama
+3.1's rule or YaRN, as transformers' `ROPE_INIT_FUNCTIONS` computes them.
 
 Each reads the batch's `positions`, which restart at 0 for every packed document, so a document
 is encoded the same packed or alone. Shape suffixes as in model.py, plus P max positions and
@@ -44,13 +45,16 @@ def rope(x_BLHDh, positions_BL, theta: float, freq_F=None, attention_factor: flo
 
 def rope_frequencies(model_cfg, head_dim: int) -> tuple[np.ndarray, float]:
     """(inverse frequencies [Dh/2] as float32, attention factor) of `model.rope_scaling`
-    ("llama3" or "yarn"), computed once in float64 from transformers' formulas
-    (modeling_rope_utils: `_compute_llama3_parameters`, `_compute_yarn_parameters` with its
-    defaults: truncated correction range, attention factor 0.1·ln(factor) + 1)."""
+    ("linear", "llama3" or "yarn"), computed once in float64 from transformers' formulas
+    (modeling_rope_utils: `_compute_linear_scaling_rope_parameters`, `_compute_llama3_parameters`,
+    `_compute_yarn_parameters` with its defaults: truncated correction range, attention factor
+    0.1·ln(factor) + 1)."""
     m = model_cfg
     exponent_F = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
     inv_F = 1.0 / m.rope_theta ** exponent_F
     factor, original = m.rope_scaling_factor, m.rope_original_max_len
+    if m.rope_scaling == "linear":  # positions / factor: every wavelength stretched alike
+        return (inv_F / factor).astype(np.float32), 1.0
     if m.rope_scaling == "llama3":
         low, high = m.rope_low_freq_factor, m.rope_high_freq_factor
         wavelen_F = 2 * math.pi / inv_F

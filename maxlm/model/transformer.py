@@ -32,8 +32,9 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm.model import attention, backward_order, fp8, head, moe, mtp, pipeline, positions, ring_attention, ulysses, zigzag
-from maxlm.model.norms import RMSNorm, block_norm, placed_norms, qk_norm_axes, residual
+from maxlm.model import (attention, backward_order, fp8, head, layer_pattern, moe, mtp, pipeline, positions, ring_attention,
+                         ulysses, zigzag)
+from maxlm.model.norms import block_norm, placed_norms, qk_norm, residual
 
 Batch = dict[str, jax.Array]
 
@@ -57,13 +58,19 @@ def _constrain(x, axes):
     return nn.with_logical_constraint(x, axes)
 
 
-def embed(embed_VD, tokens_BL, dtype):
-    """Token embeddings [B, L, D] in `dtype`. Rows are gathered from a table whose embed dim is
-    whole (ZeRO-3 all-gathers it as it would any weight). A lookup that leaves the table sharded
-    saves bytes (0.7% of Llama 3 8B's step on a v5p-64) but planned more memory: 0.8 GB per
-    device for that preset, 0.3 GB for the tied 1B (docs/performance.md#compiled-for-v5p-no-tpu)."""
+def embed(model_cfg, embed_VD, tokens_BL):
+    """Token embeddings [B, L, D] in the compute dtype, times √d_model with `model.scale_embeddings`
+    (Gemma's; the scale rounded to the compute dtype, as transformers rounds it to the weights').
+    Rows are gathered from a table whose embed dim is whole (ZeRO-3 all-gathers it as it would any
+    weight). A lookup that leaves the table sharded saves bytes (0.7% of Llama 3 8B's step on a
+    v5p-64) but planned more memory: 0.8 GB per device for that preset, 0.3 GB for the tied 1B
+    (docs/performance.md#compiled-for-v5p-no-tpu)."""
+    dtype = compute_dtype(model_cfg)
     table_VD = _constrain(embed_VD, ("vocab", "act_embed"))
-    return _constrain(jnp.take(table_VD, tokens_BL, axis=0).astype(dtype), ("batch", "length", "act_embed"))
+    x_BLD = jnp.take(table_VD, tokens_BL, axis=0).astype(dtype)
+    if model_cfg.scale_embeddings:
+        x_BLD = x_BLD * jnp.asarray(math.sqrt(model_cfg.d_model), dtype)
+    return _constrain(x_BLD, ("batch", "length", "act_embed"))
 
 
 def microbatches(x, n: int, axes):
@@ -131,8 +138,8 @@ class Attention(nn.Module):
         q_BLHDh, k_BSKDh = checkpoint_name(q_BLHDh, "q_proj"), checkpoint_name(k_BSKDh, "k_proj")
         v_BSKDh = checkpoint_name(v_BSKDh, "v_proj")
         if cfg.qk_norm != "none":  # before RoPE, as Qwen3 and OLMo 2 do: bounds the attention logits
-            q_BLHDh = RMSNorm(cfg.norm_eps, dtype, qk_norm_axes(cfg, "heads"), name="q_norm")(q_BLHDh)
-            k_BSKDh = RMSNorm(cfg.norm_eps, dtype, qk_norm_axes(cfg, "kv_heads"), name="k_norm")(k_BSKDh)
+            q_BLHDh = qk_norm(cfg, dtype, "heads", name="q_norm")(q_BLHDh)
+            k_BSKDh = qk_norm(cfg, dtype, "kv_heads", name="k_norm")(k_BSKDh)
         q_BLHDh = _constrain(positions.rotary(cfg, q_BLHDh, positions_BL), ("batch", "length", "heads", "head_dim"))
         # (init traces a 1 x 8 dummy batch the mesh cannot split: the plain path has the same parameters)
         if ring_attention.active(cfg) and not self.is_initializing():  # the ring strategy: keys and values stay split, blocks travel
@@ -152,7 +159,8 @@ class Attention(nn.Module):
             # by heads around attention (maxlm/model/ulysses.py).
             k_BSKDh = _constrain(positions.rotary(cfg, k_BSKDh, positions_BL), ("batch", "length", "kv_heads", "head_dim"))
             v_BSKDh = _constrain(v_BSKDh, ("batch", "length", "kv_heads", "head_dim"))
-            out_BLHDh = ulysses.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, blocks, cfg.sliding_window)
+            out_BLHDh = ulysses.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, blocks, cfg.sliding_window,
+                                       cfg.attn_logit_softcap)
             return checkpoint_name(self._out(out_BLHDh, wo_HDhD), "attn_out")
         # Sequence parallelism, the all-gather strategy: queries stay split along the length (mesh
         # axis `sequence`), keys and values are gathered whole (length None), so each device
@@ -161,7 +169,7 @@ class Attention(nn.Module):
         k_BSKDh = _constrain(positions.rotary(cfg, k_BSKDh, positions_BL), ("batch", None, "kv_heads", "head_dim"))
         v_BSKDh = _constrain(v_BSKDh, ("batch", None, "kv_heads", "head_dim"))
         out_BLHDh = attention.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL, blocks,
-                                     cfg.sliding_window)
+                                     cfg.sliding_window, cfg.attn_logit_softcap)
         return checkpoint_name(self._out(out_BLHDh, wo_HDhD), "attn_out")
 
 
@@ -231,13 +239,20 @@ def layer_groups(model_cfg) -> list[tuple[str, int, bool]]:
     return [("dense_layers", dense, False)] * bool(dense) + [("layers", model_cfg.num_layers - dense, True)]
 
 
+def _document_masks(cfg, segment_ids_BL, dtype) -> dict:
+    """{layer kind: `_document_mask` of that kind's layers} for the kinds the model has (one,
+    GLOBAL, without a `model.layer_pattern`) and GLOBAL, the multi-token prediction modules' kind."""
+    return {kind: _document_mask(layer_pattern.kind_config(cfg, kind), segment_ids_BL, dtype)
+            for kind in sorted(set(layer_pattern.kinds(cfg)) | {layer_pattern.GLOBAL})}
+
+
 def _document_mask(cfg, segment_ids_BL, dtype):
     """What every layer's attention takes as its mask, made once per step: the backend's form of the
     documents (`attention.document_mask`), or None where attention masks from the segment ids in
     each layer (splash, the ring, Ulysses)."""
     if ring_attention.active(cfg) or ulysses.applies(cfg, *segment_ids_BL.shape):
         return None
-    backend = attention.attention_backend(cfg.attention, dtype, segment_ids_BL.shape[1])
+    backend = attention.attention_backend(cfg.attention, dtype, segment_ids_BL.shape[1], softcap=cfg.attn_logit_softcap)
     return attention.document_mask(backend, segment_ids_BL, dtype, cfg.sliding_window)
 
 
@@ -254,14 +269,28 @@ class Transformer(nn.Module):
         embed_VD = _param(self, "embed", _normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         pos_embed_PD = _param(self, "pos_embed", _normal(cfg.init_std), (cfg.max_positions, cfg.d_model),
                               ("positions", "embed")) if cfg.positions == "learned" else None
-        x_BLD = positions.add_positions(cfg, embed(embed_VD, tokens_BL, dtype), positions_BL, pos_embed_PD)
+        x_BLD = positions.add_positions(cfg, embed(cfg, embed_VD, tokens_BL), positions_BL, pos_embed_PD)
         # Init only needs the parameters' shapes (see Attention): the plain path's mask then.
-        mask_B1LS = attention.attention_mask(segment_ids_BL) if self.is_initializing() else \
-            _document_mask(cfg, segment_ids_BL, dtype)
+        masks = {kind: attention.attention_mask(segment_ids_BL) for kind in layer_pattern.kinds(cfg) + layer_pattern.GLOBAL} \
+            if self.is_initializing() else _document_masks(cfg, segment_ids_BL, dtype)
         block = _block_class(cfg)
         router_stats = []  # per MoE layer
         if cfg.scan_layers:  # one compiled layer body per group whatever the depth; params get a `layers` axis
+            first = 0
             for name, length, experts in layer_groups(cfg):
+                group_kinds, first = layer_pattern.kinds(cfg, first, length), first + length
+                if layer_pattern.period(group_kinds) > 1 and not self.is_initializing():
+                    # local and global layers: a scan over groups of the pattern (maxlm/model/layer_pattern.py)
+                    def step(kind, x_BLD, layer_params, experts=experts):
+                        return Block(layer_pattern.kind_config(cfg, kind), experts, parent=None).apply(
+                            {"params": layer_params}, x_BLD, positions_BL, masks[kind], segment_ids_BL)
+                    x_BLD, stats = layer_pattern.run(step, x_BLD, self.variables["params"][name], group_kinds,
+                                                     REMAT_POLICIES[cfg.remat])
+                    if experts:
+                        router_stats.append(stats)
+                    continue
+                mask_B1LS = masks[group_kinds[0]]
+                layer_cfg = layer_pattern.kind_config(cfg, group_kinds[0])
                 layers = nn.scan(
                     block,
                     variable_axes={"params": 0},
@@ -270,13 +299,13 @@ class Transformer(nn.Module):
                     length=length,
                     metadata_params={nn.PARTITION_NAME: "layers"},
                 )
-                x_BLD, stats = layers(cfg, experts, name=name)(x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
+                x_BLD, stats = layers(layer_cfg, experts, name=name)(x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
                 if experts:  # stacked over the group's layers by the scan
                     router_stats.append(stats)
         else:
-            for i in range(cfg.num_layers):
-                x_BLD, stats = backward_order.call_in_order(
-                    block(cfg, i >= moe.dense_layers(cfg), name=f"layer_{i}"), x_BLD, positions_BL, mask_B1LS, segment_ids_BL)
+            for i, kind in enumerate(layer_pattern.kinds(cfg)):
+                layer = block(layer_pattern.kind_config(cfg, kind), i >= moe.dense_layers(cfg), name=f"layer_{i}")
+                x_BLD, stats = backward_order.call_in_order(layer, x_BLD, positions_BL, masks[kind], segment_ids_BL)
                 if stats is not None:
                     router_stats.append(jax.tree.map(lambda a: a[None], stats))
         if router_stats:  # [MoE layers, ...], read by `forward` (the objective, the metrics)
@@ -284,10 +313,11 @@ class Transformer(nn.Module):
         if not cfg.tie_embeddings:  # declared here so init creates it; used by `head_weights`
             _param(self, "head", _normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
         final_norm = block_norm(cfg)(cfg.norm_eps, dtype, name="final_norm")  # shared by the MTP modules' heads
-        if targets_BL is not None:
-            depths = [mtp.Depth(cfg, block, block_norm(cfg), name=f"mtp_{k}") for k in range(cfg.mtp_depth)]
+        if targets_BL is not None:  # the modules attend as global layers
+            mtp_cfg = layer_pattern.kind_config(cfg, layer_pattern.GLOBAL)
+            depths = [mtp.Depth(mtp_cfg, block, block_norm(cfg), name=f"mtp_{k}") for k in range(cfg.mtp_depth)]
             for state_BLD in _mtp_states(cfg, depths, final_norm, embed_VD, x_BLD, targets_BL, positions_BL,
-                                         mask_B1LS, segment_ids_BL):
+                                         masks[layer_pattern.GLOBAL], segment_ids_BL):
                 self.sow("intermediates", "mtp", state_BLD)
         return final_norm(x_BLD)
 
@@ -303,9 +333,9 @@ def _block_class(cfg):
 def _mtp_states(cfg, depths, final_norm, embed_VD, x_BLD, targets_BL, positions_BL, mask_B1LS, segment_ids_BL):
     """The multi-token prediction modules' final-normed states, depth 1 first: `depths` are the
     modules (mtp.Depth, bound or applied), h^0 = `x_BLD` the trunk's output before `final_norm`."""
-    dtype, h_BLD, states = compute_dtype(cfg), x_BLD, []
+    h_BLD, states = x_BLD, []
     for k, depth in enumerate(depths, start=1):
-        embeds_BLD = embed(embed_VD, mtp.input_tokens(targets_BL, k), dtype)
+        embeds_BLD = embed(cfg, embed_VD, mtp.input_tokens(targets_BL, k))
         h_BLD = depth(h_BLD, embeds_BLD, positions_BL, mask_B1LS, segment_ids_BL)
         states.append(final_norm(h_BLD))
     return tuple(states)
@@ -396,34 +426,54 @@ def pipelined_forward(model_cfg, params, batch: Batch, stages: int, with_mtp: bo
     M = cfg.pipeline_microbatches
     tokens_BL, segment_ids_BL, positions_BL = batch["inputs"], batch["segment_ids"], batch["positions"]
     B, L = tokens_BL.shape
-    x_BLD = embed(params["embed"], tokens_BL, dtype)
+    x_BLD = embed(cfg, params["embed"], tokens_BL)
     x_BLD = positions.add_positions(cfg, x_BLD, positions_BL, params.get("pos_embed"))
-    # the documents as the backend takes them (none for splash, the ring and Ulysses), per microbatch
-    mask_B1LS = _document_mask(cfg, segment_ids_BL, dtype)
+    # the documents as each layer kind's backend takes them (none for splash, the ring and
+    # Ulysses), per microbatch
+    masks = {kind: mask for kind, mask in _document_masks(cfg, segment_ids_BL, dtype).items() if mask is not None}
     x_MbLD = microbatches(x_BLD, M, ("batch", "length", "act_embed"))
     side_Mb = (microbatches(positions_BL, M, ("batch", "length")),
-               microbatches(segment_ids_BL, M, ("batch", "length")))
-    if mask_B1LS is not None:
-        side_Mb += (microbatches(mask_B1LS, M, ("batch", None, "length", None)),)
+               microbatches(segment_ids_BL, M, ("batch", "length")),
+               *(microbatches(mask, M, ("batch", None, "length", None)) for mask in masks.values()))
     specs = param_logical_specs(cfg)
-    sown = {}
-    for name, _, experts in layer_groups(cfg):
-        def layer(x_bLD, p, positions_bL, segment_ids_bL, mask_b1LS=None, experts=experts):
-            return Block(cfg, experts).apply({"params": p}, x_bLD, positions_bL, mask_b1LS, segment_ids_bL)
+    sown, first = {}, 0
+    for name, length, experts in layer_groups(cfg):
+        group_kinds, first = layer_pattern.kinds(cfg, first, length), first + length
+        # one pipelined unit: a layer, or with local and global layers a group of the pattern
+        # (config.resolve checks that whole groups fill each stage's chunks)
+        p = layer_pattern.period(group_kinds)
 
-        if REMAT_POLICIES[cfg.remat] is not None:
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
-        x_MbLD, stats = pipeline.run(layer, params[name], specs[name], x_MbLD, side_Mb, stages,
-                                     cfg.pipeline_repeats)
+        def layer_of(kind, experts=experts):
+            def layer(x_bLD, layer_params, positions_bL, segment_ids_bL, *masks_b1LS):
+                mask_b1LS = dict(zip(masks, masks_b1LS)).get(kind)
+                return Block(layer_pattern.kind_config(cfg, kind), experts).apply(
+                    {"params": layer_params}, x_bLD, positions_bL, mask_b1LS, segment_ids_bL)
+            return layer if REMAT_POLICIES[cfg.remat] is None else jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
+
+        unit, unit_params, unit_specs = layer_of(group_kinds[0]), params[name], specs[name]
+        if p > 1:
+            def unit(x_bLD, group_params, *side_b, layers=[layer_of(kind) for kind in group_kinds[:p]]):
+                outs = []
+                for j, layer in enumerate(layers):
+                    x_bLD, out = layer(x_bLD, jax.tree.map(lambda a, j=j: a[j], group_params), *side_b)
+                    outs.append(out)
+                return x_bLD, None if outs[0] is None else jax.tree.map(lambda *o: jnp.stack(o), *outs)
+
+            unit_params = jax.tree.map(lambda a: a.reshape(a.shape[0] // p, p, *a.shape[1:]), params[name])
+            unit_specs = jax.tree.map(lambda spec: PartitionSpec(spec[0], None, *spec[1:]), specs[name], is_leaf=is_spec)
+        x_MbLD, stats = pipeline.run(unit, unit_params, unit_specs, x_MbLD, side_Mb, stages, cfg.pipeline_repeats)
         if experts:
+            if p > 1:  # [layers / p, p, ...] → [layers, ...]
+                stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
             sown["router_stats"] = moe.whole_batch_stats(stats)
     x_BLD = _constrain(x_MbLD.swapaxes(0, 1).reshape(B, L, cfg.d_model), ("batch", "length", "act_embed"))
     final_norm = functools.partial(block_norm(cfg)(cfg.norm_eps, dtype).apply, {"params": params["final_norm"]})
     if with_mtp and cfg.mtp_depth:
-        depths = [functools.partial(mtp.Depth(cfg, _block_class(cfg), block_norm(cfg)).apply, {"params": params[f"mtp_{k}"]})
-                  for k in range(cfg.mtp_depth)]
+        mtp_cfg = layer_pattern.kind_config(cfg, layer_pattern.GLOBAL)
+        depths = [functools.partial(mtp.Depth(mtp_cfg, _block_class(cfg), block_norm(cfg)).apply,
+                                    {"params": params[f"mtp_{k}"]}) for k in range(cfg.mtp_depth)]
         sown["mtp"] = _mtp_states(cfg, depths, final_norm, params["embed"], x_BLD, batch["targets"],
-                                  positions_BL, mask_B1LS, segment_ids_BL)
+                                  positions_BL, masks.get(layer_pattern.GLOBAL), segment_ids_BL)
     return final_norm(x_BLD), sown
 
 

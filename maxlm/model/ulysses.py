@@ -67,11 +67,11 @@ def applies(model_cfg, batch: int, length: int) -> bool:
 
 
 def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, splash_blocks: tuple[int, int] = (0, 0),
-           window: int = 0):
+           window: int = 0, softcap: float = 0.0):
     """Causal, per-document attention [B, L, H, Dh] of length-split q/k/v (`applies` holds),
-    each device attending over whole rows with its share of the heads; `backend` as
-    `attention.attend`'s (resolved here for the whole length)."""
-    backend = attention.attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1])
+    each device attending over whole rows with its share of the heads; `backend`, `window` and
+    `softcap` as `attention.attend`'s (the backend resolved here for the whole length)."""
+    backend = attention.attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1], softcap=softcap)
     batch, length = _entry(_axes("batch")), _axes("length")
     heads, kv_heads = _entry(_axes("heads")), _entry(_axes("kv_heads"))
     shards = _devices(length)
@@ -79,7 +79,8 @@ def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, splash_block
         raise ValueError(f"ulysses: {q_BLHDh.shape[2]} query heads do not split over the {shards} devices "
                          f"of the length axes {length} (config.resolve checks model.num_heads)")
     tiles = attention.splash_tiles(q_BLHDh.shape[1], *splash_blocks) if backend in attention.SPLASH else None
-    local = functools.partial(_local, backend=backend, axis=_entry(length), shards=shards, tiles=tiles, window=window)
+    local = functools.partial(_local, backend=backend, axis=_entry(length), shards=shards, tiles=tiles, window=window,
+                              softcap=softcap)
     spec_q, spec_kv = PartitionSpec(batch, _entry(length), heads, None), PartitionSpec(batch, _entry(length), kv_heads, None)
     return jax.shard_map(
         local,
@@ -94,7 +95,7 @@ def kv_repeats(kv_heads: int, shards: int) -> int:
     return shards // math.gcd(kv_heads, shards)
 
 
-def _local(q_BlHDh, k_BlKDh, v_BlKDh, segment_ids_Bl, *, backend, axis, shards, tiles, window):
+def _local(q_BlHDh, k_BlKDh, v_BlKDh, segment_ids_Bl, *, backend, axis, shards, tiles, window, softcap):
     """One device: its L/n positions of its heads in, the same out (l = L/n, h = H/n, k = K·r/n)."""
     repeats = kv_repeats(k_BlKDh.shape[2], shards)
     if repeats > 1:  # adjacent copies: query head i's group still maps to kv head i // (H/K)
@@ -103,17 +104,18 @@ def _local(q_BlHDh, k_BlKDh, v_BlKDh, segment_ids_Bl, *, backend, axis, shards, 
     to_heads = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=2, concat_axis=1, tiled=True)
     q_BLhDh, k_BSkDh, v_BSkDh = to_heads(q_BlHDh), to_heads(k_BlKDh), to_heads(v_BlKDh)
     segment_ids_BL = jax.lax.all_gather(segment_ids_Bl, axis, axis=1, tiled=True)
-    out_BLhDh = _whole_rows(backend, q_BLhDh, k_BSkDh, v_BSkDh, segment_ids_BL, tiles, window)
+    out_BLhDh = _whole_rows(backend, q_BLhDh, k_BSkDh, v_BSkDh, segment_ids_BL, tiles, window, softcap)
     return jax.lax.all_to_all(out_BLhDh, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
-def _whole_rows(backend, q_BLhDh, k_BSkDh, v_BSkDh, segment_ids_BL, tiles, window):
+def _whole_rows(backend, q_BLhDh, k_BSkDh, v_BSkDh, segment_ids_BL, tiles, window, softcap):
     """Attention over whole rows on one device, with the backend's form of the documents."""
     if backend == "cudnn":
         bias_B1LS = attention.document_bias(segment_ids_BL, q_BLhDh.dtype)
         return attention.cudnn_attention(q_BLhDh, k_BSkDh, v_BSkDh, bias_B1LS, window)
     if backend in attention.SPLASH:
         return attention.splash_local(q_BLhDh, k_BSkDh, v_BSkDh, segment_ids_BL, block_q=tiles[0],
-                                      block_kv=tiles[1], interpret=backend == attention.SPLASH_INTERPRET, window=window)
+                                      block_kv=tiles[1], interpret=backend == attention.SPLASH_INTERPRET, window=window,
+                                      softcap=softcap)
     mask_B1LS = attention.causal_mask(segment_ids_BL, segment_ids_BL, window)
-    return attention.xla_attention(q_BLhDh, k_BSkDh, v_BSkDh, mask_B1LS)
+    return attention.xla_attention(q_BLhDh, k_BSkDh, v_BSkDh, mask_B1LS, softcap)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxlm.errors import UserError
-from maxlm.model import moe
+from maxlm.model import layer_pattern, moe
 
 # ---------------------------------------------------------------------------
 # Model FLOPs
@@ -80,6 +80,16 @@ def _mean_keys_x2T(T: int, window: int) -> int:
     return T * T if not window or window >= T else 2 * T * window - window * window
 
 
+def _layer_windows(model_cfg) -> list[int]:
+    """Each layer's sliding window (0: none), bottom first, then the multi-token prediction
+    modules' (global layers): `model.sliding_window` on every layer, or on the local layers of a
+    `model.layer_pattern`."""
+    m, window = model_cfg, getattr(model_cfg, "sliding_window", 0)
+    if not getattr(m, "layer_pattern", ""):
+        return [window] * (m.num_layers + m.mtp_depth)
+    return [window if kind == layer_pattern.LOCAL else 0 for kind in layer_pattern.kinds(m)] + [0] * m.mtp_depth
+
+
 def forward_flops_breakdown(model_cfg, seq_len: int) -> dict[str, float]:
     """Forward-pass FLOPs per token, summed over layers, by component.
 
@@ -102,8 +112,8 @@ def forward_flops_breakdown(model_cfg, seq_len: int) -> dict[str, float]:
         "out_proj": L * 2 * H * Dh * d,
         "mlp": _mlp_flops(model_cfg),
         # QK^T and AV: 2*2*T*H*Dh per token, halved for the causal mask; a sliding window of W
-        # keys: W - W²/2T keys on average (T/2 at W = T)
-        "attention": L * (2 * 2 * H * Dh) * _mean_keys_x2T(T, getattr(model_cfg, "sliding_window", 0)) // (2 * T),
+        # keys: W - W²/2T keys on average (T/2 at W = T), in each layer that has one
+        "attention": (2 * 2 * H * Dh) * sum(_mean_keys_x2T(T, w) for w in _layer_windows(model_cfg)) // (2 * T),
         "lm_head": (1 + depth) * 2 * d * V,
         "mtp_proj": depth * 2 * 2 * d * d,
     }

@@ -276,7 +276,12 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
              f"{model.count_params(m):,}", active, per_token, peak["total_flops_per_sec"], peak["device_kind"],
              peak["source"])
     kernels = attention_plan.kernels(cfg)
-    window = f", sliding window {m.sliding_window}" if m.sliding_window else ""  # may change on resume: say it
+    # may change on resume (they change no parameter): say them
+    window = f", sliding window {m.sliding_window}" if m.sliding_window else ""
+    if m.layer_pattern:
+        window += f" on the L layers of {m.layer_pattern!r}"
+    if m.attn_logit_softcap:
+        window += f", scores soft-capped at {m.attn_logit_softcap:g}"
     log.info("attention: %s%s (context parallel: %s), layers %s, remat %s, compute %s, fp8 %s",
              kernels["attention"], window, kernels["context_parallel"],
              "scanned" if m.scan_layers else "unrolled", m.remat, m.dtype, "on" if m.fp8 else "off")
