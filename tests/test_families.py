@@ -18,12 +18,16 @@ FAMILIES = {
     "olmo2": ({"model.norm_placement": "post", "model.qk_norm": "full"}, "Olmo2ForCausalLM"),
     "qwen3": ({"model.qk_norm": "per_head"}, "Qwen3ForCausalLM"),
     "mistral": ({"model.sliding_window": 16}, "MistralForCausalLM"),
+    "gemma3": ({"model.norm_placement": "sandwich", "model.qk_norm": "per_head", "model.mlp_activation": "geglu",
+                "model.norm_plus_one": True, "model.scale_embeddings": True, "model.sliding_window": 16,
+                "model.layer_pattern": "LG", "model.rope_theta_local": 1e4, "model.tie_embeddings": True},
+               "Gemma3ForCausalLM"),
     "gpt2": ({"model.positions": "learned", "model.norm": "layernorm", "model.mlp_activation": "gelu",
               "model.use_bias": True, "model.num_kv_heads": 4, "model.tie_embeddings": True}, "GPT2LMHeadModel"),
 }
 
 
-@pytest.mark.ci  # three CLI runs
+@pytest.mark.ci  # three CLI runs each
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_cli_trains_the_family_resumes_bitwise_and_exports_it(tmp_path, data_dirs, family):
     keys, hf_class = FAMILIES[family]

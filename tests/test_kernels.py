@@ -236,6 +236,8 @@ def test_attention_backend_choice(monkeypatch):
     assert attention.attention_backend("auto", jnp.bfloat16, 256) == "cudnn"
     assert attention.attention_backend("auto", jnp.float32, 256) == "xla"
     assert attention.attention_backend("auto", jnp.bfloat16, 256, softcap=50.0) == "xla"  # cuDNN has no soft cap
+    assert attention.attention_backend("auto", jnp.bfloat16, 256, head_dim=128) == "cudnn"
+    assert attention.attention_backend("auto", jnp.bfloat16, 256, head_dim=256) == "xla"  # Gemma's heads
 
 
 @pytest.mark.parametrize(

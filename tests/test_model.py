@@ -20,6 +20,10 @@ PUBLISHED = {  # parameter counts of the architectures the configs claim
     "olmo2_1b": 1_484_916_736,  # OLMo 2 1B (OLMo-2-0425-1B): post-norm, whole-projection qk-norm
     "qwen3_0p6b": 596_049_920,  # Qwen3 0.6B: per-head qk-norm, head_dim 128 > d_model / heads
     "gpt2_124m": 124_439_808,  # GPT-2 small: learned positions, LayerNorm, GeLU, biases
+    "gemma3_1b": 999_885_952,  # Gemma 3 1B: sandwich norms, GeGLU, a 262K tied vocabulary
+    # the families' larger presets, each counted by transformers' own class (meta device)
+    "qwen3_8b_h100x8": 8_190_735_360, "mistral_7b_h100x8": 7_241_732_096, "olmo3_7b_v5p64": 7_298_011_136,
+    "gemma3_12b_h100x8": 11_766_034_176,
 }
 
 
@@ -44,7 +48,8 @@ def test_param_count_matches_formula(tie, kv_heads, qk_norm, placement, kinds):
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_sizes(name):
-    cfg = config_lib.resolve(load_config(name), 1)
+    cfg = load_config(name)
+    cfg = config_lib.resolve(cfg, cfg.num_devices or 1)
     assert model.count_params(cfg.model) == PUBLISHED[name]
     shapes = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
     assert sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes)) == PUBLISHED[name]

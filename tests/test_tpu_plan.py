@@ -120,13 +120,14 @@ def test_libtpu_refuses_a_flag_it_does_not_know(tmp_path):
     assert result.returncode != 0 and "Unknown command line flag 'xla_tpu_no_such_flag'" in result.stderr
 
 
-@pytest.mark.ci  # four full 1B/8B compiles for v5p, about 6 minutes of CPU: in CI (make test-ci)
+@pytest.mark.ci  # five full 1B-8B compiles for v5p, about 7 minutes of CPU: in CI (make test-ci)
 @needs_libtpu
 @pytest.mark.parametrize("config, target", [
     ("configs/llama_1b.py", "v5p-8"),  # the base config as shipped, 1M tokens a step
     ("configs/llama_1b_v5p8.py", "v5p-8"),
     ("configs/llama_1b_v5p64.py", "v5p-64"),
     ("configs/llama_8b_v5p64.py", "v5p-64"),
+    ("configs/olmo3_7b_v5p64.py", "v5p-64"),  # the model families' larger presets (docs/models.md)
 ])
 def test_the_tpu_presets_fit_their_slices_with_splash_compiled(tmp_path, config, target):
     result = plan(tmp_path, config, target, "--noestimate")

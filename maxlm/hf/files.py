@@ -1,5 +1,5 @@
-"""Hugging Face files: export a run's parameters, import a Llama, Qwen3, Mixtral or Qwen3-MoE
-checkpoint's.
+"""Hugging Face files: export a run's parameters, import a checkpoint's (the classes:
+`maxlm/hf/architectures.py`).
 
 Export (`export`, `python -m maxlm.export`) writes what transformers' causal-LM class of the run
 (`maxlm/hf/architectures.py` picks it from the model config) and `AutoTokenizer` load with no

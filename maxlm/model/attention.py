@@ -120,17 +120,24 @@ def target_platform() -> str:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
+# The widest head JAX's cuDNN binding takes on every GPU (jax 0.12: 128; 256 on Hopper and later,
+# which it asks of the local GPU, so a compile for an absent H100 cannot use it).
+CUDNN_HEAD_DIM = 128
+
+
 def attention_backend(name: str, dtype, seq_len: int | None = None, platform: str | None = None,
-                      softcap: float = 0.0) -> str:
+                      softcap: float = 0.0, head_dim: int = 0) -> str:
     """Resolves `model.attention` for `platform` (default: `target_platform()`): "auto" is the
     Pallas splash kernel on TPUs (when `seq_len`, if given, suits it: a multiple of 128), cuDNN's
-    fused attention on NVIDIA GPUs with 16-bit compute (it has no float32 kernel) and no score
-    `softcap` (it has no soft cap), the plain XLA path otherwise."""
+    fused attention on NVIDIA GPUs with 16-bit compute (it has no float32 kernel), no score
+    `softcap` (it has no soft cap) and a `head_dim` (if given) of at most CUDNN_HEAD_DIM, the
+    plain XLA path otherwise."""
     platform = platform or target_platform()
     if name == "auto":
         if platform == "tpu":
             return "splash" if seq_len is None or seq_len % LANES == 0 else "xla"
-        return "cudnn" if platform == "gpu" and jnp.dtype(dtype).itemsize == 2 and not softcap else "xla"
+        cudnn_fits = jnp.dtype(dtype).itemsize == 2 and not softcap and head_dim <= CUDNN_HEAD_DIM
+        return "cudnn" if platform == "gpu" and cudnn_fits else "xla"
     if name == "cudnn" and platform != "gpu":
         raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, not {platform}")
     if name == "splash" and platform != "tpu":
@@ -155,7 +162,7 @@ def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=No
     its (query, key/value) tiles, `splash_blocks`; 0 = `block_size`). A sliding `window` (> 0)
     goes to the kernels, which skip the tiles it hides; XLA's mask holds it already. A score
     `softcap` (> 0) goes to XLA and splash (config.resolve refuses it with cuDNN)."""
-    backend = attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1], softcap=softcap)
+    backend = attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1], softcap=softcap, head_dim=q_BLHDh.shape[-1])
     if backend == "cudnn":
         return cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, window)
     if backend in SPLASH:

@@ -24,7 +24,8 @@ def kernels(cfg, platform: str | None = None) -> dict:
         backend = ring_attention.block_backend(m, dtype, length, n, platform)
         strategy = f"ring over {n} devices{', zig-zag' if m.context_load_balance else ''}, {backend} per block"
     else:
-        backend = attention.attention_backend(m.attention, dtype, length, platform=platform, softcap=m.attn_logit_softcap)
+        backend = attention.attention_backend(m.attention, dtype, length, platform=platform, softcap=m.attn_logit_softcap,
+                                              head_dim=m.head_dim)
         strategy = {1: "none"}.get(n, f"{m.context_parallel} over {n} devices")
     plan = {"attention": backend, "context_parallel": strategy}
     if backend in attention.SPLASH:

@@ -64,7 +64,7 @@ def block_backend(model_cfg, dtype, length: int, n: int, platform: str | None = 
     order): splash (or the tests' interpreted splash) on TPUs when it tiles by 128, cuDNN on
     NVIDIA GPUs with 16-bit compute, else "xla"."""
     part = length // n // (2 if model_cfg.context_load_balance else 1)
-    return attention.attention_backend(model_cfg.attention, dtype, part, platform)
+    return attention.attention_backend(model_cfg.attention, dtype, part, platform, head_dim=model_cfg.head_dim)
 
 
 def block_kernel(model_cfg, dtype, length: int) -> ring_blocks.BlockKernel | None:

@@ -252,7 +252,8 @@ def _document_mask(cfg, segment_ids_BL, dtype):
     each layer (splash, the ring, Ulysses)."""
     if ring_attention.active(cfg) or ulysses.applies(cfg, *segment_ids_BL.shape):
         return None
-    backend = attention.attention_backend(cfg.attention, dtype, segment_ids_BL.shape[1], softcap=cfg.attn_logit_softcap)
+    backend = attention.attention_backend(cfg.attention, dtype, segment_ids_BL.shape[1], softcap=cfg.attn_logit_softcap,
+                                          head_dim=cfg.head_dim)
     return attention.document_mask(backend, segment_ids_BL, dtype, cfg.sliding_window)
 
 

@@ -71,7 +71,8 @@ def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, splash_block
     """Causal, per-document attention [B, L, H, Dh] of length-split q/k/v (`applies` holds),
     each device attending over whole rows with its share of the heads; `backend`, `window` and
     `softcap` as `attention.attend`'s (the backend resolved here for the whole length)."""
-    backend = attention.attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1], softcap=softcap)
+    backend = attention.attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1], softcap=softcap,
+                                          head_dim=q_BLHDh.shape[-1])
     batch, length = _entry(_axes("batch")), _axes("length")
     heads, kv_heads = _entry(_axes("heads")), _entry(_axes("kv_heads"))
     shards = _devices(length)
