@@ -23,6 +23,9 @@ DEFAULT_RULES = (
     ("embed", ("fsdp", "sequence")),
     ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"),  # Megatron
     ("head_dim", None),
+    # multi-head latent attention's latent dims (maxlm/model/mla.py): sharded like `embed` in the
+    # up-projections, which have no embed dim; whole in the down-projections, which do
+    ("latent", ("fsdp", "sequence")),
     ("positions", None),  # the learned position table's rows (model.positions="learned"): whole
     ("layers", "stage"),  # the scanned layers' axis: pipeline stages, each holding its layers
     ("length", "sequence"),  # activations' sequence dim: sequence parallelism

@@ -42,6 +42,7 @@ from maxlm.config_rules import (
     NORMS,
     QK_NORMS,
     ROPE_SCALINGS,
+    ATTENTION_KINDS,
     REMAT,
     SCHEDULES,
     SPLASH_BLOCK,
@@ -224,6 +225,15 @@ def _model_defaults() -> _Section:
     s.layer_pattern = ""
     s.rope_theta_local = 0.0, NON_NEGATIVE  # with a layer_pattern: the local layers' RoPE base, unscaled (0: rope_theta)
     s.attn_logit_softcap = 0.0, NON_NEGATIVE  # > 0: attention scores = c·tanh(scores / c) (Gemma 2's 50); 0: off
+    # grouped-query attention, or DeepSeek-V2/V3's multi-head latent attention (maxlm/model/mla.py),
+    # whose keys and values come from a kv_lora_rank latent (the KV cache holds it) with RoPE on
+    # qk_rope_head_dim separate dims; defaults: DeepSeek-V3's (transformers' names)
+    s.attention_kind = "gqa", one_of(ATTENTION_KINDS)
+    s.q_lora_rank = 1536, NON_NEGATIVE_INT  # mla: the queries' bottleneck (0: a full projection)
+    s.kv_lora_rank = 512, POSITIVE_INT  # mla: the keys' and values' latent
+    s.qk_nope_head_dim = 128, POSITIVE_INT  # mla: each head's query/key dims without RoPE
+    s.qk_rope_head_dim = 64, POSITIVE_INT  # mla: ... with RoPE (one key for all heads)
+    s.v_head_dim = 128, POSITIVE_INT  # mla: each head's value dims
     s.qk_norm = "none", one_of(QK_NORMS)  # RMSNorm of queries and keys before RoPE: each head's (Qwen3), or whole (OLMo 2)
     s.dtype = "float32", one_of(DTYPES)  # compute dtype; parameters are always float32
     s.init_std = 0.02, NON_NEGATIVE

@@ -25,6 +25,7 @@ REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see m
 ATTENTION = ("auto", "xla", "cudnn", "splash")  # see attention.attention_backend
 POSITIONS = ("rope", "sinusoidal", "learned")  # model.positions: see maxlm/model/positions.py
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling: see maxlm/model/positions.py
+ATTENTION_KINDS = ("gqa", "mla")  # model.attention_kind: transformer.py Attention, or mla.py LatentAttention
 QK_NORMS = ("none", "per_head", "full")  # model.qk_norm: see maxlm/model/transformer.py Attention
 NORM_PLACEMENTS = ("pre", "post", "sandwich")  # model.norm_placement: see maxlm/model/transformer.py Block
 NORMS = ("rmsnorm", "layernorm")  # model.norm: see maxlm/model/norms.py
@@ -161,6 +162,30 @@ def _check_sliding_window(c) -> None:
     _check_layer_pattern(c)
 
 
+def _check_latent_attention(c) -> None:
+    """Multi-head latent attention's keys against the rest of the block; fills model.head_dim with
+    its query/key width (qk_nope_head_dim + qk_rope_head_dim)."""
+    m = c.model
+    if m.attention_kind != "mla":
+        return
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    refused = [why for bad, why in (
+        (m.positions != "rope", f"model.positions={m.positions!r} (its keys' RoPE dims are its own: 'rope')"),
+        (m.qk_norm != "none", f"model.qk_norm={m.qk_norm!r} (its latents have their own norms: 'none')"),
+        (m.use_bias or m.qkv_bias, "model.use_bias/qkv_bias=True (its projections have no biases)"),
+        (m.num_kv_heads != m.num_heads, f"model.num_kv_heads={m.num_kv_heads} (each head has its own key and value "
+                                        f"from the latent: set it to model.num_heads={m.num_heads})"),
+        (m.head_dim not in (0, qk), f"model.head_dim={m.head_dim} (its query/key heads are qk_nope_head_dim + "
+                                    f"qk_rope_head_dim = {qk} wide: set 0)"),
+        (m.qk_rope_head_dim % 2, f"model.qk_rope_head_dim={m.qk_rope_head_dim} (RoPE rotates pairs: an even number)"),
+        (m.context_parallel == "ring" and c.mesh.sequence > 1,
+         "model.context_parallel='ring' (its blocks take values as wide as the keys; use 'ulysses' or 'all_gather')"),
+    ) if bad]
+    if refused:
+        raise ConfigError("model.attention_kind='mla' is not supported with " + "; ".join(refused))
+    m.head_dim = qk
+
+
 def _check_layer_pattern(c) -> None:
     """model.layer_pattern's letters, its window and local RoPE base, and whole pattern groups per
     pipeline chunk (a stage's chunks run one compiled body, so every chunk's layers must be of
@@ -223,6 +248,7 @@ def check_model_and_optim(c) -> None:
             f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads="
             f"{m.num_kv_heads} (grouped-query attention shares each kv head by a group of heads)"
         )
+    _check_latent_attention(c)
     if m.head_dim == 0:
         if m.d_model % m.num_heads:
             raise ConfigError(

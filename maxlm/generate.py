@@ -36,16 +36,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxlm import cli, model
-from maxlm.model import attention, layer_pattern, positions
+from maxlm.model import attention, layer_pattern, mla, positions
 from maxlm.train import distributed, mesh as mesh_lib, runs, state as state_lib
 
 # ----------------------------------------------------------------------------- the cached forward
 
-Cache = dict  # {"k", "v"}: [NL, B, S, K, Dh] when scanned; unrolled: a list of per-layer dicts
+# {"k", "v"}: [NL, B, S, K, Dh] when scanned (multi-head latent attention: its latents, mla.init_cache);
+# unrolled: a list of per-layer dicts
+Cache = dict
 
 
 def init_cache(model_cfg, params, batch_size: int, max_len: int) -> Cache | list:
     """Zeroed keys/values for `max_len` positions, in the parameters' layer layout."""
+    if model_cfg.attention_kind == "mla":
+        if "layers" in params:
+            return mla.init_cache(model_cfg, batch_size, max_len, (model_cfg.num_layers,))
+        return [mla.init_cache(model_cfg, batch_size, max_len) for _ in range(model_cfg.num_layers)]
     shape = (batch_size, max_len, model_cfg.num_kv_heads, model_cfg.head_dim)
     zeros = lambda *lead: jnp.zeros((*lead, *shape), model.compute_dtype(model_cfg))
     if "layers" in params:
@@ -94,7 +100,8 @@ def _block(model_cfg, p, x_BTD, positions_BT, cache):
 
     def attend(h_BTD):
         nonlocal cache
-        out_BTD, cache = _attention(model_cfg, p["attn"], h_BTD, positions_BT, cache)
+        cached_attention = mla.decode_attention if model_cfg.attention_kind == "mla" else _attention
+        out_BTD, cache = cached_attention(model_cfg, p["attn"], h_BTD, positions_BT, cache)
         return out_BTD
 
     x_BTD = model.residual(x_BTD, attend, *norms("attn"))

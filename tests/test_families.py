@@ -22,6 +22,12 @@ FAMILIES = {
                 "model.norm_plus_one": True, "model.scale_embeddings": True, "model.sliding_window": 16,
                 "model.layer_pattern": "LG", "model.rope_theta_local": 1e4, "model.tie_embeddings": True},
                "Gemma3ForCausalLM"),
+    "deepseek_v3": ({"model.attention_kind": "mla", "model.q_lora_rank": 32, "model.kv_lora_rank": 32,
+                     "model.qk_nope_head_dim": 16, "model.qk_rope_head_dim": 8, "model.v_head_dim": 16,
+                     "model.num_kv_heads": 4, "model.num_experts": 4, "model.experts_per_token": 2,
+                     "model.expert_mlp_dim": 64, "model.shared_experts": 1, "model.first_dense_layers": 1,
+                     "model.router": "sigmoid", "model.load_balance": "bias", "model.router_groups": 2,
+                     "model.router_topk_groups": 1, "model.mtp_depth": 1}, "DeepseekV3ForCausalLM"),
     "gpt2": ({"model.positions": "learned", "model.norm": "layernorm", "model.mlp_activation": "gelu",
               "model.use_bias": True, "model.num_kv_heads": 4, "model.tie_embeddings": True}, "GPT2LMHeadModel"),
 }

@@ -200,7 +200,8 @@ def test_mismatches_are_one_clear_error(tmp_path):
 
 NO_CLASS = {  # a Llama-shaped run with another position encoding: why no transformers class holds it
     "sinusoidal": "has no class for model.positions='sinusoidal': the transformers classes maxlm maps have RoPE "
-                  "(Llama, Mistral, Qwen3, Olmo2, Olmo3, Gemma2, Gemma3, Mixtral, Qwen3Moe) or a learned table (GPT2)",
+                  "(Llama, Mistral, Qwen3, Olmo2, Olmo3, Gemma2, Gemma3, Mixtral, Qwen3Moe, DeepseekV3) or a learned table "
+                  "(GPT2)",
     "learned": "maps model.positions='learned', model.norm='rmsnorm', model.mlp_activation='swiglu' and "
                "model.use_bias=False to GPT2LMHeadModel alone (the other classes have RoPE, RMSNorm, a gated MLP, "
                "no biases), which needs model.norm='layernorm' (not 'rmsnorm'); model.mlp_activation='gelu' (not "

@@ -65,6 +65,17 @@ FAMILIES = {
                           dict(num_hidden_layers=7, intermediate_size=128, sliding_window=9, query_pre_attn_scalar=16,
                                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # DeepSeek-V3: latent attention, a dense first layer, then MoE layers of 4 experts (top-2, 2
+    # groups of which 1 eligible, sigmoid scores with the selection bias, 1 shared expert, gates x 2.5)
+    "DeepseekV3ForCausalLM": (
+        {"model.attention_kind": "mla", "model.q_lora_rank": 24, "model.kv_lora_rank": 32, "model.qk_nope_head_dim": 16,
+         "model.qk_rope_head_dim": 8, "model.v_head_dim": 12, "model.num_kv_heads": 4, "model.num_layers": 3,
+         **MOE, "model.first_dense_layers": 1, "model.shared_experts": 1, "model.router": "sigmoid",
+         "model.load_balance": "bias", "model.router_scale": 2.5, "model.router_groups": 2, "model.router_topk_groups": 1},
+        dict(num_hidden_layers=3, intermediate_size=128, num_key_value_heads=4, head_dim=8, q_lora_rank=24, kv_lora_rank=32,
+             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, n_routed_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1, n_group=2, topk_group=1,
+             routed_scaling_factor=2.5, norm_topk_prob=True)),
 }
 
 
@@ -118,7 +129,7 @@ def _hf_greedy(hf_model, prompt, new_tokens: int) -> list[int]:
                                                ("Qwen3ForCausalLM", True), ("Olmo2ForCausalLM", False),
                                                ("MistralForCausalLM", True), ("GPT2LMHeadModel", True),
                                                ("Olmo3ForCausalLM", False), ("Gemma2ForCausalLM", True),
-                                               ("Gemma3ForCausalLM", True)])
+                                               ("Gemma3ForCausalLM", True), ("DeepseekV3ForCausalLM", True)])
 def test_export_is_the_class_with_maxlm_logits_and_greedy_tokens(tmp_path, hf_class, scanned):
     cfg = _family_cfg(hf_class, {"model.scan_layers": scanned})
     params = random_params(cfg.model, seed=1)
@@ -156,7 +167,7 @@ def _random_hf(directory, hf_class: str, tied: bool):
                                             ("Qwen3ForCausalLM", False), ("Olmo2ForCausalLM", True),
                                             ("MistralForCausalLM", False), ("GPT2LMHeadModel", True),
                                             ("Olmo3ForCausalLM", False), ("Gemma2ForCausalLM", True),
-                                            ("Gemma3ForCausalLM", False)])
+                                            ("Gemma3ForCausalLM", False), ("DeepseekV3ForCausalLM", False)])
 def test_import_gives_transformers_logits_and_exports_back_the_same(tmp_path, hf_class, tied):
     theirs = _random_hf(tmp_path / "hf", hf_class, tied)
     cfg = _family_cfg(hf_class, {"model.tie_embeddings": tied, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
@@ -180,7 +191,7 @@ def test_import_gives_transformers_logits_and_exports_back_the_same(tmp_path, hf
 
 @pytest.mark.parametrize("hf_class", ["Qwen3ForCausalLM", "Olmo2ForCausalLM", "MistralForCausalLM",
                                       "GPT2LMHeadModel", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
-                                      "Olmo3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"])
+                                      "Olmo3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "DeepseekV3ForCausalLM"])
 def test_a_packed_row_gives_transformers_logits_of_each_document_alone(tmp_path, hf_class):
     """Two documents and padding in one row (positions restarting, segment ids): each document's
     logits are transformers' forward pass of that document alone, within 1e-5 (`IMPORT_ATOL`)."""

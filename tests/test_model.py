@@ -194,6 +194,24 @@ def reference_logits(cfg, params, batch):
             probs /= probs.sum(-1, keepdims=True)
             return np.einsum("bhls,bshk,hkd->bld", probs, v, attn["wo"]) + bias("bo")
 
+        def latent_attention(h):  # DeepSeek's MLA: keys and values from a latent, RoPE on separate dims
+            N, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+            latent_norm = lambda x, params: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * params["scale"]  # noqa: E731
+            if cfg.q_lora_rank:
+                q = np.einsum("blq,qhk->blhk", latent_norm(h @ attn["wq_a"], attn["q_a_norm"]), attn["wq_b"])
+            else:
+                q = np.einsum("bld,dhk->blhk", h, attn["wq"])
+            kv = h @ attn["wkv_a"]
+            k_nope, v = np.split(np.einsum("blc,che->blhe", latent_norm(kv[..., :C], attn["kv_a_norm"]), attn["wkv_b"]),
+                                 [N], axis=-1)
+            q = np.concatenate([q[..., :N], rope(q[..., N:], theta)], -1)
+            k_rope = np.broadcast_to(rope(kv[..., None, C:], theta), (*k_nope.shape[:3], cfg.qk_rope_head_dim))
+            k = np.concatenate([k_nope, k_rope], -1)
+            scores = np.where(visible[:, None], np.einsum("blhk,bshk->bhls", q, k) / np.sqrt(q.shape[-1]), -np.inf)
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            return np.einsum("bhls,bshv,hvd->bld", probs, v, attn["wo"])
+
         def feed_forward(h):  # model.mlp_activation
             up = h @ mlp["w_up"] + mlp.get("b_up", 0.0)
             if cfg.mlp_activation == "gelu":
@@ -203,7 +221,8 @@ def reference_logits(cfg, params, batch):
                 hidden = (gate / (1 + np.exp(-gate)) if cfg.mlp_activation == "swiglu" else tanh_gelu(gate)) * up
             return hidden @ mlp["w_down"] + mlp.get("b_down", 0.0)
 
-        for name, sublayer in (("attn", attention), ("mlp", feed_forward)):  # pre: x + f(norm(x)); post: x + norm(f(x))
+        mixing = latent_attention if cfg.attention_kind == "mla" else attention
+        for name, sublayer in (("attn", mixing), ("mlp", feed_forward)):  # pre: x + f(norm(x)); post: x + norm(f(x))
             h = block_norm(x, layer[f"{name}_norm"]) if cfg.norm_placement in ("pre", "sandwich") else x
             out = sublayer(h)
             x = x + (block_norm(out, layer[f"{name}_out_norm"]) if cfg.norm_placement in ("post", "sandwich") else out)
@@ -224,7 +243,9 @@ def reference_case(positions="rope", **overrides):
     batch = packed_batch(2, 64, cfg.vocab_size)
     kinds = {k: cfg[k] for k in ("qk_norm", "norm_placement", "sliding_window", "norm", "mlp_activation", "use_bias",
                                  "qkv_bias", "final_logit_softcap", "norm_plus_one", "scale_embeddings", "layer_pattern",
-                                 "rope_theta_local", "attn_logit_softcap", "num_layers")}
+                                 "rope_theta_local", "attn_logit_softcap", "num_layers", "attention_kind",
+                                 "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                 "num_kv_heads")}
     reference_cfg = tiny_model_cfg(positions=positions, **variant, **kinds)
     return cfg, params, batch, reference_logits(reference_cfg, params, batch)
 
@@ -232,6 +253,10 @@ def reference_case(positions="rope", **overrides):
 GPT2_LIKE = {"norm": "layernorm", "mlp_activation": "gelu", "use_bias": True}
 # Gemma 3's block on 5 layers of the pattern local, local, global: one scanned group of three
 # layers and two unrolled after it; the local layers' RoPE base differs, the scores are capped
+# DeepSeek-V3's multi-head latent attention, with and without the query bottleneck: 4 heads of
+# 16 + 8 query/key dims (the RoPE case's head_dim of 24) and 12 value dims from a 32-wide latent
+MLA = {"attention_kind": "mla", "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+       "num_kv_heads": 4}
 GEMMA3_LIKE = {"mlp_activation": "geglu", "norm_plus_one": True, "scale_embeddings": True, "num_layers": 5,
                "layer_pattern": "LLG", "rope_theta_local": 1e3, "attn_logit_softcap": 1.5}
 
@@ -241,9 +266,10 @@ GEMMA3_LIKE = {"mlp_activation": "geglu", "norm_plus_one": True, "scale_embeddin
                          + [("rope", "per_head", "pre", 0, {}), ("rope", "full", "post", 0, {}),
                             ("sinusoidal", "none", "sandwich", 0, {"mlp_activation": "geglu", "final_logit_softcap": 2.5}),
                             ("rope", "none", "pre", 7, {"qkv_bias": True}), ("learned", "none", "pre", 0, GPT2_LIKE),
-                            ("rope", "per_head", "sandwich", 7, GEMMA3_LIKE)],
+                            ("rope", "per_head", "sandwich", 7, GEMMA3_LIKE), ("rope", "none", "pre", 0, {**MLA, "q_lora_rank": 24}),
+                            ("rope", "none", "pre", 0, {**MLA, "q_lora_rank": 0})],
                          ids=["rope", "sinusoidal", "learned", "qk_per_head", "post_norm", "sandwich_geglu_softcap",
-                              "window_qkv_bias", "gpt2_like", "gemma3_like"])
+                              "window_qkv_bias", "gpt2_like", "gemma3_like", "mla", "mla_no_q_lora"])
 def test_logits_equal_a_reference_implementation(positions, qk_norm, placement, window, kinds):
     """The forward pass (jitted, packed rows of 3 documents, 2 kv heads for 4 query heads) against
     the float64 transcription above: 1e-4 on logits of a few units (2e-6 measured); a sliding

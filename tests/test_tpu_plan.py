@@ -189,6 +189,19 @@ def test_an_moe_plan_compiles_megablox_natively(tmp_path):
     assert result["params"] > result["active_params"] > 0
 
 
+@pytest.mark.ci  # a tiny model: about a minute on a loaded 2-core machine
+@pytest.mark.slow
+@needs_libtpu
+def test_deepseek_v3s_block_compiles_splash_with_narrower_values_and_megablox_natively(tmp_path):
+    """configs/deepseek_v3_tiny.py for a v5p-8: multi-head latent attention's values (32 dims)
+    narrower than its queries and keys (48) through splash, compiled by Mosaic, and its MoE layers
+    through megablox."""
+    result = plan(tmp_path, "configs/deepseek_v3_tiny.py", "v5p-8", "--noestimate", "--config.model.dtype=bfloat16",
+                  "--config.mesh.fsdp=4")
+    assert result["fits"] and result["attention"] == "splash" and "tpu_custom_call" in result["kernels"]
+    assert result["grouped_matmul"] == "megablox" and {"gmm", "tgmm"} <= set(result["tpu_kernels"])
+
+
 @pytest.mark.parametrize("config, devices, total, active", [
     ("mixtral_8x7b_v5p64", 32, 46_702_792_704, 12_879_925_248),  # Mixtral 8x7B: 46.7B, 12.9B active
     ("qwen3_30b_a3b_h100x16", 16, 30_532_122_624, 3_353_032_704),  # Qwen3-30B-A3B: 30.5B, 3.3B, as published

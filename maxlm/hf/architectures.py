@@ -11,6 +11,8 @@ The class follows from the model config's block (the config.json of each, both w
     post, full                             Olmo2ForCausalLM
     sandwich, none                         Gemma2ForCausalLM
     sandwich, per_head                     Gemma3ForCausalLM
+    pre, none, attention_kind=mla          DeepseekV3ForCausalLM (dense, or mixture of experts after
+                                           its first dense layers)
 
 and where the sliding window goes (`window_layout`): on every layer, a dense Llama-shaped model is
 MistralForCausalLM (Mixtral holds one too); with a `model.layer_pattern` of local and global
@@ -72,8 +74,12 @@ MIXTRAL = Arch("MixtralForCausalLM", "mixtral", moe_block="block_sparse_moe", ex
                windows=(NO_WINDOW, EVERY_LAYER))
 QWEN3_MOE = Arch("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm="per_head", moe_block="mlp",
                  expert_weights=("gate_proj", "up_proj", "down_proj"))
+# multi-head latent attention; its MoE layers (after first_k_dense_replace dense ones) route by
+# sigmoid scores with a selection bias and shared experts
+DEEPSEEK_V3 = Arch("DeepseekV3ForCausalLM", "deepseek_v3", moe_block="mlp",
+                   expert_weights=("gate_proj", "up_proj", "down_proj"))
 ARCHITECTURES = {a.model_type: a for a in (LLAMA, MISTRAL, QWEN3, OLMO2, OLMO3, GEMMA2, GEMMA3, GPT2, MIXTRAL,
-                                           QWEN3_MOE)}
+                                           QWEN3_MOE, DEEPSEEK_V3)}
 ROPE_CLASSES = [a for a in ARCHITECTURES.values() if a is not GPT2]
 DENSE_CLASSES = [a for a in ROPE_CLASSES if not a.moe_block]
 
@@ -124,6 +130,8 @@ def block_refusals(arch: Arch, m) -> list[str]:
          + " or ".join(LAYOUT_WORDS[layout] for layout in arch.windows) + ")"),
         (m.rope_theta_local and not arch.local_rope,
          f"model.rope_theta_local={m.rope_theta_local:g} ({name}'s layers share one RoPE)"),
+        (m.attention_kind == "mla" and arch is not DEEPSEEK_V3,
+         f"model.attention_kind='mla' ({name}'s attention is grouped-query)"),
         (arch in (OLMO2, OLMO3) and m.head_dim * m.num_heads != m.d_model,
          f"model.head_dim={m.head_dim} ({name}'s heads are d_model / num_heads = {m.d_model // m.num_heads} wide)"),
     ]
@@ -168,6 +176,8 @@ def architecture(m, what: str) -> Arch:
     if m.qkv_bias:
         raise config_lib.ConfigError(f"{what} has no class for model.qkv_bias=True (Qwen2's biases; the classes "
                                      f"maxlm maps, {', '.join(a.name for a in ARCHITECTURES.values())}, have none)")
+    if m.attention_kind == "mla":
+        return _deepseek_architecture(m, what)
     if m.num_experts:
         return _moe_architecture(m, what)
     block = (m.qk_norm, m.norm_placement)
@@ -182,6 +192,25 @@ def architecture(m, what: str) -> Arch:
         raise config_lib.ConfigError(f"{what} maps model.norm_placement={m.norm_placement!r} with model.qk_norm="
                                      f"{m.qk_norm!r} to transformers' {arch.hf_class}, which cannot hold "
                                      + "; ".join(refused))
+    return arch
+
+
+def _deepseek_architecture(m, what: str) -> Arch:
+    """DeepSeek-V3: Llama's pre-norm block with multi-head latent attention, its MoE layers routed
+    as DeepSeek-V3 routes."""
+    arch, name = DEEPSEEK_V3, DEEPSEEK_V3.name
+    checks = [(m.norm_placement != "pre", f"model.norm_placement={m.norm_placement!r} ({name}'s norms are 'pre')")]
+    if m.num_experts:
+        checks += [
+            (m.router != "sigmoid", f"model.router={m.router!r} ({name} scores experts by a sigmoid)"),
+            (m.load_balance != "bias", f"model.load_balance={m.load_balance!r} ({name}'s router adds its "
+                                       "e_score_correction_bias: 'bias')"),
+            (not m.shared_experts, f"model.shared_experts=0 ({name}'s MoE layers have shared experts)"),
+        ]
+    refused = [why for bad, why in checks if bad] + block_refusals(arch, m)
+    if refused:
+        raise config_lib.ConfigError(f"{what} maps model.attention_kind='mla' to transformers' {arch.hf_class}, "
+                                     "which cannot hold " + "; ".join(refused))
     return arch
 
 

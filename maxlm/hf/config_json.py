@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 
 from maxlm import config as config_lib
-from maxlm.hf.architectures import (ARCHITECTURES, EVERY_LAYER, GEMMA2, GEMMA3, GPT2, LLAMA, MISTRAL, MIXTRAL, OLMO2,
-                                    OLMO3, QWEN3, QWEN3_MOE, Arch, architecture)
+from maxlm.hf.architectures import (ARCHITECTURES, DEEPSEEK_V3, EVERY_LAYER, GEMMA2, GEMMA3, GPT2, LLAMA, MISTRAL,
+                                    MIXTRAL, OLMO2, OLMO3, QWEN3, QWEN3_MOE, Arch, architecture)
 from maxlm.model import layer_pattern
 
 # ----------------------------------------------------------------------------- export
@@ -109,12 +109,32 @@ def hf_config(cfg, tokenizer, dtype: str = "float32") -> dict:
                       num_local_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
                       sliding_window=m.sliding_window or None, router_jitter_noise=0.0, router_aux_loss_coef=aux_loss,
                       output_router_logits=False)
+    if arch is DEEPSEEK_V3:
+        config.update(_deepseek_config(m))
+        del config["head_dim"]
     if arch is QWEN3_MOE:  # intermediate_size: the dense layers' (mlp_only_layers)
         config.update(moe_intermediate_size=m.expert_mlp_dim, num_experts=m.num_experts,
                       num_experts_per_tok=m.experts_per_token, norm_topk_prob=bool(m.router_renormalize),
                       decoder_sparse_step=1, mlp_only_layers=list(range(m.first_dense_layers)),
                       router_aux_loss_coef=aux_loss, output_router_logits=False)
     return config
+
+
+def _deepseek_config(m) -> dict:
+    """DeepseekV3Config's own keys: the latent attention's, and the MoE layers' after
+    first_k_dense_replace dense ones (a dense model: every layer dense, the MoE keys placeholders
+    no layer reads). Its heads' width is qk_nope_head_dim + qk_rope_head_dim (no head_dim key)."""
+    moe = m.num_experts > 0
+    return {
+        "num_key_value_heads": m.num_heads, "q_lora_rank": m.q_lora_rank or None,
+        "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim, "rope_interleave": True, "attention_bias": False,
+        "first_k_dense_replace": m.first_dense_layers if moe else m.num_layers,
+        "n_routed_experts": m.num_experts if moe else 1, "num_experts_per_tok": m.experts_per_token if moe else 1,
+        "moe_intermediate_size": m.expert_mlp_dim if moe else m.mlp_dim, "n_shared_experts": m.shared_experts or 1,
+        "routed_scaling_factor": m.router_scale, "norm_topk_prob": True,
+        "n_group": m.router_groups or 1, "topk_group": m.router_topk_groups or 1,
+    }
 
 
 def layer_types(m) -> list[str]:
@@ -185,6 +205,8 @@ def _rope(hf: dict) -> tuple[dict, list[str]]:
 def _moe_keys(arch: Arch, hf: dict) -> tuple[dict, list[str]]:
     """An MoE class's keys as maxlm's (with the routing the class implies), and what maxlm cannot
     represent. Defaults: transformers' MixtralConfig's and Qwen3MoeConfig's."""
+    if arch is DEEPSEEK_V3:
+        return _deepseek_moe_keys(hf)
     implied = {"shared_experts": 0, "router": "softmax", "router_scale": 1.0, "router_groups": 0}
     if arch is MIXTRAL:  # its intermediate_size is its experts'; it has no dense MLP
         return {"num_experts": hf.get("num_local_experts", 8), "experts_per_token": hf.get("num_experts_per_tok", 2),
@@ -203,6 +225,44 @@ def _moe_keys(arch: Arch, hf: dict) -> tuple[dict, list[str]]:
         return mapped, [f"dense layers {dense} (maxlm's dense layers are the first ones: mlp_only_layers="
                         "[0, ..., k-1], decoder_sparse_step=1)"]
     return mapped, []
+
+
+def _deepseek_moe_keys(hf: dict) -> tuple[dict, list[str]]:
+    """DeepSeek-V3's MoE layers (after first_k_dense_replace dense ones; none: a dense model) as
+    maxlm's keys, with DeepseekV3Config's defaults."""
+    layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 3)
+    if dense >= layers:
+        return {"num_experts": 0, "mlp_dim": hf["intermediate_size"]}, []
+    groups = hf.get("n_group") or 1
+    mapped = {"num_experts": hf.get("n_routed_experts", 256), "experts_per_token": hf.get("num_experts_per_tok", 8),
+              "expert_mlp_dim": hf.get("moe_intermediate_size", 2048), "first_dense_layers": dense,
+              "shared_experts": hf.get("n_shared_experts", 1), "router": "sigmoid", "load_balance": "bias",
+              "router_scale": float(hf.get("routed_scaling_factor", 2.5)), "router_groups": groups if groups > 1 else 0,
+              "router_topk_groups": hf.get("topk_group", 4) if groups > 1 else 0}
+    if dense:  # intermediate_size is the dense layers'
+        mapped["mlp_dim"] = hf["intermediate_size"]
+    unsupported = [] if hf.get("norm_topk_prob", True) else [
+        "norm_topk_prob=false (maxlm's sigmoid router normalises the chosen gates to sum 1)"]
+    return mapped, unsupported
+
+
+def _latent_keys(arch: Arch | None, hf: dict) -> tuple[dict, list[str]]:
+    """model.attention_kind and, for DeepSeek-V3, its latent attention's keys (DeepseekV3Config's
+    defaults), and what maxlm cannot represent."""
+    if arch is not DEEPSEEK_V3:
+        return {"attention_kind": "gqa"}, []
+    heads = hf["num_attention_heads"]
+    nope, rope = hf.get("qk_nope_head_dim", 128), hf.get("qk_rope_head_dim", 64)
+    mapped = {"attention_kind": "mla", "q_lora_rank": hf.get("q_lora_rank", 1536) or 0,
+              "kv_lora_rank": hf.get("kv_lora_rank", 512), "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
+              "v_head_dim": hf.get("v_head_dim", 128), "head_dim": nope + rope, "num_kv_heads": heads}
+    checks = [
+        (not hf.get("rope_interleave", True), "rope_interleave=false (maxlm reads DeepSeek's interleaved RoPE dims)"),
+        ((hf.get("num_key_value_heads") or heads) != heads,
+         f"num_key_value_heads={hf.get('num_key_value_heads')} (maxlm's latent attention has a key and value per "
+         f"head: {heads})"),
+    ]
+    return mapped, [why for bad, why in checks if bad]
 
 
 def _layer_kinds(arch: Arch | None, hf: dict) -> str | None:
@@ -318,6 +378,7 @@ def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
     windows, window_unsupported = _window_keys(arch, hf)
     rope, rope_unsupported = _rope_keys(arch, hf, windows)
     gemma, gemma_unsupported = _gemma_keys(arch, hf, head_dim)
+    latent, latent_unsupported = _latent_keys(arch, hf)
     mapped = {
         "num_layers": hf["num_hidden_layers"],
         "d_model": hf["hidden_size"],
@@ -330,9 +391,9 @@ def model_config_from_hf(hf: dict) -> tuple[dict, list[str]]:
         **rope,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "positions": "rope", "norm": "rmsnorm", "use_bias": False, "qkv_bias": False,
-        **windows, **gemma,
+        **windows, **gemma, **latent,
     }
-    unsupported += rope_unsupported + window_unsupported + gemma_unsupported
+    unsupported += rope_unsupported + window_unsupported + gemma_unsupported + latent_unsupported
     if arch is not None:
         mapped["qk_norm"], mapped["norm_placement"] = arch.qk_norm, arch.norm_placement
         if arch.moe_block:

@@ -387,7 +387,7 @@ def export(params, cfg, out: str, dtype: str = "float32",
 
     if dtype not in DTYPES:
         raise config_lib.ConfigError(f"--dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
-    architecture(cfg.model, "the Hugging Face export")
+    arch = architecture(cfg.model, "the Hugging Face export")
     if cfg.model.num_experts and cfg.model.capacity_factor:
         console.warn(f"model.capacity_factor={cfg.model.capacity_factor}: transformers' MoE classes run every "
                      "token's experts (dropless); their logits are maxlm's with capacity_factor=0, which differ "
@@ -409,7 +409,7 @@ def export(params, cfg, out: str, dtype: str = "float32",
                  "the weights are right, but transformers' LlamaConfig rejects such a config")
     if m.mtp_depth:  # as DeepSeek-V3's own HF model does, which runs without its MTP module
         console.warn(f"the export leaves out the {m.mtp_depth} multi-token prediction module(s) (mtp_*): "
-                     "transformers' Llama has none; the main model is exported whole")
+                     f"transformers' {arch.name} has none; the main model is exported whole")
     if jax.process_index() == 0:
         os.makedirs(out, exist_ok=True)
     files = write_weights(params, m, out, dtype, max_shard_bytes)

@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from maxlm.hf.architectures import GPT2, Arch, architecture
+from maxlm.hf.architectures import DEEPSEEK_V3, GPT2, Arch, architecture
 from maxlm.model import layer_groups, moe
 
 
@@ -62,6 +62,10 @@ class Tensor(NamedTuple):
     perm: tuple[int, ...]  # maxlm's array = the grouped dims (flattened) transposed by `perm`
     part: tuple[int, int] = (0, 1)  # (k, n): the array is the k-th of n equal slices of the last axis
     #                                 (GPT-2's fused query, key and value projection)
+    # HF holds the last `interleaved` entries of maxlm's last axis (whole in every sharding) as
+    # interleaved pairs (x0, x1), (x2, x3), ... where maxlm holds them as halves: DeepSeek's RoPE
+    # dims, which transformers de-interleaves as it rotates (`rope_interleave`) and maxlm at import
+    interleaved: int = 0
 
     @property
     def part_shape(self) -> tuple[int, ...]:
@@ -97,7 +101,8 @@ class Source(NamedTuple):
 
 
 def _mlp_tensors(m, arch: Arch, experts: bool) -> dict[tuple[str, ...], tuple[str, Tensor]]:
-    """A layer's MLP: the dense SwiGLU, or the MoE layer's router and experts."""
+    """A layer's MLP: the dense SwiGLU, or the MoE layer's router and experts (DeepSeek-V3's with
+    its selection bias and shared experts)."""
     D, F = m.d_model, m.mlp_dim
     if not experts:
         return {("mlp", "w_gate"): ("mlp.gate_proj.weight", Tensor(((F,), (D,)), (1, 0))),
@@ -105,10 +110,35 @@ def _mlp_tensors(m, arch: Arch, experts: bool) -> dict[tuple[str, ...], tuple[st
                 ("mlp", "w_down"): ("mlp.down_proj.weight", Tensor(((D,), (F,)), (1, 0)))}
     E, F = m.num_experts, m.expert_mlp_dim
     gate, up, down = (f"{arch.moe_block}.experts.{{e}}.{w}.weight" for w in arch.expert_weights)
-    return {("mlp", "router"): (f"{arch.moe_block}.gate.weight", Tensor(((E,), (D,)), (1, 0))),
-            ("mlp", "w_gate"): (gate, Tensor(((F,), (D,)), (1, 0))),
-            ("mlp", "w_up"): (up, Tensor(((F,), (D,)), (1, 0))),
-            ("mlp", "w_down"): (down, Tensor(((D,), (F,)), (1, 0)))}
+    out = {("mlp", "router"): (f"{arch.moe_block}.gate.weight", Tensor(((E,), (D,)), (1, 0))),
+           ("mlp", "w_gate"): (gate, Tensor(((F,), (D,)), (1, 0))),
+           ("mlp", "w_up"): (up, Tensor(((F,), (D,)), (1, 0))),
+           ("mlp", "w_down"): (down, Tensor(((D,), (F,)), (1, 0)))}
+    if arch is DEEPSEEK_V3:  # shared experts: one SwiGLU of shared_experts x expert_mlp_dim
+        S = m.shared_experts * F
+        out.update({("mlp", "router_bias"): ("mlp.gate.e_score_correction_bias", Tensor(((E,),), (0,))),
+                    ("mlp", "shared_gate"): ("mlp.shared_experts.gate_proj.weight", Tensor(((S,), (D,)), (1, 0))),
+                    ("mlp", "shared_up"): ("mlp.shared_experts.up_proj.weight", Tensor(((S,), (D,)), (1, 0))),
+                    ("mlp", "shared_down"): ("mlp.shared_experts.down_proj.weight", Tensor(((D,), (S,)), (1, 0)))})
+    return out
+
+
+def _latent_attention_tensors(m) -> dict[tuple[str, ...], tuple[str, Tensor]]:
+    """DeepSeek-V3's multi-head latent attention (maxlm/model/mla.py), its RoPE dims interleaved in
+    HF's query and latent projections."""
+    D, H, N, R, V, C, Q = (m.d_model, m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
+                           m.kv_lora_rank, m.q_lora_rank)
+    if Q:
+        queries = {("attn", "wq_a"): ("self_attn.q_a_proj.weight", Tensor(((Q,), (D,)), (1, 0))),
+                   ("attn", "q_a_norm", "scale"): ("self_attn.q_a_layernorm.weight", Tensor(((Q,),), (0,))),
+                   ("attn", "wq_b"): ("self_attn.q_b_proj.weight", Tensor(((H, N + R), (Q,)), (2, 0, 1), interleaved=R))}
+    else:
+        queries = {("attn", "wq"): ("self_attn.q_proj.weight", Tensor(((H, N + R), (D,)), (2, 0, 1), interleaved=R))}
+    return {**queries,
+            ("attn", "wkv_a"): ("self_attn.kv_a_proj_with_mqa.weight", Tensor(((C + R,), (D,)), (1, 0), interleaved=R)),
+            ("attn", "kv_a_norm", "scale"): ("self_attn.kv_a_layernorm.weight", Tensor(((C,),), (0,))),
+            ("attn", "wkv_b"): ("self_attn.kv_b_proj.weight", Tensor(((H, N + V), (C,)), (2, 0, 1))),
+            ("attn", "wo"): ("self_attn.o_proj.weight", Tensor(((D,), (H, V)), (1, 2, 0)))}
 
 
 def _gpt2_layer_tensors(m) -> dict[tuple[str, ...], tuple[str, Tensor]]:
@@ -137,6 +167,10 @@ def _layer_tensors(m, experts: bool) -> dict[tuple[str, ...], tuple[str, Tensor]
     arch = architecture(m, "the Hugging Face mapping")
     if arch is GPT2:
         return _gpt2_layer_tensors(m)
+    if arch is DEEPSEEK_V3:
+        norm = Tensor(((D,),), (0,))
+        return {**{(name, "scale"): (hf_name, norm) for name, hf_name in BLOCK_NORMS["pre"].items()},
+                **_latent_attention_tensors(m), **_mlp_tensors(m, arch, experts)}
     # per_head: one [Dh] scale for all heads; full: the whole projection's, [H·Dh] and [K·Dh]
     q_dims, k_dims = ((Dh,), (Dh,)) if arch.qk_norm == "per_head" else ((H, Dh), (K, Dh))
     qk_norms = {("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", Tensor((q_dims,), tuple(range(len(q_dims))))),
@@ -228,9 +262,24 @@ def hf_index(source: Source) -> list[tuple[tuple[int, ...], str]]:
     return [(index, source.hf_name(index)) for index in itertools.product(*map(range, source.leading))]
 
 
+def _interleave(array, tail: int):
+    """maxlm's last axis with its last `tail` entries as HF holds them: halves → pairs."""
+    rest, halves = array[..., :-tail], array[..., -tail:]
+    pairs = np.stack([halves[..., :tail // 2], halves[..., tail // 2:]], axis=-1).reshape(*halves.shape[:-1], tail)
+    return np.concatenate([rest, pairs], axis=-1)
+
+
+def _deinterleave(array, tail: int):
+    """`_interleave`'s inverse: HF's pairs → maxlm's halves."""
+    rest, pairs = array[..., :-tail], array[..., -tail:]
+    return np.concatenate([rest, pairs[..., 0::2], pairs[..., 1::2]], axis=-1)
+
+
 def to_hf(array, tensor: Tensor) -> np.ndarray:
     """One maxlm array (one layer's) → the HF tensor (numpy, C-contiguous)."""
     array = np.asarray(array)
+    if tensor.interleaved:
+        array = _interleave(array, tensor.interleaved)
     nd = array.transpose(np.argsort(tensor.perm))
     return np.ascontiguousarray(nd.reshape(tensor.part_shape))
 
@@ -261,5 +310,10 @@ def read_block(hf_slice, tensor: Tensor, index: tuple[slice, ...]) -> np.ndarray
         k += len(group)
     offset = tensor.part[0] * tensor.part_shape[-1]  # this part's place along a fused last axis
     hf_index[-1] = slice(hf_index[-1].start + offset, hf_index[-1].stop + offset)
-    block = np.asarray(hf_slice[tuple(hf_index)]).reshape(block_shape)[tuple(within)]
-    return block.transpose(tensor.perm)
+    block = np.asarray(hf_slice[tuple(hf_index)]).reshape(block_shape)[tuple(within)].transpose(tensor.perm)
+    if tensor.interleaved:
+        n = nd_shape[tensor.perm[-1]]  # maxlm's last axis
+        if index[-1].indices(n)[:2] != (0, n):
+            raise ValueError(f"the interleaved RoPE dims need maxlm's last axis whole, got {index[-1]} of {n}")
+        block = _deinterleave(block, tensor.interleaved)
+    return block

@@ -91,7 +91,7 @@ def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, softcap: float = 0.0):
     (on CPU those copies took a fifth of the step at seq 1024).
     """
     B, L, H, Dh = q_BLHDh.shape
-    K = k_BSKDh.shape[2]
+    K, Dv = k_BSKDh.shape[2], v_BSKDh.shape[-1]  # Dv: the values' head dim (multi-head latent attention's may differ)
     q_BLHDh = q_BLHDh * jnp.asarray(1 / math.sqrt(Dh), q_BLHDh.dtype)
     q_BKGLDh = q_BLHDh.reshape(B, L, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
     k_BKSDh, v_BKSDh = k_BSKDh.transpose(0, 2, 1, 3), v_BSKDh.transpose(0, 2, 1, 3)
@@ -102,7 +102,7 @@ def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, softcap: float = 0.0):
     scores_BKGLS = jnp.where(mask_B1LS[:, :, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
     probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(q_BLHDh.dtype)
     out_BKGLDh = jnp.einsum("bkgls,bksd->bkgld", probs_BKGLS, v_BKSDh)
-    return out_BKGLDh.transpose(0, 3, 1, 2, 4).reshape(B, L, H, Dh)
+    return out_BKGLDh.transpose(0, 3, 1, 2, 4).reshape(B, L, H, Dv)
 
 
 # Tests only, never in config.ATTENTION: the splash kernel run by the Pallas interpreter on any

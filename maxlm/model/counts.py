@@ -6,7 +6,7 @@ initialised pytree): every parameter, and those one token's forward pass uses.
 
 from __future__ import annotations
 
-from maxlm.model import moe, mtp
+from maxlm.model import mla, moe, mtp
 from maxlm.model.norms import norms_around
 
 
@@ -18,7 +18,8 @@ def count_params(model_cfg) -> int:
     norm = D * (2 if m.norm == "layernorm" else 1)  # a LayerNorm has a bias beside its scale
     block_norms = norm * sum(norms_around(m)) * 2  # before and/or after each of the two sublayers
     biases = (H + 2 * K) * Dh * (m.use_bias or m.qkv_bias) + D * m.use_bias
-    attention_and_norms = D * H * Dh + 2 * D * K * Dh + H * Dh * D + block_norms + qk_norms + biases
+    attention = mla.attention_params(m) if m.attention_kind == "mla" else D * H * Dh + 2 * D * K * Dh + H * Dh * D
+    attention_and_norms = attention + block_norms + qk_norms + biases
     matrices = 2 if m.mlp_activation == "gelu" else 3  # (gate,) up, down
     mlp = matrices * D * F + ((matrices - 1) * F + D) * m.use_bias
     dense = moe.dense_layers(m)

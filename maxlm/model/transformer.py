@@ -28,35 +28,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm.model import (attention, backward_order, fp8, head, layer_pattern, moe, mtp, pipeline, positions, ring_attention,
-                         ulysses, zigzag)
+from maxlm.model import (attention, backward_order, head, layer_pattern, mla, moe, mtp, pipeline, positions,
+                         ring_attention, ulysses, zigzag)
+from maxlm.model.layers import attend_heads, compute_dtype, weight_matmul
+from maxlm.model.layers import bias as _bias, constrain as _constrain, normal as _normal, param as _param
 from maxlm.model.norms import block_norm, placed_norms, qk_norm, residual
 
 Batch = dict[str, jax.Array]
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def compute_dtype(model_cfg):
-    """`model.dtype` as a jnp dtype: what activations and matmuls run in (params stay float32)."""
-    return _DTYPES[model_cfg.dtype]
-
-
-def _normal(std: float):
-    return nn.initializers.normal(stddev=std)
-
-
-def _param(module: nn.Module, name: str, init, shape, axes):
-    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
-
-
-def _constrain(x, axes):
-    return nn.with_logical_constraint(x, axes)
-
 
 def embed(model_cfg, embed_VD, tokens_BL):
     """Token embeddings [B, L, D] in the compute dtype, times √d_model with `model.scale_embeddings`
@@ -96,18 +77,6 @@ REMAT_POLICIES = {
 }
 
 
-def weight_matmul(cfg, spec: str, x, w, dtype):
-    """A layer's weight matmul: float8 operands with `model.fp8` (see maxlm/model/fp8.py), else `dtype`."""
-    if cfg.fp8:
-        return fp8.fp8_einsum(spec, x, w, dtype)
-    return jnp.einsum(spec, x, w.astype(dtype))
-
-
-def _bias(module: nn.Module, name: str, shape, axes, dtype):
-    """A projection's bias (zeros at init), in the compute dtype."""
-    return _param(module, name, nn.initializers.zeros, shape, axes).astype(dtype)
-
-
 class Attention(nn.Module):
     cfg: Any
 
@@ -141,35 +110,8 @@ class Attention(nn.Module):
             q_BLHDh = qk_norm(cfg, dtype, "heads", name="q_norm")(q_BLHDh)
             k_BSKDh = qk_norm(cfg, dtype, "kv_heads", name="k_norm")(k_BSKDh)
         q_BLHDh = _constrain(positions.rotary(cfg, q_BLHDh, positions_BL), ("batch", "length", "heads", "head_dim"))
-        # (init traces a 1 x 8 dummy batch the mesh cannot split: the plain path has the same parameters)
-        if ring_attention.active(cfg) and not self.is_initializing():  # the ring strategy: keys and values stay split, blocks travel
-            k_BSKDh = _constrain(positions.rotary(cfg, k_BSKDh, positions_BL), ("batch", "length", "kv_heads", "head_dim"))
-            v_BSKDh = _constrain(v_BSKDh, ("batch", "length", "kv_heads", "head_dim"))
-            n, length = zigzag.shards(cfg), q_BLHDh.shape[1]
-            token_index_L = jnp.asarray(zigzag.token_order(length, n) if n else np.arange(length), jnp.int32)
-            kernel = ring_attention.block_kernel(cfg, dtype, length)  # splash, cuDNN, or None: XLA einsums
-            out_BLHDh = ring_attention.ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L, kernel)
-            return checkpoint_name(self._out(out_BLHDh, wo_HDhD), "attn_out")
-        # Init only needs the parameters' shapes, from a 1 x 8 dummy batch that a splash kernel
-        # could neither tile nor split over the mesh: the plain path traces the same parameters.
-        backend = "xla" if self.is_initializing() else cfg.attention
-        blocks = (cfg.splash_block_q, cfg.splash_block_kv)
-        if ulysses.applies(cfg, *x_BLD.shape[:2]) and not self.is_initializing():
-            # Ulysses: keys and values stay split like the queries; an all-to-all regroups all three
-            # by heads around attention (maxlm/model/ulysses.py).
-            k_BSKDh = _constrain(positions.rotary(cfg, k_BSKDh, positions_BL), ("batch", "length", "kv_heads", "head_dim"))
-            v_BSKDh = _constrain(v_BSKDh, ("batch", "length", "kv_heads", "head_dim"))
-            out_BLHDh = ulysses.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, blocks, cfg.sliding_window,
-                                       cfg.attn_logit_softcap)
-            return checkpoint_name(self._out(out_BLHDh, wo_HDhD), "attn_out")
-        # Sequence parallelism, the all-gather strategy: queries stay split along the length (mesh
-        # axis `sequence`), keys and values are gathered whole (length None), so each device
-        # attends its query rows to every key. RoPE ran before the gather, on each token's own
-        # position. Without a sequence axis these constraints change nothing.
-        k_BSKDh = _constrain(positions.rotary(cfg, k_BSKDh, positions_BL), ("batch", None, "kv_heads", "head_dim"))
-        v_BSKDh = _constrain(v_BSKDh, ("batch", None, "kv_heads", "head_dim"))
-        out_BLHDh = attention.attend(backend, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL, blocks,
-                                     cfg.sliding_window, cfg.attn_logit_softcap)
+        k_BSKDh = positions.rotary(cfg, k_BSKDh, positions_BL)
+        out_BLHDh = attend_heads(cfg, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL, self.is_initializing())
         return checkpoint_name(self._out(out_BLHDh, wo_HDhD), "attn_out")
 
 
@@ -215,7 +157,8 @@ class Block(nn.Module):
         def norms(sublayer: str):
             return placed_norms(cfg, sublayer, lambda name: block_norm(cfg)(cfg.norm_eps, dtype, name=name))
 
-        attend = functools.partial(Attention(cfg, name="attn"), positions_BL=positions_BL, mask_B1LS=mask_B1LS,
+        attention_class = mla.LatentAttention if cfg.attention_kind == "mla" else Attention
+        attend = functools.partial(attention_class(cfg, name="attn"), positions_BL=positions_BL, mask_B1LS=mask_B1LS,
                                    segment_ids_BL=segment_ids_BL)
         x_BLD = residual(x_BLD, attend, *norms("attn"))
         stats = None

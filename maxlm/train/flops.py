@@ -90,6 +90,18 @@ def _layer_windows(model_cfg) -> list[int]:
     return [window if kind == layer_pattern.LOCAL else 0 for kind in layer_pattern.kinds(m)] + [0] * m.mtp_depth
 
 
+def _projection_flops(model_cfg, Dh: int) -> dict[str, int]:
+    """One layer's forward projection FLOPs per token: grouped-query attention's, or multi-head
+    latent attention's (maxlm/model/mla.py: the query bottleneck, the latent and its expansion)."""
+    m = model_cfg
+    d, H, K = m.d_model, m.num_heads, m.num_kv_heads
+    if getattr(m, "attention_kind", "gqa") != "mla":
+        return {"q_proj": 2 * d * H * Dh, "kv_proj": 2 * 2 * d * K * Dh, "out_proj": 2 * H * Dh * d}
+    Q, C, R, N, V = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    return {"q_proj": 2 * (d * Q + Q * H * Dh) if Q else 2 * d * H * Dh,
+            "kv_proj": 2 * (d * (C + R) + C * H * (N + V)), "out_proj": 2 * H * V * d}
+
+
 def forward_flops_breakdown(model_cfg, seq_len: int) -> dict[str, float]:
     """Forward-pass FLOPs per token, summed over layers, by component.
 
@@ -105,15 +117,15 @@ def forward_flops_breakdown(model_cfg, seq_len: int) -> dict[str, float]:
     if H % K:
         raise ValueError(f"num_heads ({H}) must be a multiple of num_kv_heads ({K})")
     Dh, T = _head_dim(model_cfg), int(seq_len)
+    projections = _projection_flops(model_cfg, Dh)
+    Dv = model_cfg.v_head_dim if getattr(model_cfg, "attention_kind", "gqa") == "mla" else Dh
     # Python ints throughout so the counts are exact; floats only at the end.
     parts = {
-        "q_proj": L * 2 * d * H * Dh,
-        "kv_proj": L * 2 * 2 * d * K * Dh,
-        "out_proj": L * 2 * H * Dh * d,
+        **{name: L * flops for name, flops in projections.items()},
         "mlp": _mlp_flops(model_cfg),
-        # QK^T and AV: 2*2*T*H*Dh per token, halved for the causal mask; a sliding window of W
+        # QK^T and AV: 2*T*H*(Dh + Dv) per token, halved for the causal mask; a sliding window of W
         # keys: W - W²/2T keys on average (T/2 at W = T), in each layer that has one
-        "attention": (2 * 2 * H * Dh) * sum(_mean_keys_x2T(T, w) for w in _layer_windows(model_cfg)) // (2 * T),
+        "attention": (2 * H * (Dh + Dv)) * sum(_mean_keys_x2T(T, w) for w in _layer_windows(model_cfg)) // (2 * T),
         "lm_head": (1 + depth) * 2 * d * V,
         "mtp_proj": depth * 2 * 2 * d * d,
     }
