@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Callable
 
+from maxlm import layer_kinds
 from maxlm.errors import ConfigError
 
 PLATFORMS = ("", "cpu", "gpu", "tpu")  # platform: what jax.default_backend() must say ("" = any)
@@ -200,11 +201,10 @@ def _check_layer_pattern(c) -> None:
     if m.rope_theta_local and len(set(pattern)) < 2:
         raise ConfigError(f"model.rope_theta_local={m.rope_theta_local:g} is the local layers' RoPE base under a "
                           "model.layer_pattern of local and global layers; without one, set model.rope_theta")
-    from maxlm.model import layer_pattern, moe  # the model's own grouping of the layers
     units = c.mesh.stage * m.pipeline_repeats
-    dense = moe.dense_layers(m) if m.num_experts else 0
+    dense = m.first_dense_layers if m.num_experts else 0  # the model's layer groups: dense, then MoE
     for first, count in ((0, dense), (dense, m.num_layers - dense)):
-        p = layer_pattern.period(layer_pattern.kinds(m, first, count)) if count else 1
+        p = layer_kinds.period(layer_kinds.kinds(m, first, count)) if count else 1
         if c.mesh.stage > 1 and p > 1 and count % (p * units):
             raise ConfigError(
                 f"model.layer_pattern={pattern!r} repeats every {p} layers, and each of mesh.stage={c.mesh.stage} "

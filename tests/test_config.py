@@ -67,8 +67,8 @@ def test_mesh_fill():
          "model.rope_scaling_factor=1.0 must be > 1 with model.rope_scaling='yarn'"),
         ({"model.rope_scaling": "llama3", "model.rope_scaling_factor": 4.0},
          "model.rope_original_max_len must be set with model.rope_scaling='llama3'"),
-        ({"model.rope_scaling_factor": 4.0}, "model.rope_scaling_factor=4.0 is read by model.rope_scaling='llama3' or "
-                                             "'yarn' only, got model.rope_scaling='none'"),
+        ({"model.rope_scaling_factor": 4.0}, "model.rope_scaling_factor=4.0 is read by model.rope_scaling='linear', "
+                                             "'llama3' or 'yarn' only, got model.rope_scaling='none'"),
         ({"model.rope_original_max_len": 64}, "model.rope_original_max_len=64 is read by model.rope_scaling="),
         ({"model.rope_scaling": "llama3", "model.rope_scaling_factor": 4.0, "model.rope_original_max_len": 64,
           "model.rope_low_freq_factor": 4.0}, "model.rope_high_freq_factor=4.0 must be more than model.rope_low_freq_factor=4.0"),
@@ -76,7 +76,7 @@ def test_mesh_fill():
           "model.rope_beta_slow": 40.0}, "model.rope_beta_fast=32.0 must be more than model.rope_beta_slow=40.0"),
         ({"model.rope_scaling": "yarn", "model.rope_scaling_factor": 4.0, "model.rope_original_max_len": 64,
           "model.positions": "sinusoidal"}, "model.rope_scaling='yarn' scales RoPE's frequencies, and model.positions='sinusoidal'"),
-        ({"model.rope_scaling": "ntk"}, "model.rope_scaling must be one of ('none', 'llama3', 'yarn'), got 'ntk'"),
+        ({"model.rope_scaling": "ntk"}, "model.rope_scaling must be one of ('none', 'linear', 'llama3', 'yarn'), got 'ntk'"),
     ],
 )
 def test_config_errors(overrides, expected):

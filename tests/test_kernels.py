@@ -106,6 +106,28 @@ def test_splash_with_a_sliding_window_matches_xla_and_skips_the_tiles_outside():
     assert (tiles(causal), tiles(local)) == (36, 15)  # 8 query tiles: the lower triangle; each tile and the one before
 
 
+@pytest.mark.parametrize("window", [5, 32, 100])
+def test_banded_attention_is_the_dense_masks_and_computes_a_band(window):
+    """XLA's sliding window in blocks (`attention.banded_attention`): over 256 packed tokens with
+    padding, the dense windowed mask's output and gradients (summation order apart), scores of
+    [.., L, 2b] for the block b `band_block` picks (the smallest of at least the window dividing
+    the length into 4 or more), the soft cap included."""
+    q, k, v, cotangent = _qkv(2)
+    segment_ids = jnp.asarray(SEGMENT_IDS)
+    block = attention.band_block(256, window)
+    assert block == {5: 8, 32: 32, 100: 0}[window]  # 100: no block of 100-64 tokens divides 256 into 4
+    if not block:
+        return
+    dense_mask = jax.jit(attention.attention_mask, static_argnums=1)(segment_ids, window)
+    band_mask = jax.jit(attention.banded_mask, static_argnums=(1, 2))(segment_ids, window, block)
+    assert band_mask.shape == (2, 1, 256, 2 * block)
+    for softcap in (0.0, 0.5):
+        want = _outputs_and_grads(lambda q, k, v: attention.xla_attention(q, k, v, dense_mask, softcap), q, k, v, cotangent)
+        got = _outputs_and_grads(lambda q, k, v: attention.banded_attention(q, k, v, band_mask, softcap), q, k, v, cotangent)
+        for name, a, e in zip(("output", "dq", "dk", "dv"), got, want):
+            assert_close(a, e, 2e-5, name)
+
+
 def test_splash_with_a_soft_cap_matches_xla():
     """model.attn_logit_softcap=0.5 (below the largest scores of these inputs, so the cap bends
     them): splash's capped scores give XLA's output and gradients; without the cap they differ."""

@@ -338,13 +338,14 @@ def test_scan_and_remat_equal_unrolled(remat):
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_layer_pattern_scanned_equals_unrolled(remat):
     """Local and global layers (`GEMMA3_LIKE`: a scanned group of the pattern, two layers after it)
-    give the unrolled layers' loss and gradients, with and without remat."""
+    give the unrolled layers' loss and gradients, with and without remat (gradients of about 1e-3
+    through 5 layers of sandwiched norms: 1e-6 absolute, float32's summation orders apart)."""
     gemma = {**GEMMA3_LIKE, "sliding_window": 7, "qk_norm": "per_head", "norm_placement": "sandwich"}
     assert_scanned_equals_unrolled(tiny_model_cfg(scan_layers=False, remat="none", **gemma),
-                                   tiny_model_cfg(scan_layers=True, remat=remat, **gemma))
+                                   tiny_model_cfg(scan_layers=True, remat=remat, **gemma), atol=1e-6)
 
 
-def assert_scanned_equals_unrolled(unrolled, scanned):
+def assert_scanned_equals_unrolled(unrolled, scanned, atol: float = 1e-7):
     """Same loss and gradients from both layer layouts of one initialisation; the scanned grads."""
     params = model.init_params(unrolled, jax.random.key(0))
     batch = packed_batch(2, 32, unrolled.vocab_size)
@@ -353,7 +354,7 @@ def assert_scanned_equals_unrolled(unrolled, scanned):
     loss_s, grads_s = value_and_grad(scanned)(model.stack_layers(params))
     np.testing.assert_allclose(float(loss_s), float(loss_u), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(model.stack_layers(grads_u)), jax.tree.leaves(grads_s)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=atol)
     return grads_s
 
 

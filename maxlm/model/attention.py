@@ -80,6 +80,60 @@ def causal_mask(segment_ids_BL, segment_ids_BS, window: int = 0):
     return (causal_LS[None] & same_doc_BLS)[:, None]
 
 
+def band_block(seq_len: int, window: int) -> int:
+    """The key block of `banded_attention` for a sliding `window` over `seq_len` tokens: the
+    smallest block of at least `window` tokens that divides the length into 4 or more (each query
+    block then reads itself and the block before, at most half the keys); 0 where none does, or
+    without a window: the dense mask."""
+    if not window:
+        return 0
+    return next((b for b in range(window, seq_len // 4 + 1) if seq_len % b == 0), 0)
+
+
+def banded_mask(segment_ids_BL, window: int, block: int):
+    """`banded_attention`'s mask [B, 1, L, 2·block]: for each query, which keys of its own block
+    and the block before (in that order) it sees: causal, within the window, the same document
+    (block 0 has no block before: those keys are never seen)."""
+    B, L = segment_ids_BL.shape
+    n = L // block
+    q_NQ = jnp.arange(L).reshape(n, block)
+    k_NS = jnp.concatenate([q_NQ - block, q_NQ], axis=1)  # the block before, then the query's own
+    seen_NQS = (k_NS[:, None, :] >= 0) & (k_NS[:, None, :] <= q_NQ[:, :, None]) \
+        & (q_NQ[:, :, None] - k_NS[:, None, :] < window)
+    seg_BNQ = segment_ids_BL.reshape(B, n, block)
+    seg_BNS = jnp.concatenate([jnp.roll(seg_BNQ, 1, axis=1), seg_BNQ], axis=2)
+    same_doc_BNQS = seg_BNQ[..., :, None] == seg_BNS[..., None, :]
+    return (seen_NQS[None] & same_doc_BNQS).reshape(B, 1, L, 2 * block)
+
+
+def banded_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, softcap: float = 0.0):
+    """`xla_attention` for a sliding window, computing only what the window can see: the queries
+    in blocks of b (`mask_B1LS` from `banded_mask`: [B, 1, L, 2b]), each block attending to its own
+    keys and the block before, so the scores are [.., L, 2b] instead of [.., L, L] (a window of 512
+    over 4096 tokens: a quarter of them). The same numbers as the dense mask's up to summation
+    order."""
+    B, L, H, Dh = q_BLHDh.shape
+    K, Dv, b = k_BSKDh.shape[2], v_BSKDh.shape[-1], mask_B1LS.shape[-1] // 2
+    n = L // b
+    q_BNKGQDh = (q_BLHDh * jnp.asarray(1 / math.sqrt(Dh), q_BLHDh.dtype)).reshape(B, n, b, K, H // K, Dh) \
+        .transpose(0, 1, 3, 4, 2, 5)
+
+    def with_block_before(x_BSKD):  # [B, n, K, 2b, D]: block j-1 (zeros for j = 0) then block j
+        x_BNKQD = x_BSKD.reshape(B, n, b, K, x_BSKD.shape[-1]).transpose(0, 1, 3, 2, 4)
+        before = jnp.concatenate([jnp.zeros_like(x_BNKQD[:, :1]), x_BNKQD[:, :-1]], axis=1)
+        return jnp.concatenate([before, x_BNKQD], axis=3)
+
+    k_BNKSDh, v_BNKSDv = with_block_before(k_BSKDh), with_block_before(v_BSKDh)
+    scores = jnp.einsum("bnkgqd,bnksd->bnkgqs", q_BNKGQDh, k_BNKSDh).astype(jnp.float32)
+    if softcap:
+        scores = softcap * jnp.tanh(scores / softcap)
+    mask_BN11QS = mask_B1LS.reshape(B, n, 1, 1, b, 2 * b)
+    scores = jnp.where(mask_BN11QS, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q_BLHDh.dtype)
+    out_BNKGQDv = jnp.einsum("bnkgqs,bnksd->bnkgqd", probs, v_BNKSDv)
+    return out_BNKGQDv.transpose(0, 1, 4, 2, 3, 5).reshape(B, L, H, Dv)
+
+
 def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, softcap: float = 0.0):
     """Plain einsum attention with grouped-query heads; softmax in float32; with a `softcap` > 0,
     the scaled scores are capped to softcap·tanh(scores / softcap) first (Gemma 2's
@@ -147,11 +201,14 @@ def attention_backend(name: str, dtype, seq_len: int | None = None, platform: st
 
 def document_mask(backend: str, segment_ids_BL, dtype, window: int = 0):
     """What `attend` takes as `mask_B1LS` for the resolved `backend`, made once per step; the
-    sliding `window` is in XLA's mask, and in the kernels' own masks (`attend`)."""
+    sliding `window` is in XLA's mask (banded where `band_block` finds a block), and in the
+    kernels' own masks (`attend`)."""
     if backend in SPLASH:
         return None  # masks inside the kernel, from the segment ids
     if backend == "cudnn":
         return document_bias(segment_ids_BL, dtype)
+    if block := band_block(segment_ids_BL.shape[1], window):
+        return nn.with_logical_constraint(banded_mask(segment_ids_BL, window, block), ("batch", None, "length", None))
     return attention_mask(segment_ids_BL, window)
 
 
@@ -160,8 +217,9 @@ def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=No
     """Attention with the named backend and its form of the documents (`document_mask`): the
     [B, 1, L, S] mask for xla, the `document_bias` for cudnn, `segment_ids_BL` for splash (with
     its (query, key/value) tiles, `splash_blocks`; 0 = `block_size`). A sliding `window` (> 0)
-    goes to the kernels, which skip the tiles it hides; XLA's mask holds it already. A score
-    `softcap` (> 0) goes to XLA and splash (config.resolve refuses it with cuDNN)."""
+    goes to the kernels, which skip the tiles it hides; XLA's mask holds it already (banded:
+    `banded_attention` computes only the blocks it can see). A score `softcap` (> 0) goes to XLA
+    and splash (config.resolve refuses it with cuDNN)."""
     backend = attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1], softcap=softcap, head_dim=q_BLHDh.shape[-1])
     if backend == "cudnn":
         return cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, window)
@@ -171,6 +229,8 @@ def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=No
         return splash_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, block_q=splash_blocks[0],
                                 block_kv=splash_blocks[1], interpret=backend == SPLASH_INTERPRET, window=window,
                                 softcap=softcap)
+    if band_block(q_BLHDh.shape[1], window):
+        return banded_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, softcap)
     return xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, softcap)
 
 

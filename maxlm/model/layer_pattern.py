@@ -25,16 +25,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-LOCAL, GLOBAL = "L", "G"
-
-
-def kinds(model_cfg, first: int = 0, count: int | None = None) -> str:
-    """The kinds of layers first .. first + count - 1 (default: all), bottom first. Without a
-    pattern every layer is of the one kind GLOBAL, whose `kind_config` is the model's own (with
-    its `model.sliding_window` on every layer, if set: Mistral)."""
-    pattern = model_cfg.layer_pattern or GLOBAL
-    count = model_cfg.num_layers - first if count is None else count
-    return "".join(pattern[i % len(pattern)] for i in range(first, first + count))
+from maxlm.layer_kinds import GLOBAL, LOCAL, kinds, period  # noqa: F401  (layer_pattern.kinds etc.)
 
 
 def kind_config(model_cfg, kind: str):
@@ -85,12 +76,3 @@ def run(step, x, stacked, layer_kinds: str, remat_policy=None):
         if out is not None:
             outs.append(jax.tree.map(lambda a: a[None], out))
     return x, jax.tree.map(lambda *o: jnp.concatenate(o), *outs) if outs else None
-
-
-def period(layer_kinds: str) -> int:
-    """The shortest p with layer_kinds[i] == layer_kinds[i % p] for all i: how many consecutive
-    layers one scanned body holds (1 for layers of one kind, as without a pattern)."""
-    for p in range(1, len(layer_kinds) + 1):
-        if all(layer_kinds[i] == layer_kinds[i % p] for i in range(len(layer_kinds))):
-            return p
-    return len(layer_kinds)

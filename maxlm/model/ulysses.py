@@ -118,5 +118,8 @@ def _whole_rows(backend, q_BLhDh, k_BSkDh, v_BSkDh, segment_ids_BL, tiles, windo
         return attention.splash_local(q_BLhDh, k_BSkDh, v_BSkDh, segment_ids_BL, block_q=tiles[0],
                                       block_kv=tiles[1], interpret=backend == attention.SPLASH_INTERPRET, window=window,
                                       softcap=softcap)
+    if block := attention.band_block(segment_ids_BL.shape[1], window):
+        mask_B1LS = attention.banded_mask(segment_ids_BL, window, block)
+        return attention.banded_attention(q_BLhDh, k_BSkDh, v_BSkDh, mask_B1LS, softcap)
     mask_B1LS = attention.causal_mask(segment_ids_BL, segment_ids_BL, window)
     return attention.xla_attention(q_BLhDh, k_BSkDh, v_BSkDh, mask_B1LS, softcap)
