@@ -80,6 +80,31 @@ def test_head_dim_zero_is_d_model_over_heads_and_tied_embeddings_map():
     assert (args["head_dim"], args["logits_via_embedding"]) == ("64", "True")
 
 
+GEMMA3 = {"model.norm_placement": "sandwich", "model.qk_norm": "per_head", "model.mlp_activation": "geglu",
+          "model.norm_plus_one": True, "model.scale_embeddings": True, "model.layer_pattern": "LLLLLG",
+          "model.sliding_window": 64, "model.rope_theta_local": 1e4, "model.num_layers": 6}
+
+
+def test_qwen3_and_gemma3_blocks_map_to_maxtexts():
+    """Per-head qk-norm on Llama's block is MaxText's qwen3 block; Gemma 3's block is its gemma3
+    block (its 5:1 pattern built in) with the window, the local RoPE base and no linear scaling."""
+    qwen3 = as_dict(maxtext_peer.maxtext_args(issue_config(**{"model.qk_norm": "per_head"}), 12, "/tmp/out"))
+    assert (qwen3["decoder_block"], qwen3["use_qk_norm"]) == ("qwen3", "True")
+    gemma3 = as_dict(maxtext_peer.maxtext_args(issue_config(**GEMMA3), 12, "/tmp/out"))
+    assert {k: gemma3[k] for k in ("decoder_block", "model_name", "override_model_config", "mlp_activations",
+                                   "sliding_window_size", "use_post_attn_norm", "use_post_ffw_norm",
+                                   "local_rope_max_timescale", "rope_linear_scaling_factor",
+                                   "base_num_decoder_layers")} == {
+        "decoder_block": "gemma3", "model_name": "gemma3-4b", "override_model_config": "True",
+        "mlp_activations": '["gelu","linear"]', "sliding_window_size": "64", "use_post_attn_norm": "True",
+        "use_post_ffw_norm": "True", "local_rope_max_timescale": "10000", "rope_linear_scaling_factor": "1",
+        "base_num_decoder_layers": "6"}
+    for odd, named in (({"model.layer_pattern": "LLG"}, "model.norm_placement='sandwich'"),
+                       ({"model.qk_norm": "full"}, "model.qk_norm='full'")):
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            maxtext_peer.maxtext_args(issue_config(**{**GEMMA3, **odd}), 12, "/tmp/out")
+
+
 @pytest.mark.parametrize("remat, scan, expected", [
     ("save_dots", True, {"remat_policy": "minimal"}),
     ("save_qkv_proj", True, {"remat_policy": "save_qkv_proj"}),

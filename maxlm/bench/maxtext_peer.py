@@ -60,15 +60,7 @@ def check_expressible(cfg, target: str = "") -> None:
         f"model.rope_scaling={m.rope_scaling!r} (not mapped to MaxText's rope settings)": m.rope_scaling != "none",
         "model.label_smoothing (MaxText's pre-training loss has none)": m.label_smoothing,
         "model.fp8": m.fp8,
-        f"model.qk_norm={m.qk_norm!r} (MaxText's llama2 and mixtral blocks have no qk-norm)": m.qk_norm != "none",
-        f"model.norm_placement={m.norm_placement!r} (MaxText's llama2 and mixtral blocks are pre-norm)":
-            m.norm_placement != "pre",
-        f"model.norm={m.norm!r}, mlp_activation={m.mlp_activation!r}, use_bias={m.use_bias}, qkv_bias={m.qkv_bias} "
-        "(MaxText's llama2 and mixtral blocks: RMSNorm, SwiGLU, no biases)":
-            (m.norm, m.mlp_activation, m.use_bias, m.qkv_bias) != ("rmsnorm", "swiglu", False, False),
-        f"model.sliding_window={m.sliding_window} (not mapped to MaxText's sliding_window_size)": m.sliding_window,
-        f"model.final_logit_softcap={m.final_logit_softcap:g} (not mapped to MaxText's final_logits_soft_cap)":
-            m.final_logit_softcap,
+        **block_problems(m),
         **moe_problems(m),
         "model.logits_chunk_size on CPU (a TPU plan maps it to MaxText's vocabulary tiling)":
             on_cpu and m.logits_chunk_size,
@@ -84,6 +76,61 @@ def check_expressible(cfg, target: str = "") -> None:
     found = [what for what, bad in problems.items() if bad]
     if found:
         raise ConfigError("MaxText cannot run this config the same way: " + "; ".join(found))
+
+
+# Gemma 3's block as maxlm's keys say it (MaxText's gemma3 decoder block has them all built in,
+# its local:global pattern fixed at 5:1)
+GEMMA3_BLOCK = {"norm_placement": "sandwich", "qk_norm": "per_head", "mlp_activation": "geglu", "norm_plus_one": True,
+                "scale_embeddings": True, "layer_pattern": "LLLLLG"}
+
+
+def decoder_block(m) -> str:
+    """MaxText's decoder block for the model `m`: gemma3 for Gemma 3's block, qwen3 for Llama's with
+    per-head qk-norm, mixtral for an MoE model, else llama2 (`block_problems` says what none runs)."""
+    if all(m[key] == value for key, value in GEMMA3_BLOCK.items()):
+        return "gemma3"
+    if m.num_experts:
+        return "mixtral"
+    return "qwen3" if m.qk_norm == "per_head" else "llama2"
+
+
+def block_problems(m) -> dict[str, bool]:
+    """What of the model's block MaxText's `decoder_block` for it cannot run the same way."""
+    block = decoder_block(m)
+    if block == "gemma3":
+        return {f"model.sliding_window={m.sliding_window} (MaxText's gemma3 block has local layers)": not m.sliding_window,
+                "model.attn_logit_softcap (Gemma 3 has none)": m.attn_logit_softcap}
+    name = f"MaxText's {block} block"
+    return {
+        f"model.qk_norm={m.qk_norm!r} ({name} has {'per-head' if block == 'qwen3' else 'no'} qk-norm)":
+            m.qk_norm != ("per_head" if block == "qwen3" else "none"),
+        f"model.norm_placement={m.norm_placement!r} ({name} is pre-norm)": m.norm_placement != "pre",
+        f"model.norm={m.norm!r}, mlp_activation={m.mlp_activation!r}, use_bias={m.use_bias}, qkv_bias={m.qkv_bias}, "
+        f"norm_plus_one={m.norm_plus_one}, scale_embeddings={m.scale_embeddings} ({name}: RMSNorm, SwiGLU, no biases)":
+            (m.norm, m.mlp_activation, m.use_bias, m.qkv_bias, m.norm_plus_one, m.scale_embeddings)
+            != ("rmsnorm", "swiglu", False, False, False, False),
+        f"model.sliding_window={m.sliding_window} (mapped for MaxText's gemma3 block only)": m.sliding_window,
+        f"model.final_logit_softcap={m.final_logit_softcap:g} (mapped for MaxText's gemma3 block only)":
+            m.final_logit_softcap,
+        "model.attn_logit_softcap": m.attn_logit_softcap,
+        f"model.attention_kind={m.attention_kind!r} (not mapped to MaxText's MLA)": m.attention_kind != "gqa",
+    }
+
+
+def block_args(m) -> dict:
+    """MaxText's overrides of the decoder block: qwen3's qk-norm; gemma3's window, local RoPE base
+    and soft cap (its model_name picks the query scaling: gemma3-4b's is 1/sqrt(head_dim), as
+    maxlm's; override_model_config lets the shape here replace that model's)."""
+    block = decoder_block(m)
+    if block == "qwen3":
+        return {"decoder_block": "qwen3", "use_qk_norm": True}
+    if block != "gemma3":
+        return {}
+    return {"model_name": "gemma3-4b", "override_model_config": True, "decoder_block": "gemma3",
+            "mlp_activations": '["gelu","linear"]', "sliding_window_size": m.sliding_window,
+            "use_post_attn_norm": True, "use_post_ffw_norm": True, "rope_linear_scaling_factor": 1.0,
+            "local_rope_max_timescale": m.rope_theta_local or m.rope_theta,
+            "final_logits_soft_cap": m.final_logit_softcap}
 
 
 def context_parallel_problems(cfg) -> dict[str, bool]:
@@ -183,6 +230,7 @@ def maxtext_args(cfg, steps: int, workdir: str, target: str = "") -> list[str]:
         "adam_weight_decay": o.weight_decay, "gradient_clipping_threshold": o.clip_norm, "mu_dtype": o.mu_dtype,
         **REMAT[m.remat],
         **moe_args(cfg, target),
+        **block_args(m),
     }
     return [f"{key}={override_value(value)}" for key, value in args.items()]
 
