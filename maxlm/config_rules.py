@@ -148,9 +148,6 @@ def _check_layer_kinds(c) -> None:
 
 def _check_sliding_window(c) -> None:
     m = c.model
-    if m.sliding_window and m.sliding_window >= c.seq_len:
-        raise ConfigError(f"model.sliding_window={m.sliding_window} must be below seq_len={c.seq_len}, where it "
-                          "would see every token anyway; use 0 (full causal attention)")
     ring = m.context_parallel == "ring" and c.mesh.sequence > 1
     if m.sliding_window and ring:
         raise ConfigError(f"model.sliding_window={m.sliding_window} is not supported with "

@@ -208,6 +208,24 @@ def test_a_packed_row_gives_transformers_logits_of_each_document_alone(tmp_path,
     np.testing.assert_allclose(ours[29:44], _logits(theirs, second[None])[0], atol=atol, rtol=0)
 
 
+def test_a_window_as_long_as_the_rows_imports_as_full_causal_attention(tmp_path):
+    """Mistral 7B v0.1's 4096-token window at seq_len 4096, here a window of 64 over rows of 64
+    (model.sliding_window >= seq_len is allowed: it hides no key): the checkpoint imports as it is,
+    with transformers' logits, and the run's logits are those of no window, bitwise."""
+    _random_hf(tmp_path / "hf", "MistralForCausalLM", tied=False)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "hf" / "config.json").read_text()), "sliding_window": 64}))
+    theirs = _hf_model(str(tmp_path / "hf"))
+    cfg = _family_cfg("MistralForCausalLM", {"model.sliding_window": 64})
+    assert cfg.seq_len == 64
+    params = hf.load_params(str(tmp_path / "hf"), cfg.model, _abstract(cfg))
+    batch = _sequence(64, 264, seed=4)
+    ours = np.asarray(jax.jit(functools.partial(model.apply, cfg.model))(params, batch))
+    np.testing.assert_allclose(ours, _logits(theirs, batch["inputs"]), atol=1e-5, rtol=0)
+    no_window = _family_cfg("MistralForCausalLM", {"model.sliding_window": 0}).model
+    np.testing.assert_array_equal(np.asarray(jax.jit(functools.partial(model.apply, no_window))(params, batch)), ours)
+
+
 def test_import_mismatches_name_the_keys(tmp_path):
     _random_hf(tmp_path, "MixtralForCausalLM", tied=False)
     dense = _cfg({"model.rope_theta": 1e6})

@@ -80,6 +80,13 @@ def causal_mask(segment_ids_BL, segment_ids_BS, window: int = 0):
     return (causal_LS[None] & same_doc_BLS)[:, None]
 
 
+def row_window(window: int, seq_len: int) -> int:
+    """`window`, or 0 (none) where it spans the whole row: a window of at least `seq_len` tokens
+    hides no key, and the kernels then run plain causal attention (a checkpoint's window, such as
+    Mistral 7B v0.1's 4096, at seq_len 4096)."""
+    return window if window < seq_len else 0
+
+
 def band_block(seq_len: int, window: int) -> int:
     """The key block of `banded_attention` for a sliding `window` over `seq_len` tokens: the
     smallest block of at least `window` tokens that divides the length into 4 or more (each query
@@ -207,6 +214,7 @@ def document_mask(backend: str, segment_ids_BL, dtype, window: int = 0):
         return None  # masks inside the kernel, from the segment ids
     if backend == "cudnn":
         return document_bias(segment_ids_BL, dtype)
+    window = row_window(window, segment_ids_BL.shape[1])
     if block := band_block(segment_ids_BL.shape[1], window):
         return nn.with_logical_constraint(banded_mask(segment_ids_BL, window, block), ("batch", None, "length", None))
     return attention_mask(segment_ids_BL, window)
@@ -221,6 +229,7 @@ def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL=No
     `banded_attention` computes only the blocks it can see). A score `softcap` (> 0) goes to XLA
     and splash (config.resolve refuses it with cuDNN)."""
     backend = attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1], softcap=softcap, head_dim=q_BLHDh.shape[-1])
+    window = row_window(window, q_BLHDh.shape[1])
     if backend == "cudnn":
         return cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, window)
     if backend in SPLASH:

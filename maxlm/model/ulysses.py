@@ -73,6 +73,7 @@ def attend(backend: str, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, splash_block
     `softcap` as `attention.attend`'s (the backend resolved here for the whole length)."""
     backend = attention.attention_backend(backend, q_BLHDh.dtype, q_BLHDh.shape[1], softcap=softcap,
                                           head_dim=q_BLHDh.shape[-1])
+    window = attention.row_window(window, q_BLHDh.shape[1])
     batch, length = _entry(_axes("batch")), _axes("length")
     heads, kv_heads = _entry(_axes("heads")), _entry(_axes("kv_heads"))
     shards = _devices(length)
