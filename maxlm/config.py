@@ -45,7 +45,6 @@ from maxlm.config_rules import (
     ATTENTION_KINDS,
     REMAT,
     SCHEDULES,
-    SPLASH_BLOCK,
     Domain,
     between,
     check_context_parallel,

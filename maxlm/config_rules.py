@@ -146,17 +146,12 @@ def _check_layer_kinds(c) -> None:
                           "SwiGLU without biases); use it with a dense model")
 
 
-def _check_sliding_window(c) -> None:
+def _check_attention_shape(c) -> None:
+    """The sliding window's and soft cap's kernels, and the layer pattern."""
     m = c.model
-    ring = m.context_parallel == "ring" and c.mesh.sequence > 1
-    if m.sliding_window and ring:
-        raise ConfigError(f"model.sliding_window={m.sliding_window} is not supported with "
-                          "model.context_parallel='ring' (its blocks know only whole or causal parts); use "
-                          "'ulysses' or 'all_gather'")
-    if m.attn_logit_softcap and (ring or m.attention == "cudnn"):
-        where = "model.context_parallel='ring' (its blocks' backward pass has no soft cap); use 'ulysses' or " \
-            "'all_gather'" if ring else "model.attention='cudnn' (cuDNN has no soft cap); use 'auto' or 'xla'"
-        raise ConfigError(f"model.attn_logit_softcap={m.attn_logit_softcap:g} is not supported with {where}")
+    if m.attn_logit_softcap and m.attention == "cudnn":
+        raise ConfigError(f"model.attn_logit_softcap={m.attn_logit_softcap:g} is not supported with "
+                          "model.attention='cudnn' (cuDNN has no soft cap); use 'auto' or 'xla'")
     _check_layer_pattern(c)
 
 
@@ -176,8 +171,6 @@ def _check_latent_attention(c) -> None:
         (m.head_dim not in (0, qk), f"model.head_dim={m.head_dim} (its query/key heads are qk_nope_head_dim + "
                                     f"qk_rope_head_dim = {qk} wide: set 0)"),
         (m.qk_rope_head_dim % 2, f"model.qk_rope_head_dim={m.qk_rope_head_dim} (RoPE rotates pairs: an even number)"),
-        (m.context_parallel == "ring" and c.mesh.sequence > 1,
-         "model.context_parallel='ring' (its blocks take values as wide as the keys; use 'ulysses' or 'all_gather')"),
     ) if bad]
     if refused:
         raise ConfigError("model.attention_kind='mla' is not supported with " + "; ".join(refused))
@@ -254,7 +247,7 @@ def check_model_and_optim(c) -> None:
             )
         m.head_dim = m.d_model // m.num_heads
     _check_positions(c)
-    _check_sliding_window(c)
+    _check_attention_shape(c)
     _check_layer_kinds(c)
     _check_experts(c)
     _check_mtp(c)

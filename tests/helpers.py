@@ -125,7 +125,10 @@ def random_qkv(B=2, L=32, H=4, K=2, Dh=8, seed=0):
 
 def weighted_sum_of_squares(attend):
     """A scalar of `attend(q, k, v)`'s output that weights every output element differently."""
-    return lambda q, k, v: (attend(q, k, v) ** 2 * jnp.arange(1, q.shape[-1] + 1)).sum()
+    def weighted(q, k, v):
+        out = attend(q, k, v)
+        return (out ** 2 * jnp.arange(1, out.shape[-1] + 1)).sum()
+    return weighted
 
 
 def padded_losses(cfg, steps: int, devices=None):

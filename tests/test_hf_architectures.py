@@ -243,7 +243,8 @@ def test_import_mismatches_name_the_keys(tmp_path):
     with pytest.raises(config_lib.ConfigError, match=r"model.sliding_window=16 but the checkpoint has 4096"):
         config_json.check_config(dict(hf_cfg, sliding_window=4096), _moe_cfg().model, "X")
     qwen3 = {**hf_cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "sliding_window": 4096}
-    with pytest.raises(config_lib.ConfigError, match=r"unsupported: sliding_window=4096 \(maxlm maps a window on every layer only"):
+    with pytest.raises(config_lib.ConfigError,
+                       match=r"unsupported: sliding_window=4096 \(maxlm maps a window on every layer only"):
         config_json.check_config({**qwen3, "use_sliding_window": True}, _cfg().model, "X")
     with pytest.raises(config_lib.ConfigError) as e:  # a window Qwen3 does not use is no window
         config_json.check_config({**qwen3, "use_sliding_window": False}, _cfg().model, "X")

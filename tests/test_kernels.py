@@ -272,14 +272,10 @@ def test_attention_backend_choice(monkeypatch):
         ({"model.splash_block_q": 192}, "model.splash_block_q=192 must be 0 (automatic) or a multiple of 128 "
                                         "that divides seq_len=64"),
         ({"seq_len": 384, "model.splash_block_kv": 256}, "model.splash_block_kv=256 must be 0"),
-        ({"model.sliding_window": 16, "model.context_parallel": "ring", "mesh.sequence": 4, "mesh.fsdp": 2},
-         "model.sliding_window=16 is not supported with model.context_parallel='ring'"),
         ({"model.num_experts": 4, "model.mlp_activation": "geglu"},
          "model.mlp_activation='geglu' is not supported with model.num_experts=4 (the experts are SwiGLU without "
          "biases); use it with a dense model"),
         ({"model.num_experts": 4, "model.use_bias": True}, "model.use_bias=True is not supported with model.num_experts=4"),
-        ({"model.attn_logit_softcap": 50.0, "model.context_parallel": "ring", "mesh.sequence": 4, "mesh.fsdp": 2},
-         "model.attn_logit_softcap=50 is not supported with model.context_parallel='ring'"),
         ({"model.attn_logit_softcap": 50.0, "model.attention": "cudnn"},
          "model.attn_logit_softcap=50 is not supported with model.attention='cudnn' (cuDNN has no soft cap)"),
         ({"model.layer_pattern": "LLX", "model.sliding_window": 16}, "model.layer_pattern='LLX' must be '' or letters L"),

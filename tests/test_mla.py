@@ -115,7 +115,6 @@ def test_the_latent_cache_gives_apply_logits(scan, q_lora):
     ({"model.qk_norm": "per_head"}, "model.qk_norm='per_head' (its latents have their own norms: 'none')"),
     ({"model.positions": "learned"}, "model.positions='learned'"),
     ({"model.qk_rope_head_dim": 7}, "model.qk_rope_head_dim=7 (RoPE rotates pairs: an even number)"),
-    ({"model.context_parallel": "ring", "mesh.sequence": 4, "mesh.fsdp": 2}, "model.context_parallel='ring'"),
 ])
 def test_what_it_is_not_built_with_is_refused(overrides, message):
     cfg = with_overrides(load_config("tiny"), {**MLA, **overrides})

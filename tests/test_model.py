@@ -266,7 +266,8 @@ GEMMA3_LIKE = {"mlp_activation": "geglu", "norm_plus_one": True, "scale_embeddin
                          + [("rope", "per_head", "pre", 0, {}), ("rope", "full", "post", 0, {}),
                             ("sinusoidal", "none", "sandwich", 0, {"mlp_activation": "geglu", "final_logit_softcap": 2.5}),
                             ("rope", "none", "pre", 7, {"qkv_bias": True}), ("learned", "none", "pre", 0, GPT2_LIKE),
-                            ("rope", "per_head", "sandwich", 7, GEMMA3_LIKE), ("rope", "none", "pre", 0, {**MLA, "q_lora_rank": 24}),
+                            ("rope", "per_head", "sandwich", 7, GEMMA3_LIKE),
+                            ("rope", "none", "pre", 0, {**MLA, "q_lora_rank": 24}),
                             ("rope", "none", "pre", 0, {**MLA, "q_lora_rank": 0})],
                          ids=["rope", "sinusoidal", "learned", "qk_per_head", "post_norm", "sandwich_geglu_softcap",
                               "window_qkv_bias", "gpt2_like", "gemma3_like", "mla", "mla_no_q_lora"])

@@ -43,6 +43,48 @@ def test_ring_output_and_gradients_equal_xla_attention(load_balance):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("load_balance", [False, True], ids=["in_order", "zigzag"])
+def test_the_ring_takes_a_window_a_soft_cap_and_narrower_values(load_balance):
+    """XLA's ring blocks with a sliding window of 5 tokens (blocks of 8 beyond it skipped), scores
+    capped at 0.5 and values of 6 dims for keys of 8: xla_attention's output and gradients."""
+    cfg = ring_config()
+    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
+    q, k, v = random_qkv()
+    v = v[..., :6]
+    L = q.shape[1]
+    segment_ids = jnp.asarray(padded_packed_batch(2, L, 10, seed=1)["segment_ids"])
+    mask = attention.attention_mask(segment_ids, 5)
+    expected = weighted_sum_of_squares(lambda q, k, v: attention.xla_attention(q, k, v, mask, 0.5))
+    order = zigzag.token_order(L, 4) if load_balance else np.arange(L)
+    ring = weighted_sum_of_squares(lambda q, k, v: ring_attention.ring_attention(
+        q[:, order], k[:, order], v[:, order], segment_ids[:, order], jnp.asarray(order), None, 5, 0.5)[:, np.argsort(order)])
+    value, grads = jax.value_and_grad(expected, argnums=(0, 1, 2))(q, k, v)
+    with mesh_lib.activate(mesh, rules):
+        ring_value, ring_grads = jax.jit(jax.value_and_grad(ring, argnums=(0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(ring_value, value, rtol=1e-5)
+    for name, a, b in zip("qkv", grads, ring_grads):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.sliding_window": 12, "model.layer_pattern": "LG", "model.attn_logit_softcap": 2.0},
+    {"model.attention_kind": "mla", "model.q_lora_rank": 24, "model.kv_lora_rank": 32, "model.qk_nope_head_dim": 16,
+     "model.qk_rope_head_dim": 8, "model.v_head_dim": 12, "model.num_kv_heads": 4},
+], ids=["gemma_like", "mla"])
+def test_the_model_runs_the_ring_for_local_layers_and_latent_attention(overrides):
+    """Local and global layers with capped scores, and multi-head latent attention, over a ring of 4
+    (XLA's blocks, `block_backend`): the unsharded logits."""
+    cfg = ring_config(**overrides, **{"model.context_load_balance": True})
+    assert attention_plan.kernels(cfg)["context_parallel"] == "ring over 4 devices, zig-zag, xla per block"
+    params = model.init_params(cfg.model, jax.random.key(0))
+    batch = {k: jnp.asarray(v) for k, v in padded_packed_batch(2, cfg.seq_len, cfg.model.vocab_size, 0).items()}
+    expected = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, batch)
+    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
+    with mesh_lib.activate(mesh, rules):
+        logits = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, mesh_lib.global_batch(batch, mesh, rules))
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
+
+
 def test_ring_keeps_keys_split_and_passes_blocks():
     """Per device, keys and values stay [B/2, L/4, ...]: the compiled step permutes them around the
     ring and never all-gathers them."""

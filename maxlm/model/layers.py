@@ -63,7 +63,8 @@ def attend_heads(cfg, q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, segment_ids_BL, init
         n, length = zigzag.shards(cfg), q_BLHDh.shape[1]
         token_index_L = jnp.asarray(zigzag.token_order(length, n) if n else np.arange(length), jnp.int32)
         kernel = ring_attention.block_kernel(cfg, dtype, length)  # splash, cuDNN, or None: XLA einsums
-        return ring_attention.ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L, kernel)
+        return ring_attention.ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L, kernel,
+                                             attention.row_window(cfg.sliding_window, length), cfg.attn_logit_softcap)
     backend = "xla" if initializing else cfg.attention
     blocks = (cfg.splash_block_q, cfg.splash_block_kv)
     if ulysses.applies(cfg, *q_BLHDh.shape[:2]) and not initializing:

@@ -62,9 +62,20 @@ def block_backend(model_cfg, dtype, length: int, n: int, platform: str | None = 
     """The kernel each ring block of a `length`-token sequence over `n` devices runs: what
     `model.attention` resolves to for a block's smallest part (L/n tokens, half that in zig-zag
     order): splash (or the tests' interpreted splash) on TPUs when it tiles by 128, cuDNN on
-    NVIDIA GPUs with 16-bit compute, else "xla"."""
+    NVIDIA GPUs with 16-bit compute, else "xla". XLA's blocks also where only they are written
+    for the model: a sliding window, a soft cap on the scores, or values narrower than the keys
+    (multi-head latent attention; `xla_only`)."""
+    if xla_only(model_cfg, length):
+        return "xla"
     part = length // n // (2 if model_cfg.context_load_balance else 1)
     return attention.attention_backend(model_cfg.attention, dtype, part, platform, head_dim=model_cfg.head_dim)
+
+
+def xla_only(model_cfg, length: int) -> bool:
+    """Whether the ring's blocks must be XLA's: the fused kernels' blocks know only whole or causal
+    parts, no soft cap, and values as wide as the keys."""
+    window = attention.row_window(model_cfg.sliding_window, length)
+    return bool(window or model_cfg.attn_logit_softcap or model_cfg.attention_kind == "mla")
 
 
 def block_kernel(model_cfg, dtype, length: int) -> ring_blocks.BlockKernel | None:
@@ -77,10 +88,14 @@ def block_kernel(model_cfg, dtype, length: int) -> ring_blocks.BlockKernel | Non
 
 
 def ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L,
-                   kernel: ring_blocks.BlockKernel | None = None):
-    """Causal, per-document attention [B, L, H, Dh] as a ring over the length's mesh axis; batch and
+                   kernel: ring_blocks.BlockKernel | None = None, window: int = 0, softcap: float = 0.0):
+    """Causal, per-document attention [B, L, H, Dv] as a ring over the length's mesh axis; batch and
     heads split as the active rules say (kv heads as heads: the config makes them divisible).
-    Each block runs XLA einsums, or the fused `kernel` (splash, cuDNN: maxlm/model/ring_blocks.py)."""
+    Each block runs XLA einsums, or the fused `kernel` (splash, cuDNN: maxlm/model/ring_blocks.py).
+    XLA's blocks also take a sliding `window` (skipping the blocks it hides entirely), a score
+    `softcap` and values narrower than the keys."""
+    if kernel is not None and (window or softcap or v_BSKDh.shape[-1] != q_BLHDh.shape[-1]):
+        raise ValueError("the ring's fused blocks take no window, soft cap or narrower values (block_backend: xla)")
     axis = ring_axis()
     if axis is None:
         raise ValueError("ring_attention needs an active mesh whose rules split `length` over an axis of size > 1")
@@ -88,7 +103,7 @@ def ring_attention(q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, token_index_L,
     batch, length, heads = nn.logical_to_mesh_axes(("batch", "length", "heads"))
     spec_BLHDh = PartitionSpec(batch, length, heads, None)
     return jax.shard_map(
-        functools.partial(_ring, axis, n, kernel),
+        functools.partial(_ring, axis, n, kernel, (window, softcap)),
         in_specs=(spec_BLHDh, spec_BLHDh, spec_BLHDh, PartitionSpec(batch, length), PartitionSpec(length)),
         out_specs=spec_BLHDh,
         check_vma=False,  # the custom VJP's outputs carry no varying-axes type; the specs say it all
@@ -127,16 +142,21 @@ def _around_with_gradients(axis: str, n: int, block, dq, dkv, step):
     return dq, _shift(axis, n, dkv)
 
 
-def _block_mask(segment_ids_bL, index_L, block):
-    """[b, 1, 1, L, S]: query row may see key column (causal by original index, same document)."""
+def _block_mask(segment_ids_bL, index_L, block, window: int = 0):
+    """[b, 1, 1, L, S]: query row may see key column (causal by original index, within the sliding
+    `window` when > 0, same document)."""
     _, _, segment_ids_bS, index_S = block
     causal_LS = index_S[None, :] <= index_L[:, None]
+    if window:
+        causal_LS &= index_L[:, None] - index_S[None, :] < window
     same_doc_bLS = segment_ids_bL[:, :, None] == segment_ids_bS[:, None, :]
     return (causal_LS[None] & same_doc_bLS)[:, None, None]
 
 
-def _scores(q_bKGLDh, k_bSKDh, mask):
+def _scores(q_bKGLDh, k_bSKDh, mask, softcap: float = 0.0):
     scores = jnp.einsum("bkgld,bskd->bkgls", q_bKGLDh, k_bSKDh, preferred_element_type=jnp.float32)
+    if softcap:
+        scores = softcap * jnp.tanh(scores / softcap)
     return jnp.where(mask, scores, _MASKED)
 
 
@@ -151,14 +171,17 @@ def _heads_minor(x_bKGLDh):
     return x_bKGLDh.transpose(0, 3, 1, 2, 4).reshape(b, L, K * G, Dh)
 
 
-def _forward_step(q_bKGLDh, segment_ids_bL, index_L, block, acc):
-    """The online softmax's accumulators (out, running max, running sum) after one more block."""
-    mask = _block_mask(segment_ids_bL, index_L, block)
+def _forward_step(q_bKGLDh, segment_ids_bL, index_L, shape, block, acc):
+    """The online softmax's accumulators (out, running max, running sum) after one more block;
+    `shape` = (window, softcap) of the scores. A block the mask hides entirely (above the
+    diagonal, or beyond the window) is skipped."""
+    window, softcap = shape
+    mask = _block_mask(segment_ids_bL, index_L, block, window)
 
     def attend(acc):
         out, row_max, row_sum = acc
         _, v_bSKDh, _, _ = block
-        scores = _scores(q_bKGLDh, block[0], mask)
+        scores = _scores(q_bKGLDh, block[0], mask, softcap)
         new_max = jnp.maximum(row_max, scores.max(axis=-1))
         probs = jnp.where(mask, jnp.exp(scores - new_max[..., None]), 0.0)
         rescale = jnp.exp(row_max - new_max)
@@ -169,12 +192,12 @@ def _forward_step(q_bKGLDh, segment_ids_bL, index_L, block, acc):
     return jax.lax.cond(mask.any(), attend, lambda acc: acc, acc)
 
 
-def _ring_forward(axis, n, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
+def _ring_forward(axis, n, shape, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
     scale = jnp.asarray(1 / math.sqrt(q_bLHDh.shape[-1]), q_bLHDh.dtype)
     q_bKGLDh = _heads_major(q_bLHDh * scale, k_bSKDh.shape[2])
     rows = q_bKGLDh.shape[:-1]
-    acc = (jnp.zeros(q_bKGLDh.shape, jnp.float32), jnp.full(rows, -jnp.inf), jnp.zeros(rows, jnp.float32))
-    step = functools.partial(_forward_step, q_bKGLDh, segment_ids_bL, index_L)
+    acc = (jnp.zeros((*rows, v_bSKDh.shape[-1]), jnp.float32), jnp.full(rows, -jnp.inf), jnp.zeros(rows, jnp.float32))
+    step = functools.partial(_forward_step, q_bKGLDh, segment_ids_bL, index_L, shape)
 
     block = (k_bSKDh, v_bSKDh, segment_ids_bL, index_L)
     out, row_max, row_sum = _around(axis, n, block, acc, step)
@@ -184,17 +207,22 @@ def _ring_forward(axis, n, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
     return out_bLHDh, (q_bKGLDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L, out.astype(q_bLHDh.dtype), log_sum_exp)
 
 
-def _backward_step(q_bKGLDh, dout, log_sum_exp, delta, segment_ids_bL, index_L, block, dq, dkv):
-    """dq and the travelling block's (dk, dv) after attending to it once more (flash backward)."""
-    mask = _block_mask(segment_ids_bL, index_L, block)
+def _backward_step(q_bKGLDh, dout, log_sum_exp, delta, segment_ids_bL, index_L, shape, block, dq, dkv):
+    """dq and the travelling block's (dk, dv) after attending to it once more (flash backward;
+    through the soft cap's tanh when there is one)."""
+    window, softcap = shape
+    mask = _block_mask(segment_ids_bL, index_L, block, window)
 
     def grads(dq_dkv):
         dq, (dk, dv) = dq_dkv
         k_bSKDh, v_bSKDh, _, _ = block
-        probs = jnp.where(mask, jnp.exp(_scores(q_bKGLDh, k_bSKDh, mask) - log_sum_exp[..., None]), 0.0)
+        scores = _scores(q_bKGLDh, k_bSKDh, mask, softcap)
+        probs = jnp.where(mask, jnp.exp(scores - log_sum_exp[..., None]), 0.0)
         dv = dv + jnp.einsum("bkgls,bkgld->bskd", probs, dout)
         dprobs = jnp.einsum("bkgld,bskd->bkgls", dout, v_bSKDh.astype(jnp.float32))
         dscores = probs * (dprobs - delta[..., None])
+        if softcap:  # d(c·tanh(s / c))/ds = 1 - tanh², tanh = the capped score / c
+            dscores = dscores * (1 - jnp.square(jnp.where(mask, scores, 0.0) / softcap))
         dq = dq + jnp.einsum("bkgls,bskd->bkgld", dscores, k_bSKDh.astype(jnp.float32))
         dk = dk + jnp.einsum("bkgls,bkgld->bskd", dscores, q_bKGLDh.astype(jnp.float32))
         return dq, (dk, dv)
@@ -202,16 +230,15 @@ def _backward_step(q_bKGLDh, dout, log_sum_exp, delta, segment_ids_bL, index_L, 
     return jax.lax.cond(mask.any(), grads, lambda dq_dkv: dq_dkv, (dq, dkv))
 
 
-def _ring_backward(axis, n, residuals, dout_bLHDh):
+def _ring_backward(axis, n, shape, residuals, dout_bLHDh):
     q_bKGLDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L, out, log_sum_exp = residuals
     dout = _heads_major(dout_bLHDh, q_bKGLDh.shape[1]).astype(jnp.float32)
     delta = (dout * out.astype(jnp.float32)).sum(axis=-1)  # rowsum(dO ∘ O)
-    step = functools.partial(_backward_step, q_bKGLDh, dout, log_sum_exp, delta, segment_ids_bL, index_L)
+    step = functools.partial(_backward_step, q_bKGLDh, dout, log_sum_exp, delta, segment_ids_bL, index_L, shape)
 
     block = (k_bSKDh, v_bSKDh, segment_ids_bL, index_L)
-    zeros_kv = jnp.zeros(k_bSKDh.shape, jnp.float32)
-    dq, (dk, dv) = _around_with_gradients(axis, n, block, jnp.zeros(q_bKGLDh.shape, jnp.float32),
-                                          (zeros_kv, zeros_kv), step)
+    zeros_kv = (jnp.zeros(k_bSKDh.shape, jnp.float32), jnp.zeros(v_bSKDh.shape, jnp.float32))
+    dq, (dk, dv) = _around_with_gradients(axis, n, block, jnp.zeros(q_bKGLDh.shape, jnp.float32), zeros_kv, step)
     dq_bLHDh = _heads_minor(dq) / math.sqrt(q_bKGLDh.shape[-1])
     return (dq_bLHDh.astype(q_bKGLDh.dtype), dk.astype(k_bSKDh.dtype), dv.astype(v_bSKDh.dtype), None, None)
 
@@ -260,21 +287,22 @@ def _fused_ring_backward(axis, n, kernel, residuals, dout_bLHDh):
 # ----------------------------------------------------------------------------- the ring's VJP
 
 
-def _forward(axis, n, kernel, *args):
+def _forward(axis, n, kernel, shape, *args):
     if kernel is None:
-        return _ring_forward(axis, n, *args)
+        return _ring_forward(axis, n, shape, *args)
     return _fused_ring_forward(axis, n, kernel, *args)
 
 
-def _backward(axis, n, kernel, residuals, dout_bLHDh):
+def _backward(axis, n, kernel, shape, residuals, dout_bLHDh):
     if kernel is None:
-        return _ring_backward(axis, n, residuals, dout_bLHDh)
+        return _ring_backward(axis, n, shape, residuals, dout_bLHDh)
     return _fused_ring_backward(axis, n, kernel, residuals, dout_bLHDh)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ring(axis, n, kernel, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
-    return _forward(axis, n, kernel, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ring(axis, n, kernel, shape, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L):
+    """`shape`: (sliding window, soft cap) of the scores, XLA's blocks only (`block_backend`)."""
+    return _forward(axis, n, kernel, shape, q_bLHDh, k_bSKDh, v_bSKDh, segment_ids_bL, index_L)[0]
 
 
 _ring.defvjp(_forward, _backward)
