@@ -147,8 +147,11 @@ def _check_layer_kinds(c) -> None:
 
 
 def _check_attention_shape(c) -> None:
-    """The sliding window's and soft cap's kernels, and the layer pattern."""
+    """The sliding window's length and the soft cap's kernels, and the layer pattern."""
     m = c.model
+    if m.sliding_window and m.sliding_window >= c.seq_len:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} must be below seq_len={c.seq_len}, where it "
+                          "would see every token anyway; use 0 (full causal attention)")
     if m.attn_logit_softcap and m.attention == "cudnn":
         raise ConfigError(f"model.attn_logit_softcap={m.attn_logit_softcap:g} is not supported with "
                           "model.attention='cudnn' (cuDNN has no soft cap); use 'auto' or 'xla'")

@@ -272,6 +272,8 @@ def test_attention_backend_choice(monkeypatch):
         ({"model.splash_block_q": 192}, "model.splash_block_q=192 must be 0 (automatic) or a multiple of 128 "
                                         "that divides seq_len=64"),
         ({"seq_len": 384, "model.splash_block_kv": 256}, "model.splash_block_kv=256 must be 0"),
+        ({"model.sliding_window": 64}, "model.sliding_window=64 must be below seq_len=64, where it would see "
+                                       "every token anyway; use 0 (full causal attention)"),
         ({"model.num_experts": 4, "model.mlp_activation": "geglu"},
          "model.mlp_activation='geglu' is not supported with model.num_experts=4 (the experts are SwiGLU without "
          "biases); use it with a dense model"),

@@ -417,13 +417,17 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def check_config(hf: dict, model_cfg, source: str) -> None:
+def check_config(hf: dict, model_cfg, source: str, seq_len: int = 0) -> None:
     """Raises ConfigError listing every model key where the run differs from the HF config (with
-    the value to set) and every HF feature maxlm cannot represent."""
+    the value to set) and every HF feature maxlm cannot represent. A window on every layer that is
+    at least the run's `seq_len` (Mistral 7B v0.1's 4096 at seq_len 4096) hides no key there: the
+    run has none (model.sliding_window=0, which the config asks for at that length)."""
     try:
         mapped, unsupported = model_config_from_hf(hf)
     except config_lib.ConfigError as e:
         raise config_lib.ConfigError(f"checkpoint.init_from_hf={source}: {e}") from None
+    if seq_len and not mapped.get("layer_pattern") and mapped.get("sliding_window", 0) >= seq_len:
+        mapped["sliding_window"] = 0
     diffs = [f"model.{key}={model_cfg[key]!r} but the checkpoint has {value!r}"
              for key, value in mapped.items() if not _same(model_cfg[key], value)]
     if diffs or unsupported:

@@ -111,14 +111,14 @@ def check_weights(path: str, weight_map: dict[str, str], model_cfg) -> None:
             + "; ".join(problems[:8]) + more)
 
 
-def checked_dir(path: str, model_cfg) -> dict[str, str]:
-    """{tensor name: safetensors file} of the HF folder at `path`, checked against `model_cfg`
-    (ConfigError) by process 0 alone: every process of the job calls this together, and all go on
+def checked_dir(path: str, model_cfg, seq_len: int = 0) -> dict[str, str]:
+    """{tensor name: safetensors file} of the HF folder at `path`, checked against `model_cfg` at
+    the run's `seq_len` (`config_json.check_config`; ConfigError) by process 0 alone: every process of the job calls this together, and all go on
     or raise together (a folder one host cannot see does not stop that one alone)."""
 
     def check() -> bytes:
         hf, weight_map = read_dir(path)
-        check_config(hf, model_cfg, path)
+        check_config(hf, model_cfg, path, seq_len)
         check_weights(path, weight_map, model_cfg)
         return json.dumps(weight_map).encode()
 
@@ -198,14 +198,15 @@ def check_init_from_hf(cfg) -> None:
         raise config_lib.ConfigError(
             f"checkpoint.init_from_hf={ckpt.init_from_hf} with model.mtp_depth={cfg.model.mtp_depth}: a Llama "
             "checkpoint holds no multi-token prediction modules to start them from; set model.mtp_depth=0")
-    checked_dir(ckpt.init_from_hf, cfg.model)
+    checked_dir(ckpt.init_from_hf, cfg.model, cfg.seq_len)
 
 
 # ----------------------------------------------------------------------------- import
 
 
-def load_params(path: str, model_cfg, abstract_params):
-    """The parameters of the HF checkpoint at `path` as maxlm's pytree of float32 jax.Arrays, with
+def load_params(path: str, model_cfg, abstract_params, seq_len: int = 0):
+    """The parameters of the HF checkpoint at `path` (checked against the run at `seq_len`: 0, the
+    model config alone) as maxlm's pytree of float32 jax.Arrays, with
     the shapes and shardings of `abstract_params` (`state.abstract_params(model_cfg, shardings)`),
     built shard by shard: each device receives only its own block, read from the memory-mapped
     files.
@@ -214,7 +215,7 @@ def load_params(path: str, model_cfg, abstract_params):
     """
     architecture(model_cfg, f"checkpoint.init_from_hf={path}")
     path = os.path.expanduser(path)
-    weight_map = checked_dir(path, model_cfg)
+    weight_map = checked_dir(path, model_cfg, seq_len)
     out: dict[str, Any] = {}
     with _open(path, weight_map) as slices:
         for source in sources(model_cfg, abstract_params):

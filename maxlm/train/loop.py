@@ -155,7 +155,7 @@ def starting_state(cfg, ckpt: checkpoint.Checkpointer, fresh_state, abstract):
         return state_lib.with_missing_from(loaded, missing, path), 1.0, meta
     if ckpt_cfg.init_from_hf:  # a Hugging Face Llama folder: params only, step 0
         log.info("starting from Hugging Face checkpoint %s (params only)", ckpt_cfg.init_from_hf)
-        return dict(fresh_state(), params=hf.load_params(ckpt_cfg.init_from_hf, cfg.model, abstract["params"])), 1.0, {}
+        return dict(fresh_state(), params=hf.load_params(ckpt_cfg.init_from_hf, cfg.model, abstract["params"], cfg.seq_len)), 1.0, {}
     return fresh_state(), 1.0, {}
 
 
