@@ -179,10 +179,10 @@ def test_cached_logits_equal_apply_for_other_blocks(kinds):
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
 def test_cached_logits_equal_apply_with_a_layer_pattern(scan):
-    """Gemma 3's block on 5 layers of local, local, global (a window of 4 tokens, the local RoPE
+    """Gemma 3's block on 7 layers of local, local, global (a window of 4 tokens, the local RoPE
     base), scores soft-capped, norms scaling by 1 + w, embeddings by √D: the cache's logits are
     model.apply's at every position."""
-    gemma = (("layer_pattern", "LLG"), ("num_layers", 5), ("rope_theta_local", 100.0), ("attn_logit_softcap", 2.0),
+    gemma = (("layer_pattern", "LLG"), ("num_layers", 7), ("rope_theta_local", 100.0), ("attn_logit_softcap", 2.0),
              ("norm_plus_one", True), ("scale_embeddings", True), ("mlp_activation", "geglu"))
     test_cached_logits_equal_apply(scan, "rope", "per_head", "sandwich", 4, gemma)
 

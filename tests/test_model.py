@@ -251,13 +251,13 @@ def reference_case(positions="rope", **overrides):
 
 
 GPT2_LIKE = {"norm": "layernorm", "mlp_activation": "gelu", "use_bias": True}
-# Gemma 3's block on 5 layers of the pattern local, local, global: one scanned group of three
-# layers and two unrolled after it; the local layers' RoPE base differs, the scores are capped
 # DeepSeek-V3's multi-head latent attention, with and without the query bottleneck: 4 heads of
 # 16 + 8 query/key dims (the RoPE case's head_dim of 24) and 12 value dims from a 32-wide latent
 MLA = {"attention_kind": "mla", "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
        "num_kv_heads": 4}
-GEMMA3_LIKE = {"mlp_activation": "geglu", "norm_plus_one": True, "scale_embeddings": True, "num_layers": 5,
+# Gemma 3's block on 7 layers of the pattern local, local, global: two groups of three scanned and
+# a layer unrolled after them; the local layers' RoPE base differs, the scores are capped
+GEMMA3_LIKE = {"mlp_activation": "geglu", "norm_plus_one": True, "scale_embeddings": True, "num_layers": 7,
                "layer_pattern": "LLG", "rope_theta_local": 1e3, "attn_logit_softcap": 1.5}
 
 
@@ -338,9 +338,9 @@ def test_scan_and_remat_equal_unrolled(remat):
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_layer_pattern_scanned_equals_unrolled(remat):
-    """Local and global layers (`GEMMA3_LIKE`: a scanned group of the pattern, two layers after it)
+    """Local and global layers (`GEMMA3_LIKE`: two scanned groups of the pattern, a layer after them)
     give the unrolled layers' loss and gradients, with and without remat (gradients of about 1e-3
-    through 5 layers of sandwiched norms: 1e-6 absolute, float32's summation orders apart)."""
+    through 7 layers of sandwiched norms: 1e-6 absolute, float32's summation orders apart)."""
     gemma = {**GEMMA3_LIKE, "sliding_window": 7, "qk_norm": "per_head", "norm_placement": "sandwich"}
     assert_scanned_equals_unrolled(tiny_model_cfg(scan_layers=False, remat="none", **gemma),
                                    tiny_model_cfg(scan_layers=True, remat=remat, **gemma), atol=1e-6)

@@ -46,8 +46,8 @@ def run(step, x, stacked, layer_kinds: str, remat_policy=None):
     """(x after the layers, their outputs stacked over the layers or None): `step(kind, x, layer)`
     → (x, out) runs one layer, `layer` being its slice of `stacked` (a pytree whose leaves have a
     leading axis of len(layer_kinds)). The layers run in whole groups of `period(layer_kinds)`
-    as one `lax.scan` (a group's j-th layer has kind layer_kinds[j]), the rest unrolled; each
-    layer rematerialised by `remat_policy` when given."""
+    as one `lax.scan` (a group's j-th layer has kind layer_kinds[j]; a single group unrolled),
+    the rest unrolled; each layer rematerialised by `remat_policy` when given."""
     n = len(layer_kinds)
     p = period(layer_kinds)
     def layer_fn(kind: str, scanned: bool):
@@ -68,10 +68,15 @@ def run(step, x, stacked, layer_kinds: str, remat_policy=None):
     if p == 1:  # one kind: the plain scan over the layers
         x, outs = jax.lax.scan(lambda x, layer: group_fns[0](x, layer), x, stacked)
         return x, outs
-    grouped = jax.tree.map(lambda a: a[:groups * p].reshape(groups, p, *a.shape[1:]), stacked)
-    x, outs = jax.lax.scan(group, x, grouped)
-    outs = [] if outs is None else [jax.tree.map(lambda a: a.reshape(groups * p, *a.shape[2:]), outs)]
-    for i in range(groups * p, n):  # the layers after the last whole group
+    outs = []
+    if groups > 1:
+        grouped = jax.tree.map(lambda a: a[:groups * p].reshape(groups, p, *a.shape[1:]), stacked)
+        x, group_outs = jax.lax.scan(group, x, grouped)
+        if group_outs is not None:
+            outs.append(jax.tree.map(lambda a: a.reshape(groups * p, *a.shape[2:]), group_outs))
+    else:  # one group: a scan of one iteration would only add its loop (8% of a 6-layer CPU step)
+        groups = 0
+    for i in range(groups * p, n):  # the layers after the last scanned group
         x, out = layer_fn(layer_kinds[i], scanned=False)(x, jax.tree.map(lambda a, i=i: a[i], stacked))
         if out is not None:
             outs.append(jax.tree.map(lambda a: a[None], out))
