@@ -82,10 +82,7 @@ def _attention(model_cfg, p, x_BTD, positions_BT, cache):
     rows_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[0])[:, None], positions_BT.shape)
     k_BSKDh = cache["k"].at[rows_BT, positions_BT].set(k_BTKDh)
     v_BSKDh = cache["v"].at[rows_BT, positions_BT].set(v_BTKDh)
-    slots_S = jnp.arange(k_BSKDh.shape[1])
-    mask_BTS = slots_S[None, None, :] <= positions_BT[:, :, None]
-    if cfg.sliding_window:  # the token itself and the sliding_window - 1 before it
-        mask_BTS &= slots_S[None, None, :] > positions_BT[:, :, None] - cfg.sliding_window
+    mask_BTS = attention.cache_mask(positions_BT, k_BSKDh.shape[1], cfg.sliding_window)
     out_BTHDh = attention.xla_attention(q_BTHDh, k_BSKDh, v_BSKDh, mask_BTS[:, None], cfg.attn_logit_softcap)
     out_BTD = model.weight_matmul(cfg, "blhk,hkd->bld", out_BTHDh, p["wo"], dtype)
     if "bo" in p:  # model.use_bias

@@ -80,6 +80,21 @@ def causal_mask(segment_ids_BL, segment_ids_BS, window: int = 0):
     return (causal_LS[None] & same_doc_BLS)[:, None]
 
 
+def soft_cap(x, cap: float):
+    """cap·tanh(x / cap), bounded by ±cap (Gemma 2's soft caps); `x` itself when cap is 0."""
+    return cap * jnp.tanh(x / cap) if cap else x
+
+
+def cache_mask(positions_BT, num_slots: int, window: int = 0):
+    """[B, T, S] booleans of a KV cache whose slot is the position: each new token sees the slots
+    up to its own, and with a `window` > 0 only its own and the window - 1 before it."""
+    slots_S = jnp.arange(num_slots)
+    mask_BTS = slots_S[None, None, :] <= positions_BT[:, :, None]
+    if window:
+        mask_BTS &= slots_S[None, None, :] > positions_BT[:, :, None] - window
+    return mask_BTS
+
+
 def row_window(window: int, seq_len: int) -> int:
     """`window`, or 0 (none) where it spans the whole row: a window of at least `seq_len` tokens
     hides no key, and the kernels then run plain causal attention (a checkpoint's window, such as
@@ -131,9 +146,7 @@ def banded_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, softcap: float = 0.0)
         return jnp.concatenate([before, x_BNKQD], axis=3)
 
     k_BNKSDh, v_BNKSDv = with_block_before(k_BSKDh), with_block_before(v_BSKDh)
-    scores = jnp.einsum("bnkgqd,bnksd->bnkgqs", q_BNKGQDh, k_BNKSDh).astype(jnp.float32)
-    if softcap:
-        scores = softcap * jnp.tanh(scores / softcap)
+    scores = soft_cap(jnp.einsum("bnkgqd,bnksd->bnkgqs", q_BNKGQDh, k_BNKSDh).astype(jnp.float32), softcap)
     mask_BN11QS = mask_B1LS.reshape(B, n, 1, 1, b, 2 * b)
     scores = jnp.where(mask_BN11QS, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q_BLHDh.dtype)
@@ -156,9 +169,7 @@ def xla_attention(q_BLHDh, k_BSKDh, v_BSKDh, mask_B1LS, softcap: float = 0.0):
     q_BLHDh = q_BLHDh * jnp.asarray(1 / math.sqrt(Dh), q_BLHDh.dtype)
     q_BKGLDh = q_BLHDh.reshape(B, L, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
     k_BKSDh, v_BKSDh = k_BSKDh.transpose(0, 2, 1, 3), v_BSKDh.transpose(0, 2, 1, 3)
-    scores_BKGLS = jnp.einsum("bkgld,bksd->bkgls", q_BKGLDh, k_BKSDh).astype(jnp.float32)
-    if softcap:
-        scores_BKGLS = softcap * jnp.tanh(scores_BKGLS / softcap)
+    scores_BKGLS = soft_cap(jnp.einsum("bkgld,bksd->bkgls", q_BKGLDh, k_BKSDh).astype(jnp.float32), softcap)
     # Every row keeps at least its diagonal, so the softmax never sees an all-masked row.
     scores_BKGLS = jnp.where(mask_B1LS[:, :, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
     probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(q_BLHDh.dtype)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxlm.model import positions
+from maxlm.model import attention, positions
 from maxlm.model.layers import attend_heads, compute_dtype, constrain, normal, param, weight_matmul
 from maxlm.model.norms import RMSNorm
 
@@ -129,12 +129,8 @@ def decode_attention(model_cfg, p: dict, x_BTD, positions_BT, cache: dict):
     scale = 1 / math.sqrt(N + cfg.qk_rope_head_dim)
     scores_BHTS = (jnp.einsum("bthc,bsc->bhts", q_latent_BTHC, c_BSC)
                    + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)).astype(jnp.float32) * scale
-    if cap := cfg.attn_logit_softcap:
-        scores_BHTS = cap * jnp.tanh(scores_BHTS / cap)
-    slots_S = jnp.arange(c_BSC.shape[1])
-    mask_BTS = slots_S[None, None, :] <= positions_BT[:, :, None]
-    if cfg.sliding_window:  # the token itself and the sliding_window - 1 before it
-        mask_BTS &= slots_S[None, None, :] > positions_BT[:, :, None] - cfg.sliding_window
+    scores_BHTS = attention.soft_cap(scores_BHTS, cfg.attn_logit_softcap)
+    mask_BTS = attention.cache_mask(positions_BT, c_BSC.shape[1], cfg.sliding_window)
     scores_BHTS = jnp.where(mask_BTS[:, None], scores_BHTS, jnp.finfo(jnp.float32).min)
     probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(dtype)
     out_BTHV = jnp.einsum("bthc,chv->bthv", jnp.einsum("bhts,bsc->bthc", probs_BHTS, c_BSC), w_v_CHV)

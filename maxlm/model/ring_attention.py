@@ -154,9 +154,8 @@ def _block_mask(segment_ids_bL, index_L, block, window: int = 0):
 
 
 def _scores(q_bKGLDh, k_bSKDh, mask, softcap: float = 0.0):
-    scores = jnp.einsum("bkgld,bskd->bkgls", q_bKGLDh, k_bSKDh, preferred_element_type=jnp.float32)
-    if softcap:
-        scores = softcap * jnp.tanh(scores / softcap)
+    scores = attention.soft_cap(jnp.einsum("bkgld,bskd->bkgls", q_bKGLDh, k_bSKDh, preferred_element_type=jnp.float32),
+                                softcap)
     return jnp.where(mask, scores, _MASKED)
 
 

@@ -431,8 +431,7 @@ def output_logits(model_cfg, x_BLD, w_head):
     at ±`model.final_logit_softcap` when it is set (every loss, eval and generation reads them here)."""
     logits_BLV = head.project("vd" if model_cfg.tie_embeddings else "dv", x_BLD, w_head.astype(x_BLD.dtype))
     logits_BLV = logits_BLV.astype(jnp.float32)
-    if cap := model_cfg.final_logit_softcap:
-        logits_BLV = cap * jnp.tanh(logits_BLV / cap)
+    logits_BLV = attention.soft_cap(logits_BLV, model_cfg.final_logit_softcap)
     return _constrain(logits_BLV, ("batch", "length", "vocab"))
 
 
