@@ -49,6 +49,7 @@ from maxlm.config_rules import (
     between,
     check_context_parallel,
     check_data,
+    check_checkpoint,
     check_eval,
     check_model_and_optim,
     check_optimizer,
@@ -359,6 +360,11 @@ def _checkpoint_defaults() -> _Section:
     s.restore_from = ""  # start a fresh workdir from another run's checkpoint
     s.restore_params_only = False, BOOL  # with restore_from: params only (step 0, new optimizer)
     s.init_from_hf = ""  # a fresh workdir starts from a local HF Llama folder (maxlm/hf/files.py)
+    # the host-local tier (docs/checkpoints.md#two-tiers): each host's own disk, "" = off; "{process}"
+    # in the path becomes the process index (several processes on one machine or one filesystem)
+    s.local_dir = ""
+    s.local_every_steps = 10, POSITIVE_INT  # a local save every this many steps
+    s.local_max_to_keep = 2, POSITIVE_INT  # newest local saves kept (never touches the persistent tier)
     return s
 
 
@@ -391,6 +397,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
     check_context_parallel(c)
     check_data(c)
     check_eval(c)
+    check_checkpoint(c)
     return c
 
 

@@ -369,6 +369,17 @@ def check_data(c):
         raise ConfigError(f"data.mixture names must differ, got {names}")
 
 
+def check_checkpoint(c):
+    local = c.checkpoint.local_dir
+    if local and "://" in local:
+        raise ConfigError(f"checkpoint.local_dir is a path on each host's own disk, got {local!r}: the persistent "
+                          "tier (the workdir's checkpoints/) is the one on shared storage")
+    if local and c.checkpoint.local_every_steps >= c.checkpoint.every_steps:
+        raise ConfigError(f"checkpoint.local_every_steps={c.checkpoint.local_every_steps} is not below "
+                          f"checkpoint.every_steps={c.checkpoint.every_steps}: the local tier saves more often "
+                          "than the persistent one, or it adds nothing")
+
+
 def check_eval(c):
     """eval.sets: (identifier, source) pairs; eval.tasks: .jsonl paths; every name (a set's, a
     task file's stem) used once, since each names metrics `eval/<name>/...`."""

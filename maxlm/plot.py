@@ -4,10 +4,12 @@ Reads each `DIR/metrics.jsonl` (local or `gs://`, through maxlm/paths.py) and dr
 train loss, eval loss, learning rate and tokens/s against the step, one line per run (the legend
 is the run directory's name), and the last eval's loss by position in the document
 (`eval/loss_by_position/START`: `eval.position_buckets`), which falls with the position while the
-model uses its context. A resumed run repeats some steps in its file; the last row written
-for a step is the one drawn, as for every reader of metrics.jsonl. Rendering uses matplotlib's
-Agg backend, so no display is needed. A DIR without `metrics.jsonl` ends with one line on stderr
-and exit status 2.
+model uses its context. Each run also gets a panel of where its wall time went: `goodput` and the
+`badput/<category>` shares stacked against the step (maxlm/train/goodput.py); the first run's fills
+the grid's last cell, the others' follow in rows of three. A resumed run repeats some steps in its
+file; the last row written for a step is the one drawn, as for every reader of metrics.jsonl.
+Rendering uses matplotlib's Agg backend, so no display is needed. A DIR without `metrics.jsonl`
+ends with one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 
 from maxlm import cli, paths
 from maxlm.errors import UserError
-from maxlm.train import metrics
+from maxlm.train import goodput, metrics
 
 # (panel title, metrics.jsonl key), row by row
 PANELS = (("train loss", "loss"), ("eval loss", "eval_loss"),
@@ -59,6 +61,25 @@ def _draw_loss_by_position(ax, runs) -> None:
                   metrics.LOSS_BY_POSITION)
 
 
+def wall_time_shares(rows: list[dict]) -> tuple[list[int], dict[str, list[float]]]:
+    """(steps, {category: its share of the wall time at each step}) of the rows with `goodput`
+    (productive's share) and `badput/<category>`, the last row of a repeated step winning."""
+    keys = {"productive": "goodput", **{c: f"badput/{c}" for c in goodput.BADPUT}}
+    by_step = {int(row["step"]): row for row in rows if "goodput" in row}
+    steps = sorted(by_step)
+    return steps, {c: [float(by_step[s].get(key, 0.0)) for s in steps] for c, key in keys.items()}
+
+
+def _draw_wall_time(ax, label: str, rows: list[dict]) -> None:
+    steps, shares = wall_time_shares(rows)
+    if steps:
+        ax.stackplot(steps, *shares.values(), labels=list(shares), colors=[f"C{i}" for i in range(len(shares))],
+                     alpha=0.85)
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("share of the wall time")
+    _finish_panel(ax, f"wall time: {label}", "step", bool(steps), "goodput")
+
+
 def _finish_panel(ax, title: str, xlabel: str, drawn: bool, key: str) -> None:
     """Title, axis label and grid; a legend, or a note that the runs hold no `key`."""
     ax.set_title(title)
@@ -88,9 +109,15 @@ def plot_runs(workdirs: list[str], out: str) -> None:
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 7.5), layout="constrained")
+    extra_rows = (len(runs) + 1) // 3  # rows of three for the wall-time panels after the first run's
+    fig, axes = plt.subplots(2 + extra_rows, 3, figsize=(16, 3.75 * (2 + extra_rows)), layout="constrained",
+                             squeeze=False)
     _draw_loss_by_position(axes[0, 2], runs)
-    axes[1, 2].axis("off")
+    wall_time_axes = [axes[1, 2], *axes[2:].flat]
+    for ax, (label, rows) in zip(wall_time_axes, runs):
+        _draw_wall_time(ax, label, rows)
+    for ax in wall_time_axes[len(runs):]:
+        ax.axis("off")
     for ax, (title, key) in zip(axes[:, :2].flat, PANELS):
         drawn = False
         for i, (label, rows) in enumerate(runs):

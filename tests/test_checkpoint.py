@@ -132,7 +132,7 @@ def test_damaged_and_incomplete_checkpoints_are_skipped(tmp_path, clean_run, dat
 
 
 def test_keep_policies(tmp_path):
-    cfg = ConfigDict({"max_to_keep": 2, "keep_period": 4})
+    cfg = ConfigDict({"max_to_keep": 2, "keep_period": 4, "local_dir": ""})
     ckpt = checkpoint.Checkpointer(str(tmp_path), cfg)
     state = {"step": jnp.zeros((), jnp.int32), "w": jnp.ones((4,))}
     for step in range(1, 11):

@@ -41,9 +41,15 @@ def env(tmp_path, devices=8, **extra):
 
 
 @pytest.mark.ci
-def test_kill9_and_sigterm_then_resume_is_bitwise_exact(tmp_path, data_dirs):
+@pytest.mark.parametrize("tiers", ["persistent", "local"])
+def test_kill9_and_sigterm_then_resume_is_bitwise_exact(tmp_path, data_dirs, tiers):
+    """With `local`, the host-local tier saves every 2 steps and the persistent one every 5: most
+    kills resume from a local save."""
+    extra = () if tiers == "persistent" else (
+        "--config.checkpoint.every_steps=5", f"--config.checkpoint.local_dir={tmp_path / 'local'}",
+        "--config.checkpoint.local_every_steps=2")
     ref = tmp_path / "ref"
-    done = subprocess.run(command(ref, data_dirs), cwd=ROOT, env=env(tmp_path),
+    done = subprocess.run(command(ref, data_dirs, *extra), cwd=ROOT, env=env(tmp_path),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -54,7 +60,7 @@ def test_kill9_and_sigterm_then_resume_is_bitwise_exact(tmp_path, data_dirs):
     plan = ["startup", "save", "random", "sigterm", "random", "random"]
     history = []
     for action in [*plan, "finish", "finish"]:
-        proc = subprocess.Popen(command(run, data_dirs), cwd=ROOT, env=env(tmp_path),
+        proc = subprocess.Popen(command(run, data_dirs, *extra), cwd=ROOT, env=env(tmp_path),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         start, seen = time.monotonic(), len(train_rows(run, partial=True))
         # drawn whatever the action, so each process's draws are the seed's alone

@@ -24,6 +24,22 @@ def test_save_points_regular_final_preemption():
     assert p.save_kind(7, preempted=True) == "preemption"
     assert p.save_kind(40, preempted=True) == "preemption"
 
+def test_local_saves_come_between_persistent_ones_and_are_skipped_in_a_streak():
+    now = [0.0]
+    p = policy(clock=lambda: now[0], local_dir="/tmp/local", local_every_steps=4)
+    assert [p.save_kind(s, preempted=False) for s in (4, 8, 10, 12, 20, 40)] == \
+        ["local", "local", "regular", "local", "regular", "final"]
+    # in a streak of bad steps a local save is skipped: nothing is due after it
+    assert p.at_save_point(12, "local", bad_streak=1) == faults.POSTPONE and p.save_due is None
+    assert p.at_save_point(16, "local", bad_streak=0) == faults.SAVE
+    now[0] = 100.0
+    p.saved(16, "local")  # the minutes count from the last persistent save
+    assert p.last_save == 0.0
+    p.saved(20, "regular")
+    assert p.last_save == 100.0
+    assert [policy().save_kind(s, preempted=False) for s in (4, 8)] == [None, None]  # no local_dir: none
+
+
 def test_time_based_saves_read_the_clock_at_log_steps_one_period_late():
     """Process 0's clock is read every `clock_every` steps and broadcast; the reading is used a
     period later (no step waits for the collective), and a save discards a reading older than it."""

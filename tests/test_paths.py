@@ -16,7 +16,7 @@ import pytest
 from etils import epath
 
 from maxlm import checkpoint as checkpoint_command, config as config_lib, gcs, paths
-from maxlm.train import checkpoint, loop, metrics, profiler
+from maxlm.train import checkpoint, goodput, loop, metrics, profiler
 from tests.helpers import ROOT, load_config, losses, metrics_rows, saved_state, with_overrides
 
 
@@ -182,6 +182,7 @@ def test_training_in_a_gs_workdir_on_a_cloud_storage_stand_in(data_dirs, tmp_pat
         cfg.steps = 3
         last = loop.train_and_evaluate(cfg, run)  # resumes at step 2
         assert last["step"] == 3 and last["first_loss"] == last["loss"]  # one step run this time
+        assert goodput.read(run)["attempts"] == 2 and goodput.read(run)["max_step"] == 3  # goodput.json too
         got, got_state = losses(run), saved_state(run, 3)
     loop.train_and_evaluate(cfg, str(tmp_path / "local"))
     assert sorted(got) == [1, 2, 3] and got == losses(tmp_path / "local")

@@ -162,7 +162,7 @@ def test_a_second_ctrl_c_is_left_to_the_default_action():
 def test_a_time_based_checkpoint_stays_temporary_after_a_restart(tmp_path):
     """Retention reads each checkpoint's recorded kind: after a restart, an earlier time-based
     (temporary) save does not count as a regular checkpoint and evict a real one."""
-    cfg = ConfigDict({"max_to_keep": 2, "keep_period": 0})
+    cfg = ConfigDict({"max_to_keep": 2, "keep_period": 0, "local_dir": ""})
 
     def save(ckpt, step, kind):
         ckpt.save(step, {"step": jnp.int32(step), "w": jnp.ones(3)}, {}, {}, kind=kind)
@@ -180,7 +180,7 @@ def test_a_time_based_checkpoint_stays_temporary_after_a_restart(tmp_path):
 def test_a_non_finite_state_is_never_saved(tmp_path):
     """The checkpointer checks every leaf before it writes: a NaN anywhere in the state (here the
     optimizer's) is refused with the exit-3 error, and nothing of that step reaches the disk."""
-    ckpt = checkpoint.Checkpointer(str(tmp_path), ConfigDict({"max_to_keep": 2, "keep_period": 0}))
+    ckpt = checkpoint.Checkpointer(str(tmp_path), ConfigDict({"max_to_keep": 2, "keep_period": 0, "local_dir": ""}))
     ckpt.save(1, {"step": jnp.int32(1), "params": jnp.ones(3), "opt_state": jnp.zeros(2)}, {}, {})
     with pytest.raises(faults.NonFiniteLossError, match="state of step 2 holds non-finite values: not saved"):
         ckpt.save(2, {"step": jnp.int32(2), "params": jnp.ones(3), "opt_state": jnp.array([0.0, jnp.nan])}, {}, {})

@@ -15,12 +15,13 @@ import jax
 from absl import flags
 
 from maxlm import cli, paths
-from maxlm.train import checkpoint, distributed, faults, loop, workdir_lock
+from maxlm.train import checkpoint, distributed, faults, goodput, loop, workdir_lock
 
 
 def main(argv) -> None:
+    stopwatch = goodput.Stopwatch.since_process_start()  # start-up counts from the process's start
     try:
-        train(cli.start(argv, required=("workdir",)))
+        train(cli.start(argv, required=("workdir",)), stopwatch)
     except KeyboardInterrupt:  # Ctrl-C outside the steps (data, compilation), which save on it
         print(f"maxlm: interrupted (Ctrl-C) outside the training steps; the checkpoints committed in "
               f"{checkpoint.checkpoint_dir(flags.FLAGS.workdir)} are intact; rerun the same command to resume",
@@ -28,7 +29,7 @@ def main(argv) -> None:
         sys.exit(faults.INTERRUPTED_EXIT)
 
 
-def train(f) -> None:
+def train(f, stopwatch: goodput.Stopwatch | None = None) -> None:
     distributed.initialize()  # multi-process runs: from JAX_COORDINATOR_ADDRESS etc.
     cfg = cli.resolved_config(jax.device_count())
     cli.use_compile_cache(cfg)
@@ -42,7 +43,7 @@ def train(f) -> None:
     except ValueError as e:  # bad data or a data/config mismatch: the user's to fix
         cli.config_error(str(e))
     try:
-        last = loop.train_and_evaluate(cfg, f.workdir, data)
+        last = loop.train_and_evaluate(cfg, f.workdir, data, stopwatch)
     except faults.NonFiniteLossError as e:
         print(f"maxlm: {e}", file=sys.stderr)
         sys.exit(3)
@@ -61,6 +62,8 @@ def train(f) -> None:
                   f"(first step of this run: {last['first_loss']:.4f})")
         else:
             print(f"nothing to do: the checkpoint in {f.workdir} is already at step {cfg.steps}")
+        if (record := goodput.read(f.workdir)) is not None:  # all attempts of the workdir
+            print(goodput.summary_line(record))
         print(f"checkpoints: {checkpoint.checkpoint_dir(f.workdir)}")
         print(f"metrics:     {paths.workdir_path(f.workdir) / 'metrics.jsonl'}")
 

@@ -19,6 +19,10 @@ one-line warning, and the previous one is used. It stays until the run saves tha
 A save that storage refuses (a full disk, no permission, a bucket that says no) ends the run with
 `StorageError`: one line naming the step, why, where and the last good checkpoint.
 
+With `checkpoint.local_dir`, saves of kind "local" go to the host-local tier instead
+(maxlm/train/local_tier.py), and `restore_latest` takes a local step when it is at least as new
+as the newest persistent one.
+
 Retention (done here, not by orbax, so that its rules are ours): the newest `max_to_keep` regular
 checkpoints, every step that is a multiple of `keep_period` forever, a time-based (temporary)
 checkpoint only until a newer one has committed, and never the newest committed checkpoint.
@@ -42,7 +46,7 @@ from etils import epath
 
 from maxlm import console, paths, processes
 from maxlm.errors import ConfigError
-from maxlm.train import faults, loss_scale, state as state_lib
+from maxlm.train import faults, local_tier, loss_scale, state as state_lib
 
 log = logging.getLogger("maxlm")
 
@@ -223,6 +227,9 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        # the host-local tier (checkpoint.local_dir): frequent saves to each host's own disk
+        self.local = local_tier.LocalTier(checkpoint_cfg, workdir) if checkpoint_cfg.local_dir else None
+        self.restored_from = ""  # where restore_latest found the state it returned
 
     def _quarantine(self, path: str, problem: str) -> None:
         """Marks the checkpoint at `path` damaged: a file beside it, written by process 0."""
@@ -244,6 +251,8 @@ class Checkpointer:
         checkpoints), then retention runs. Raises StorageError when storage refuses the write (or
         cannot hold it), having removed the partial directory; no good checkpoint is touched.
         """
+        if kind == "local":
+            return self._save_local(step, state, meta, config_dict)
         self.wait()
         self.prune()
         if step in self.steps():  # e.g. the final step, already saved
@@ -280,6 +289,13 @@ class Checkpointer:
             )
         if kind == "temporary":
             self.temporary.add(step)
+
+    def _save_local(self, step: int, state, meta: dict, config_dict: dict) -> None:
+        if not bool(finite_state(state)):  # as for the persistent tier: never a non-finite state
+            raise faults.NonFiniteLossError(f"the state of step {step} holds non-finite values: not saved "
+                                            f"(the checkpoints in {self.local.root} are untouched)")
+        meta = dict({"data_position": step}, **meta, saved_at=datetime.datetime.now().isoformat(timespec="seconds"))
+        self.local.save(step, state, meta, config_dict)
 
     def _replace_damaged(self, step: int) -> None:
         """The run saves a step whose checkpoint was marked damaged: that one goes (it has been
@@ -362,6 +378,8 @@ class Checkpointer:
                 f"the last good checkpoint is {last}: {fix} and rerun the same command to resume")
 
     def wait(self) -> None:
+        if self.local is not None:
+            self.local.wait()
         with self._storage_errors():
             self.manager.wait_until_finished()
         self.writing = None
@@ -385,6 +403,8 @@ class Checkpointer:
             return
         self.wait()
         self.prune()
+        if self.local is not None:
+            self.local.close()
         self.manager.close()
 
     # -- restoring
@@ -404,9 +424,13 @@ class Checkpointer:
         checkpoint.
         """
         self.manager.reload()
-        for step in reversed(agreed_steps(self.steps())):
-            if before is not None and step >= before:
-                continue
+        steps = [s for s in agreed_steps(self.steps()) if before is None or s < before]
+        if self.local is not None:  # a local step at least as new as the persistent tier's newest
+            back = self.local.restore(abstract_state, self._agreed_content, below=before, at_least=steps[-1] if steps else 0)
+            if back is not None:
+                self.restored_from = f"the local tier {self.local.root}"
+                return back
+        for step in reversed(steps):
             path = os.path.join(self.directory, str(step))
             problem = agreed(file_problem(path), path)
             if problem is None:  # readable: a checkpoint that does not fit the run is not damage
@@ -421,6 +445,7 @@ class Checkpointer:
                     problem = f"does not restore ({short(e)})"
                 problem = agreed(problem, path)
             if problem is None:
+                self.restored_from = path
                 return restored
             _sync(f"maxlm_checkpoint_check_{step}")
             self._quarantine(path, problem)
@@ -429,10 +454,16 @@ class Checkpointer:
         return None
 
 
+    @staticmethod
+    def _agreed_content(state, step: int) -> str | None:
+        return agreed(_content_problem(state, step), f"step {step}")
+
     def discard_after(self, step: int) -> None:
         """Deletes the checkpoints newer than `step`: after a loss-spike rollback to `step` they
         hold states from within the spike, and the steps they hold are trained again."""
         self.wait()
+        if self.local is not None:
+            self.local.prune(newer_than=step)
         self.manager.reload()
         for newer in [s for s in self.steps() if s > step]:
             console.warn(f"removing checkpoint {os.path.join(self.directory, str(newer))}: written after "

@@ -9,8 +9,9 @@ testable without orbax or a device:
   such restores without getting past the failure it stops (`NonFiniteLossError`, exit 3);
 * a save point (every `checkpoint.every_steps`, the last step, every `checkpoint.every_minutes`,
   a preemption) that falls in a streak of non-finite steps is postponed to the next good step,
-  so every checkpoint is a good one to restore; the minutes are read off process 0's clock at log
-  steps only, without a host sync (`broadcast_later`);
+  so every checkpoint is a good one to restore (a local save, every `checkpoint.local_every_steps`,
+  is skipped instead); the minutes are read off process 0's clock at log steps only, without a
+  host sync (`broadcast_later`);
 * SIGTERM (`PreemptionWatcher`) saves at the current step and ends the run with `Preempted`
   (exit `PREEMPTED_EXIT`); every process agrees on that step. Ctrl-C (SIGINT) does the same
   (exit `INTERRUPTED_EXIT`); a second Ctrl-C kills the process at once, which loses only the
@@ -115,7 +116,10 @@ class FaultPolicy:
             return "regular"
         if self.save_due:
             return self.save_due
-        return "temporary" if self._time_passed(done) else None
+        if self._time_passed(done):
+            return "temporary"
+        local = self.cfg.local_dir and done % self.cfg.local_every_steps == 0
+        return "local" if local else None
 
     def _time_passed(self, done: int) -> bool:
         """Whether, at the previous clock step, process 0's clock said `every_minutes` had passed
@@ -135,6 +139,8 @@ class FaultPolicy:
         forced = kind in ("preemption", "final")
         if bad_streak >= self.cfg.max_bad_steps and kind != "preemption":
             return RECOVER
+        if (bad_streak or spiking) and kind == "local":  # skipped, not postponed: the next one comes soon
+            return POSTPONE
         if (bad_streak or spiking) and not forced:
             if not self.save_due:
                 log.info("step %d was %s: its checkpoint waits for a good step", done,
@@ -143,8 +149,9 @@ class FaultPolicy:
             return POSTPONE
         return SAVE
 
-    def saved(self, done: int) -> None:
-        self.save_due, self.last_save, self._minutes_passed = None, self.clock(), None
+    def saved(self, done: int, kind: str = "regular") -> None:
+        if kind != "local":  # the minutes count from the last save to the persistent tier
+            self.save_due, self.last_save, self._minutes_passed = None, self.clock(), None
         if done > self.failed_at >= 0:  # got past the failure: restores start counting afresh
             self.restores, self.failed_at = 0, -1
 

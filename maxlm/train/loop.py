@@ -22,6 +22,7 @@ from maxlm.errors import ConfigError
 from maxlm.hf import files as hf
 from maxlm.model import attention_plan, fp8
 from maxlm.train import anomaly, checkpoint, checkpoint_fit, data_position, evaluate, faults, flops, loss_scale, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
+from maxlm.train.goodput import Goodput, Stopwatch, TimedCheckpointer
 from maxlm.train.step_logger import StepLogger
 
 log = logging.getLogger("maxlm")
@@ -34,17 +35,18 @@ def load_data(cfg):
     return train_data, eval_data
 
 
-def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
+def train_and_evaluate(cfg, workdir: str, data=None, stopwatch: Stopwatch | None = None) -> dict:
     """Trains `cfg` (already resolved) in `workdir`, resuming from its newest good checkpoint.
 
-    `data` is `load_data(cfg)`'s result, loaded here when None. Returns the last training row.
-    Raises faults.Preempted after SIGTERM or Ctrl-C (its checkpoint committed) and NonFiniteLossError
-    when non-finite steps persist after `checkpoint.max_restores` restores.
+    `data`: `load_data(cfg)`'s result, loaded here when None; `stopwatch`: goodput.py's, started here
+    when None. Returns the last training row. Raises faults.Preempted after SIGTERM or Ctrl-C (its checkpoint
+    committed) and NonFiniteLossError when non-finite steps persist after `checkpoint.max_restores` restores.
     """
     train_data, eval_data = data if data is not None else load_data(cfg)
     mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
     out = paths.workdir_path(workdir)  # a local directory or gs://... alike: see maxlm/paths.py
     out.mkdir(parents=True, exist_ok=True)
+    gp = Goodput(stopwatch or Stopwatch(), workdir, jax.process_index() == 0)  # where the wall time goes
     if jax.process_index() == 0:
         (out / "config.json").write_text(config_lib.to_json(cfg))
     tx = optim.make_optimizer(cfg)
@@ -52,12 +54,11 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     shardings = state_lib.shardings(cfg, tx, mesh, rules, jax.eval_shape(functools.partial(state_lib.init_state, cfg, tx), rng))
     abstract = state_lib.abstract_state(cfg, tx, shardings)
 
-    def fresh_state():  # initialised only when nothing restores: a resume holds one state, not two
-        return state_lib.create_sharded_state(cfg, tx, mesh, rules, rng)[0]
-
-    ckpt = checkpoint.Checkpointer(workdir, cfg.checkpoint)
+    # initialised only when nothing restores (a resume holds one state, not two): start-up time, not restore
+    fresh_state = gp.timed("startup", lambda: state_lib.create_sharded_state(cfg, tx, mesh, rules, rng)[0])
+    ckpt = TimedCheckpointer(checkpoint.Checkpointer(workdir, cfg.checkpoint), gp.stopwatch)
     ckpt.warn_if_short_of_space(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
-    state, lr_scale, meta = starting_state(cfg, ckpt, fresh_state, abstract)
+    state, lr_scale, meta = gp.timed("restore", starting_state)(cfg, ckpt, fresh_state, abstract)
     anomalies = anomaly.Anomalies(cfg.anomaly, meta)  # loss spikes: detector, skipped batches
     if (position := data_position.continued(meta, cfg, train_data, ckpt.directory)) is not None:
         anomalies.rebase(int(state["step"]), position)  # data changed on purpose: data.resume_position
@@ -67,14 +68,15 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
     writer.write_hparams(metrics.flatten_config(cfg.to_dict()))
     trace = profiler.StepProfiler(cfg.profile, workdir, enabled=jax.process_index() == 0)
     step = int(state["step"])
-    logger = step_logger(cfg, writer, step, anomalies.counters)
+    logger = step_logger(cfg, writer, step, lambda: {**anomalies.counters(), **gp.counters()})
     iteration = 0  # the preemption sync point's id: every iteration, only increasing (restores go back)
     try:
         with mesh_lib.activate(mesh, rules), faults.PreemptionWatcher() as preemption:
             while step < cfg.steps:
                 trace.before_step(step)
-                batch = mesh_lib.read_batch(train_data.prefetch(), anomalies.position(step), mesh, rules)
-                state, step_metrics = logger.call(train_fn, state, batch, np.float32(lr_scale))
+                batch = gp.timed("data", mesh_lib.read_batch)(train_data.prefetch(), anomalies.position(step), mesh, rules)
+                with gp.step(step + 1, compiling=logger.compiles(train_fn)):  # productive, lost or compile
+                    state, step_metrics = logger.call(train_fn, state, batch, np.float32(lr_scale))
                 done = step = step + 1
                 iteration += 1
                 # Asked every iteration, restores and rollbacks included: every process must reach
@@ -98,7 +100,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                     continue
                 if bad_step is None and eval_due(cfg, done):
                     logger.flush()
-                    logger.eval_done(done, evaluate.eval_row(cfg, state["params"], eval_data, mesh, rules))
+                    logger.eval_done(done, gp.timed("eval", evaluate.eval_row)(cfg, state["params"], eval_data, mesh, rules))
                 preempted = bad_step is None and stop
                 kind = policy.save_kind(done, preempted) if bad_step is None else None
                 if kind:
@@ -108,7 +110,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
                     if action == faults.SAVE:
                         ckpt.save(done, state, checkpoint_meta(cfg, lr_scale, anomalies, done, train_data),
                                   cfg.to_dict(), kind=kind)
-                        policy.saved(done)
+                        policy.saved(done, kind)
                         anomalies.saved(done)
                     bad_step = done if action == faults.RECOVER else None
                     logger.restart_clock(done)
@@ -128,6 +130,7 @@ def train_and_evaluate(cfg, workdir: str, data=None) -> dict:
         trace.close()
         ckpt.close()
         writer.close()
+        gp.close()  # goodput.json with the attempt's time up to here
     return logger.last_row
 
 
@@ -142,7 +145,7 @@ def starting_state(cfg, ckpt: checkpoint.Checkpointer, fresh_state, abstract):
     missing = loss_scale.init(cfg.optim) if loss_scale.enabled(cfg) else {}
     restored = ckpt.restore_latest(abstract)
     if restored is not None:
-        log.info("resumed from %s at step %d", ckpt.directory, int(restored[0]["step"]))
+        log.info("resumed from %s at step %d", ckpt.restored_from, int(restored[0]["step"]))
         lr_scale = float(restored[1].get("lr_scale", 1.0))
         return state_lib.with_missing_from(restored[0], missing, ckpt.directory), lr_scale, restored[1]
     if ckpt_cfg.restore_from:

@@ -69,6 +69,8 @@ TENSORBOARD_TAGS = {
     "step_time_sec": "perf/step_time_sec",
     "mfu": "perf/mfu",
     "compile_sec": "perf/compile_sec",
+    "goodput": "goodput/goodput",  # its badput/<category> names keep their own, in the badput section
+    "lost_steps": "goodput/lost_steps",
     "memory_bytes_in_use": "memory/bytes_in_use",
     "memory_peak_bytes_in_use": "memory/peak_bytes_in_use",
 }

@@ -98,6 +98,10 @@ class StepLogger:
         """Time from now on is training time again (after compiling, eval, a save, a trace)."""
         self._clock = (time.perf_counter(), finished_step)
 
+    def compiles(self, step_fn) -> bool:
+        """Whether `call(step_fn, ...)` traces and compiles it: its first call."""
+        return step_fn not in self._compiled
+
     def call(self, step_fn, *args):
         """`step_fn(*args)`; its first call traces and compiles, and is timed (`compile_sec`)."""
         if step_fn in self._compiled:
