@@ -52,6 +52,8 @@ from maxlm.config_rules import (
     check_checkpoint,
     check_eval,
     check_model_and_optim,
+    check_monitor,
+    resolve_units,
     check_optimizer,
     check_platform,
     check_values,
@@ -112,6 +114,9 @@ def _declared() -> _Section:
     c.seed = 0, NON_NEGATIVE
     c.steps = 1000, POSITIVE
     c.batch_size = 8, POSITIVE  # global, in sequences
+    # > 0: the global batch in tokens instead (the guides' unit), resolved to batch_size =
+    # batch_tokens / seq_len; batch_size is then left at its default. 0 = off
+    c.batch_tokens = 0, NON_NEGATIVE_INT
     c.seq_len = 256, POSITIVE
     c.log_every_steps = 10, POSITIVE
     # What the job expects to run on, so a GPU or TPU job never trains on the CPU by accident:
@@ -160,6 +165,20 @@ def _declared() -> _Section:
 
     c.metrics = _Section()
     c.metrics.tensorboard = True, BOOL
+
+    # The pretraining guides' ranges, watched on the logged rows (maxlm/train/monitor.py): a
+    # warning and a marker (monitor/<name>_out_of_range) when a quantity stays outside its range
+    # for `patience` rows. A bound of 0 is none; a watch with none is off.
+    c.monitor = _Section()
+    c.monitor.enabled = True, BOOL  # False: no watch at all
+    c.monitor.patience = 5, POSITIVE_INT  # consecutive logged rows outside before the warning
+    c.monitor.grad_norm_low = 0.5, NON_NEGATIVE  # the guides' 0.5-2, after the warmup
+    c.monitor.grad_norm_high = 2.0, NON_NEGATIVE
+    # ||update|| / ||params|| of each step, after the warmup: about 10 x lr with AdamW (docs/observability.md)
+    c.monitor.update_ratio_low = 1e-4, NON_NEGATIVE
+    c.monitor.update_ratio_high = 3e-2, NON_NEGATIVE
+    c.monitor.memory_high = 0.95, between("[0, 1]")  # the peak memory's share of the device's (GPU, TPU)
+    c.monitor.mfu_low = 0.2, between("[0, 1]")  # accelerators only
 
     c.profile = _Section()  # a jax.profiler trace of a few steps (maxlm/train/profiler.py)
     c.profile.start_step = 5, NON_NEGATIVE_INT  # the first traced step (after the compile and warm-up)
@@ -287,6 +306,9 @@ def _optim_defaults() -> _Section:
     s.lr = 3e-4, POSITIVE  # peak, reached after warmup
     s.schedule = "cosine", one_of(SCHEDULES)  # docs/architecture.md#optimizers-and-schedules
     s.warmup_steps = 100, NON_NEGATIVE
+    # > 0: the warmup as this share of `steps` instead (the guides' 1-3%), resolved to
+    # warmup_steps (at least 1), which is then left at its default. 0 = off
+    s.warmup_fraction = 0.0, between("[0, 1]")
     s.decay_steps = 0, NON_NEGATIVE  # 0: decay over the whole run (`steps`)
     s.min_lr_ratio = 0.1, between("[0, 1]")  # the decay's floor as a fraction of lr
     s.power = 1.0, POSITIVE  # schedule "polynomial": the decay's exponent
@@ -303,7 +325,16 @@ def _optim_defaults() -> _Section:
     s.eps = 1e-8, POSITIVE
     s.grad_accum_steps = 1, POSITIVE_INT  # microbatches per step, accumulated inside the jitted step
     s.shard_state_over_data = False, BOOL  # ZeRO-1: optimizer state also sharded over mesh.data
-    s.mu_dtype = "float32", one_of(MU_DTYPES)  # first moment's dtype (adamw, lion)
+    s.mu_dtype = "float32", one_of(MU_DTYPES)  # first moment's dtype (adamw, lion, muon)
+    # optim.name="muon" (maxlm/train/muon.py): Muon on the weight matrices at optim.lr, AdamW (b1,
+    # b2, eps) on the embeddings, head, norms and biases; weight_decay on the matrices of both
+    s.muon_momentum = 0.95, between("[0, 1)")
+    s.muon_nesterov = True, BOOL
+    s.muon_ns_steps = 5, POSITIVE_INT  # Newton-Schulz iterations
+    # the update's RMS, as AdamW's: x·sqrt(max(fan_in, fan_out)) (Moonlight's 0.2, so optim.lr
+    # and weight_decay carry over from AdamW); 0: Keller Jordan's sqrt(max(1, fan_out / fan_in))
+    s.muon_consistent_rms = 0.2, NON_NEGATIVE
+    s.muon_adam_lr = 0.0, NON_NEGATIVE  # the AdamW part's peak lr (0: optim.lr), batch-scaled like it
     # dynamic loss scaling, on with model.dtype="float16" only (maxlm/train/loss_scale.py)
     s.loss_scale_init = 2.0**15, POSITIVE
     s.loss_scale_growth_interval = 2000, POSITIVE_INT.described("a positive int (good steps before the loss scale doubles)")
@@ -318,7 +349,13 @@ def _data_defaults() -> _Section:
     s.mixture = ()
     s.tfds_dir = "~/.cache/maxlm/tensorflow_datasets"
     s.cache_dir = "~/.cache/maxlm/packed"
-    s.tokenizer = "byte"  # "byte" or a sentencepiece .model path
+    s.tokenizer = "byte"  # "byte", or a sentencepiece .model, a HF tokenizer.json or a tiktoken file (docs/data.md#tokenizers)
+    # a tokenizer file's bos/eos/pad tokens by their text; "" = found by name among its special tokens
+    s.bos_token = ""
+    s.eos_token = ""
+    s.pad_token = ""  # "" and none found by name: eos
+    s.tokenizer_pattern = ""  # a tiktoken file's pre-tokenizer regex; "" = Llama 3's
+    s.tokenizer_special_tokens = ""  # a tiktoken file's special tokens after its ranks, comma-separated; "" = Llama 3's 256
     s.text_key = "text"  # the text field of .jsonl/.parquet files and TFDS examples
     s.txt_documents = "file", one_of(("file", "paragraph"))  # .txt: one document per file, or per blank-line block
     s.validation_percent = 2.0, between("[0, 100]")  # local files: share of documents (by stable hash) in validation
@@ -337,6 +374,9 @@ def _data_defaults() -> _Section:
     s.filters.min_words = 0, NON_NEGATIVE  # 0 = off
     s.filters.max_symbol_ratio = 0.0, between("[0, 1]")  # 0 = off; else drop docs with more non-alnum, non-space chars
     s.filters.max_repeated_word_share = 0.0, between("[0, 1]")  # 0 = off; else drop docs whose top word exceeds this share
+    s.filters.max_repeated_word_count = 0, NON_NEGATIVE_INT  # 0 = off; else drop docs whose top word occurs more often
+    # Unicode NFKC form for the documents, before the other filters and the tokenizer (so trained on)
+    s.filters.nfkc = False, BOOL
     s.filters.html = False, BOOL  # documents are HTML: keep their main text (resiliparse)
     s.filters.languages = ()  # keep only these languages by fastText's lid.176 ("en", "de", ...); () = all
     s.filters.min_language_score = 0.65, between("[0, 1]")  # ... with at least this probability (FineWeb's for English)
@@ -390,6 +430,8 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
     """
     c = ml_collections.ConfigDict(config.to_dict())
     check_values(c, domains())
+    resolve_units(c, defaults())  # batch_tokens, optim.warmup_fraction: before the rules that read batch_size, warmup_steps
+    check_monitor(c)
     check_platform(c, num_devices, platform)
     check_model_and_optim(c)
     check_optimizer(c)

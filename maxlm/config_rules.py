@@ -3,7 +3,8 @@
 `config.resolve` runs these in order: first every key's domain, declared beside its default in
 maxlm/config.py (`check_values`: the first value outside its domain raises), then the cross-field
 rules, each raising a one-line `ConfigError` that names the keys and values involved. Some also
-fill derived values (`model.head_dim`, `model.max_positions`, `optim.decay_steps`).
+fill derived values (`model.head_dim`, `model.max_positions`, `optim.decay_steps`; `batch_size` and
+`optim.warmup_steps` from the guides' units, `resolve_units`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from maxlm.errors import ConfigError
 PLATFORMS = ("", "cpu", "gpu", "tpu")  # platform: what jax.default_backend() must say ("" = any)
 DTYPES = ("float32", "bfloat16", "float16")  # model.dtype: compute; float16 turns on loss scaling
 MU_DTYPES = ("float32", "bfloat16")  # optim.mu_dtype
-OPTIMIZERS = ("adamw", "lion", "adafactor")  # optim.name; see maxlm/train/optim.py
+OPTIMIZERS = ("adamw", "lion", "adafactor", "muon")  # optim.name; see maxlm/train/optim.py
 SCHEDULES = ("cosine", "linear", "polynomial", "step", "wsd", "constant", "inverse_sqrt")  # optim.schedule
 LR_BATCH_SCALING = ("none", "sqrt", "linear")  # optim.lr_batch_scaling
 REMAT = ("none", "full", "save_dots", "save_qkv_proj", "save_out_proj")  # see model.REMAT_POLICIES
@@ -91,6 +92,43 @@ def check_values(c, domains: dict[str, Domain]) -> None:
     for key, domain in domains.items():
         if not domain.test(value := _get(c, key)):
             raise ConfigError(f"{key} must be {domain.what}, got {value!r}")
+
+
+def resolve_units(c, default) -> None:
+    """The guides' units, resolved to the keys the run reads (right after the domains, before
+    any rule reads those): `batch_tokens` > 0 to `batch_size` = batch_tokens / seq_len sequences,
+    `optim.warmup_fraction` > 0 to `optim.warmup_steps` = that share of `steps` (at least 1).
+    Each is an alternative to the other key, which must then be left at its default (`default`:
+    the defaults' config) or already hold the value resolved, as a config.json recorded after
+    resolving does, so that it resolves again to itself."""
+    if c.batch_tokens:
+        sequences = c.batch_tokens // c.seq_len
+        if c.batch_tokens % c.seq_len:
+            nearest = " or ".join(str(n * c.seq_len) for n in (sequences, sequences + 1) if n)
+            raise ConfigError(f"batch_tokens={c.batch_tokens} must be divisible by seq_len={c.seq_len}: the batch "
+                              f"is whole sequences ({nearest} tokens)")
+        if c.batch_size not in (default.batch_size, sequences):
+            raise ConfigError(f"batch_tokens={c.batch_tokens} (= {sequences} sequences of seq_len={c.seq_len}) and "
+                              f"batch_size={c.batch_size} are both set: give one of them (batch_size at its default, "
+                              f"{default.batch_size}, counts as not set)")
+        c.batch_size = sequences
+    o = c.optim
+    if o.warmup_fraction:
+        steps = max(1, math.floor(o.warmup_fraction * c.steps + 0.5))
+        if o.warmup_steps not in (default.optim.warmup_steps, steps):
+            raise ConfigError(f"optim.warmup_fraction={o.warmup_fraction:g} (= {steps} of steps={c.steps}) and "
+                              f"optim.warmup_steps={o.warmup_steps} are both set: give one of them "
+                              f"(optim.warmup_steps at its default, {default.optim.warmup_steps}, counts as not set)")
+        o.warmup_steps = steps
+
+
+def check_monitor(c) -> None:
+    """Each watched range's bounds in order (a bound of 0 is none)."""
+    for name in ("grad_norm", "update_ratio"):
+        low, high = c.monitor[f"{name}_low"], c.monitor[f"{name}_high"]
+        if low and high and low >= high:
+            raise ConfigError(f"monitor.{name}_low={low:g} must be below monitor.{name}_high={high:g} "
+                              "(0: no bound)")
 
 
 def check_platform(c, num_devices: int, platform: str | None) -> None:

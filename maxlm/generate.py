@@ -332,7 +332,7 @@ def _check_flags(f) -> None:
 
 
 def main(argv) -> None:
-    from maxlm.data.tokenizer import load_tokenizer
+    from maxlm.data.tokenizer import config_tokenizer
 
     f = cli.start(argv, required=("workdir",))
     _check_flags(f)
@@ -340,7 +340,7 @@ def main(argv) -> None:
     try:
         run = runs.load_run(f.workdir, f.step)
         cfg = run["config"]
-        tokenizer = load_tokenizer(cfg.data.tokenizer, job=True)
+        tokenizer = config_tokenizer(cfg.data, job=True)
     except ValueError as e:  # RunError, a missing tokenizer file
         cli.config_error(str(e))
     prompt_ids = [tokenizer.bos_id, *tokenizer.encode(f.prompt).tolist()]

@@ -265,7 +265,7 @@ def test_filters_count_what_they_drop(tmp_path):
     })  # fmt: skip
     _, info = build.prepare(cfg, "train")
     assert info["filtered"] == {"html": 0, "min_words": 1, "max_symbol_ratio": 1, "max_repeated_word_share": 1,
-                                "language": 0, "dedup": 1, "near_dedup": 0}
+                                "max_repeated_word_count": 0, "language": 0, "dedup": 1, "near_dedup": 0}
     assert info["documents"] == 2
     cfg.data.filters.min_words = 10_000
     with pytest.raises(DataError, match="filters dropped all"):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, plot
-from maxlm.train import loop, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib, step_logger
+from maxlm.train import flops, loop, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib, step_logger
 from tests.helpers import ROOT, load_config, metrics_rows, packed_batch, with_overrides
 
 STEPS = 8
@@ -120,14 +120,27 @@ def test_rows_carry_the_monitored_quantities(run):
     train_rows = [r for r in run.rows if "loss" in r]
     for row in train_rows:
         assert {"param_norm", "update_ratio", "skipped_steps", "tokens_per_sec", "step_time_sec",
-                "mfu"} <= set(row)
+                "mfu", "clipped_grad_norm", "clipped_fraction"} <= set(row)
         assert 0 < row["update_ratio"] < 1 and row["param_norm"] > 0
+        assert row["clipped_grad_norm"] == pytest.approx(min(row["grad_norm"], run.cfg.optim.clip_norm))
+        assert row["clipped_fraction"] in (0.0, 0.5, 1.0)  # of the 2 steps since the last row
+        # the watches on by default that the CPU's rows carry: no memory, no MFU on the CPU
+        assert {k for k in row if k.startswith("monitor/")} == {"monitor/grad_norm_out_of_range",
+                                                                "monitor/update_ratio_out_of_range"}
         assert not any(k.startswith("memory_") for k in row)  # CPU: memory_stats() is None
     # the compile is reported once, on the first training row after it
     assert [r["step"] for r in run.rows if "compile_sec" in r] == [2]
     assert train_rows[0]["compile_sec"] > 0
     for row in (r for r in run.rows if "eval_loss" in r):
         assert row["eval_perplexity"] == pytest.approx(math.exp(row["eval_loss"]))
+
+
+def test_the_start_up_log_says_the_run_in_the_guides_units(run):
+    """Tokens per batch, total tokens, total training FLOPs and PF-days."""
+    per_token = flops.flops_per_token(run.cfg.model, run.cfg.seq_len)
+    total = per_token * STEPS * 8 * 64
+    assert f"budget: 512 tokens per batch (8 x 64), {STEPS * 512:,} tokens in {STEPS} steps, {total:.3g} training " \
+           f"FLOPs = {total / 8.64e19:.3g} PF-days" in run.log
 
 
 def test_console_announces_the_compile_and_carries_eta(run):
@@ -164,7 +177,10 @@ def test_device_memory_only_where_reported():
     assert step_logger.device_memory(jax.local_devices()[0]) == {}  # CPU: memory_stats() is None
     gpu = types.SimpleNamespace(memory_stats=lambda: {"bytes_in_use": 7, "peak_bytes_in_use": 9,
                                                       "bytes_limit": 100})
-    assert step_logger.device_memory(gpu) == {"memory_bytes_in_use": 7, "memory_peak_bytes_in_use": 9}
+    assert step_logger.device_memory(gpu) == {"memory_bytes_in_use": 7, "memory_peak_bytes_in_use": 9,
+                                              "memory_peak_fraction": 0.09}
+    no_limit = types.SimpleNamespace(memory_stats=lambda: {"bytes_in_use": 7, "peak_bytes_in_use": 9})
+    assert step_logger.device_memory(no_limit) == {"memory_bytes_in_use": 7, "memory_peak_bytes_in_use": 9}
     assert step_logger.device_memory(types.SimpleNamespace(memory_stats=lambda: None)) == {}
 
 

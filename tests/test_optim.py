@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec
 
 from maxlm import checkpoint as checkpoint_command, config as config_lib, model
 from maxlm.train import loop, mesh as mesh_lib, optim, state as state_lib
@@ -95,7 +96,7 @@ def test_lr_batch_scaling(scaling, factor):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"optim.name": "sgd"}, "optim.name must be one of ('adamw', 'lion', 'adafactor'), got 'sgd'"),
+        ({"optim.name": "sgd"}, "optim.name must be one of ('adamw', 'lion', 'adafactor', 'muon'), got 'sgd'"),
         ({"optim.schedule": "exp"}, "optim.schedule must be one of"),
         ({"optim.lr_batch_scaling": "cubic"}, "optim.lr_batch_scaling must be one of"),
         ({"optim.lr_batch_scaling": "sqrt"},
@@ -133,6 +134,10 @@ def test_config_rejects(overrides, message):
 
 # ----------------------------------------------------------------------------- the update rules
 
+# the logical specs of the tests' own parameters, which Muon splits by: `w` a matrix (Muon's),
+# `embed` a token embedding and `scale` a norm scale (AdamW's); the other optimizers ignore them
+SPECS = {"w": PartitionSpec("embed", "mlp"), "scale": PartitionSpec("embed"), "embed": PartitionSpec("vocab", "embed")}
+
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_weight_decay_skips_norms_and_biases(scan):
@@ -152,13 +157,16 @@ def test_weight_decay_skips_norms_and_biases(scan):
 @pytest.mark.parametrize("name", config_lib.OPTIMIZERS)
 def test_decay_is_decoupled_lr_scaled_and_skips_norm_scales(name):
     """With zero gradients the update is the decay alone: -lr·weight_decay·w on matrices (AdamW's
-    rule for all three: Adafactor's decay is not optax.adafactor's unscaled one), 0 on vectors."""
+    rule for all four: Adafactor's decay is not optax.adafactor's unscaled one; Muon's matrix and
+    its AdamW part's), 0 on vectors."""
     cfg = run_cfg(name=name, weight_decay=0.5, warmup_steps=0, schedule="constant", clip_norm=0.0)
-    tx = optim.make_optimizer(cfg)
-    params = {"w": jnp.full((256, 128), 2.0), "scale": jnp.ones((256,))}  # w: factored by adafactor
+    tx = optim.make_optimizer(cfg, param_specs=SPECS)
+    params = {"w": jnp.full((256, 128), 2.0), "scale": jnp.ones((256,)),  # w: factored by adafactor
+              "embed": jnp.full((64, 32), 2.0)}  # muon: AdamW's
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = tx.update(zeros, tx.init(params), params)
     np.testing.assert_allclose(np.asarray(updates["w"]), -1e-3 * 0.5 * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(updates["embed"]), -1e-3 * 0.5 * 2.0, rtol=1e-6)
     assert float(jnp.abs(updates["scale"]).sum()) == 0.0
 
 
@@ -184,11 +192,11 @@ def test_the_chain_clips_the_gradient_to_clip_norm_before_the_update_rule(name):
     remember how large the first gradient was, so dropping the clip, clipping the update instead
     of the gradient, or clipping to another norm changes it."""
     settings = dict(name=name, warmup_steps=0, schedule="constant")
-    tx = optim.make_optimizer(run_cfg(clip_norm=0.25, **settings))
-    unclipped = optim.make_optimizer(run_cfg(clip_norm=0.0, **settings))
+    tx = optim.make_optimizer(run_cfg(clip_norm=0.25, **settings), param_specs=SPECS)
+    unclipped = optim.make_optimizer(run_cfg(clip_norm=0.0, **settings), param_specs=SPECS)
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(256, 128)), jnp.float32),  # adafactor factors it
-              "scale": jnp.ones((128,))}
+              "scale": jnp.ones((128,)), "embed": jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)}
 
     def gradient(norm):
         g = {k: rng.normal(size=v.shape) for k, v in params.items()}
@@ -277,6 +285,9 @@ def test_adafactor_factored_moments_drop_the_averaged_dim():
                  id="lion", marks=pytest.mark.ci),
     pytest.param({"optim.name": "adafactor", "optim.schedule": "inverse_sqrt", "model.d_model": 128,
                   "model.mlp_dim": 256}, id="adafactor", marks=pytest.mark.ci),  # matrices it factors
+    # Muon's momentum (and its AdamW part's first moment) in bfloat16, the AdamW part at its own lr
+    pytest.param({"optim.name": "muon", "optim.mu_dtype": "bfloat16", "optim.muon_adam_lr": 1e-3},
+                 id="muon", marks=pytest.mark.ci),
 ])
 def test_train_resume_is_bitwise_on_a_zero1_mesh(overrides, tmp_path, data_dirs):
     """tiny.py with each new optimizer on mesh (data 2, fsdp 4) with ZeRO-1 learns; dropping its

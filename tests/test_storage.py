@@ -59,7 +59,7 @@ def test_a_full_disk_and_a_read_only_one_end_the_run_in_one_line_keeping_the_las
 
 
 def small_checkpointer(directory, max_to_keep=2):
-    return checkpoint.Checkpointer(str(directory), ConfigDict({"max_to_keep": max_to_keep, "keep_period": 0}))
+    return checkpoint.Checkpointer(str(directory), ConfigDict({"max_to_keep": max_to_keep, "keep_period": 0, "local_dir": ""}))
 
 
 def state_at(step):

@@ -40,7 +40,7 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
 
     from maxlm.data import filters, make_dataset
     from maxlm.data.packing import pack_documents, token_dtype
-    from maxlm.data.tokenizer import SentencePieceTokenizer, load_tokenizer
+    from maxlm.data.tokenizer import SentencePieceTokenizer, config_tokenizer
 
     # (a) packed reading
     ds = make_dataset(cfg, "train")
@@ -72,7 +72,7 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
         sample.append(texts[i])
         size += len(texts[i].encode("utf-8"))
     with tempfile.TemporaryDirectory() as tmp:
-        tok = load_tokenizer(cfg.data.tokenizer)
+        tok = config_tokenizer(cfg.data)
         trained = not isinstance(tok, SentencePieceTokenizer)
         if trained:
             path = os.path.join(tmp, "sample.txt")

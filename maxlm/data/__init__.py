@@ -9,12 +9,15 @@ from maxlm.data.corpus import ensure_corpus, load_split
 from maxlm.data.errors import DataError
 from maxlm.data.packing import pack_documents, packing_efficiency
 from maxlm.data.pipeline import STREAM_KEYS, make_dataset
+from maxlm.data.bpe import HFTokenizer, TiktokenTokenizer
 from maxlm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "ByteTokenizer",
     "DataError",
+    "HFTokenizer",
     "SentencePieceTokenizer",
+    "TiktokenTokenizer",
     "TokenDataset",
     "Tokenizer",
     "ensure_corpus",

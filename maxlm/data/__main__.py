@@ -1,8 +1,11 @@
 """`python -m maxlm.data {tokenizer,prepare,stats,peek} --config=configs/NAME.py [--config.KEY=V]`.
 
-  tokenizer --out=PATH.model  trains a byte-fallback BPE sentencepiece model on a sample of the
-                              train split (vocab: data.tokenizer_vocab_size, 0 = model.vocab_size;
-                              pieces pad=0, unk=1, bos=2, eos=3)
+  tokenizer --out=PATH.model|PATH.json [--special_tokens=A,B,...]
+                              trains a tokenizer on a sample of the train split (vocab:
+                              data.tokenizer_vocab_size, 0 = model.vocab_size): .model, a
+                              byte-fallback BPE sentencepiece model (pieces pad=0, unk=1, bos=2,
+                              eos=3); .json, a byte-level BPE (BBPE) tokenizer.json (pad=0, bos=1,
+                              eos=2); the special tokens follow (data.pad_token, ... rename those)
   prepare [--runner=local] [--workers=N] | --runner=beam [-- BEAM_OPTIONS]
                               builds the packed caches (train, and validation unless eval is off)
                               with N processes (default data.workers; 0 = one per core), or as
@@ -25,12 +28,15 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 
 from maxlm import cli
 
 log = logging.getLogger("maxlm.data")
 
 COMMANDS = ("tokenizer", "prepare", "stats", "peek")
+# A byte-level BPE's first three special tokens: Llama 3's bos and eos, and a pad of bpe.PAD_NAMES
+BBPE_SPECIALS = {"pad": "<|pad|>", "bos": "<|begin_of_text|>", "eos": "<|end_of_text|>"}
 
 
 def data_error(message: str):
@@ -38,50 +44,95 @@ def data_error(message: str):
     sys.exit(2)
 
 
-def train_tokenizer(cfg, out: str) -> dict:
-    """Trains the sentencepiece model to `out` (atomically) and returns a summary."""
+def train_tokenizer(cfg, out: str, special_tokens: Sequence[str] = ()) -> dict:
+    """Trains a tokenizer to `out` (atomically) on a seeded sample of `data.tokenizer_sample_docs`
+    train documents and returns a summary: a sentencepiece model for `PATH.model`, a byte-level BPE
+    tokenizer.json for `PATH.json`. Its pad, bos and eos come first (the names of `data.pad_token`,
+    ..., else the defaults), then `special_tokens`."""
     import numpy as np
-    import sentencepiece as spm
 
     from maxlm.data import filters
 
+    out = os.path.abspath(os.path.expanduser(out))
+    if not out.endswith((".model", ".json")):
+        raise ValueError(f"--out must end in .model (sentencepiece) or .json (byte-level BPE), got {out!r}")
     counts = __import__("collections").Counter()
     texts = filters.read_clean_documents(cfg.data, "train", counts)
     n = min(len(texts), cfg.data.tokenizer_sample_docs)
     pick = np.sort(np.random.default_rng(cfg.seed).choice(len(texts), n, replace=False))
     vocab = cfg.data.tokenizer_vocab_size or cfg.model.vocab_size
-    out = os.path.abspath(os.path.expanduser(out))
-    if not out.endswith(".model"):
-        raise ValueError(f"--out must end in .model, got {out!r}")
+    sp = out.endswith(".model")
+    default = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"} if sp else BBPE_SPECIALS
+    names = {kind: cfg.data[f"{kind}_token"] or name for kind, name in default.items()}
+    specials = [*dict.fromkeys(names.values()), *special_tokens]  # a BBPE's bos may be its eos (GPT-2's)
+    if len(set(specials)) != len(specials) or (sp and len(set(names.values())) < 3):
+        raise ValueError(f"the special tokens {[*names.values(), *special_tokens]} (pad, bos, eos, then "
+                         "--special_tokens) name a token twice")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
-        sample = os.path.join(tmp, "sample.txt")
-        with open(sample, "w", encoding="utf-8") as f:
-            for i in pick:  # sentencepiece reads lines; empty lines carry nothing
-                f.write(texts[i] if texts[i].endswith("\n") else texts[i] + "\n")
-        try:
-            spm.SentencePieceTrainer.train(
-                input=sample, model_prefix=os.path.join(tmp, "tok"), vocab_size=vocab,
-                model_type="bpe", byte_fallback=True, character_coverage=0.9995,
-                pad_id=0, unk_id=1, bos_id=2, eos_id=3,
-                pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
-                normalization_rule_name="identity", remove_extra_whitespaces=False,
-                allow_whitespace_only_pieces=True, split_digits=True,
-                max_sentence_length=1 << 16, input_sentence_size=2_000_000,
-                shuffle_input_sentence=True, seed_sentencepiece_size=1_000_000,
-                hard_vocab_limit=False, num_threads=os.cpu_count() or 1, minloglevel=2,
-            )  # fmt: skip
-        except RuntimeError as e:
-            raise ValueError(f"sentencepiece training failed: {str(e).splitlines()[0]}") from None
-        os.replace(os.path.join(tmp, "tok.model"), out)
+        if sp:
+            _train_sentencepiece([texts[i] for i in pick], vocab, names, list(special_tokens), tmp, out)
+        else:
+            _train_bbpe([texts[i] for i in pick], vocab, specials, tmp, out)
     from maxlm.data.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(out)
+    tok = load_tokenizer(out, **{f"{kind}_token": name for kind, name in names.items()})
     if tok.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"trained vocab_size={tok.vocab_size} > model.vocab_size={cfg.model.vocab_size}")
-    return {"model": out, "vocab_size": tok.vocab_size, "requested_vocab_size": vocab,
-            "sample_documents": int(n), "pad_id": tok.pad_id, "unk_id": 1,
-            "bos_id": tok.bos_id, "eos_id": tok.eos_id, "byte_fallback": True, "model_type": "bpe"}
+    common = {"vocab_size": tok.vocab_size, "requested_vocab_size": vocab, "sample_documents": int(n),
+              "pad_id": tok.pad_id}
+    if sp:
+        return {"model": out, **common, "unk_id": 1, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+                "byte_fallback": True, "model_type": "bpe", **({"special_tokens": specials} if special_tokens else {})}
+    return {"tokenizer": out, **common, "bos_id": tok.bos_id, "eos_id": tok.eos_id, "model_type": "byte_level_bpe",
+            "special_tokens": specials}
+
+
+def _train_sentencepiece(texts: list[str], vocab: int, names: dict, control: list[str], tmp: str, out: str) -> None:
+    import sentencepiece as spm
+
+    sample = os.path.join(tmp, "sample.txt")
+    with open(sample, "w", encoding="utf-8") as f:
+        for text in texts:  # sentencepiece reads lines; empty lines carry nothing
+            f.write(text if text.endswith("\n") else text + "\n")
+    try:
+        spm.SentencePieceTrainer.train(
+            input=sample, model_prefix=os.path.join(tmp, "tok"), vocab_size=vocab,
+            model_type="bpe", byte_fallback=True, character_coverage=0.9995,
+            pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+            pad_piece=names["pad"], unk_piece="<unk>", bos_piece=names["bos"], eos_piece=names["eos"],
+            control_symbols=control,  # special: never produced from text
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True, split_digits=True,
+            max_sentence_length=1 << 16, input_sentence_size=2_000_000,
+            shuffle_input_sentence=True, seed_sentencepiece_size=1_000_000,
+            hard_vocab_limit=False, num_threads=os.cpu_count() or 1, minloglevel=2,
+        )  # fmt: skip
+    except RuntimeError as e:
+        raise ValueError(f"sentencepiece training failed: {str(e).splitlines()[0]}") from None
+    os.replace(os.path.join(tmp, "tok.model"), out)
+
+
+def _train_bbpe(texts: list[str], vocab: int, specials: list[str], tmp: str, out: str) -> None:
+    """Byte-level BPE as Llama 3's and GPT-2's: Llama 3's pre-tokenizer regex, then merges over the
+    256 bytes (every text encodes, with no unknown token); `specials` take the first ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from maxlm.data.bpe import LLAMA3_PATTERN
+
+    if vocab < 256 + len(specials):
+        raise ValueError(f"a byte-level BPE needs a vocabulary of at least 256 bytes + {len(specials)} special "
+                         f"tokens; data.tokenizer_vocab_size (or model.vocab_size) is {vocab}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer, length=len(texts))
+    tok.save(os.path.join(tmp, "tokenizer.json"))
+    os.replace(os.path.join(tmp, "tokenizer.json"), out)
 
 
 def prepare(cfg, workers: int | None, beam_args: tuple[str, ...] | None = None) -> dict:
@@ -156,8 +207,8 @@ def main(argv) -> None:
     try:
         if argv[1] == "tokenizer":
             if not F.out:
-                cli.config_error("tokenizer needs --out=PATH.model")
-            print(json.dumps(train_tokenizer(cfg, F.out), indent=2))
+                cli.config_error("tokenizer needs --out=PATH.model (sentencepiece) or --out=PATH.json (byte-level BPE)")
+            print(json.dumps(train_tokenizer(cfg, F.out, F.special_tokens or ()), indent=2))
         elif argv[1] == "prepare":
             if F.runner == "local" and len(argv) > 2:
                 cli.config_error(f"options after -- are Beam's (--runner=beam); got {argv[2:]}")
@@ -181,7 +232,9 @@ def main(argv) -> None:
 def _define_flags() -> None:
     from absl import flags
 
-    flags.DEFINE_string("out", None, "tokenizer: where to write the .model file.")
+    flags.DEFINE_string("out", None, "tokenizer: where to write it: PATH.model (sentencepiece) or PATH.json "
+                        "(a byte-level BPE tokenizer.json).")
+    flags.DEFINE_list("special_tokens", [], "tokenizer: special tokens after pad, bos and eos (comma-separated).")
     flags.DEFINE_enum("split", "train", ["train", "validation"], "stats/peek: which split.")
     flags.DEFINE_integer("step", None, "peek: the global batch to show.")
     flags.DEFINE_integer("rows", 1 << 30, "peek: at most this many rows.")

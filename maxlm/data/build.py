@@ -212,8 +212,8 @@ def _build(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer, runner: Runn
         name = "rows-{:05d}-of-{:05d}.array_record"
         results = runner.map(_pack_unit, [
             {**job, "unit": u, "index": k, "out": str(out / name.format(k, len(units))),
-             "tokenizer": tokenizer.spec, "seq_len": seq_len, "dtype": token_dtype(tokenizer.vocab_size).name,
-             "eos_id": tokenizer.eos_id, "kinds": kinds}
+             "tokenizer": tokenizer.spec, "tokenizer_options": tokenizer.options, "seq_len": seq_len,
+             "dtype": token_dtype(tokenizer.vocab_size).name, "eos_id": tokenizer.eos_id, "kinds": kinds}
             for k, u in enumerate(units)])
         counts = sum((collections.Counter(r["counts"]) for r in results), collections.Counter())
         documents = sum(r["documents"] for r in results)
@@ -387,7 +387,7 @@ def _pack_unit(job: dict) -> dict:
 
 def _pack_texts(job: dict, counts: collections.Counter, drop: set[int], writer: ShardWriter) -> dict:
     """The unit's documents but `drop` tokenized in chunks and packed by `writer`."""
-    tokenizer = load_tokenizer(job["tokenizer"])
+    tokenizer = load_tokenizer(job["tokenizer"], **job["tokenizer_options"])
     read_sec = tokenize_sec = 0.0
     long_docs = 0
     texts = (t for i, t in enumerate(_unit_texts(job, counts)) if i not in drop)

@@ -19,7 +19,8 @@ from maxlm.data.tokenizer import checked_tokenizer
 
 # The config keys the rows of a step's batch depend on (besides the step): a resume in which one of
 # them changed would read other rows at the same data position (see `data.resume_position`).
-STREAM_KEYS = ("seed", "batch_size", "seq_len", "data.source", "data.mixture", "data.tokenizer", "data.text_key",
+STREAM_KEYS = ("seed", "batch_size", "seq_len", "data.source", "data.mixture", "data.tokenizer", "data.bos_token",
+               "data.eos_token", "data.pad_token", "data.tokenizer_pattern", "data.tokenizer_special_tokens", "data.text_key",
                "data.txt_documents", "data.validation_percent", "data.bad_records", "data.shard_mb",
                "data.shard_examples", "data.filters")
 

@@ -4,9 +4,9 @@
 Export (`export`, `python -m maxlm.export`) writes what transformers' causal-LM class of the run
 (`maxlm/hf/architectures.py` picks it from the model config) and `AutoTokenizer` load with no
 custom code: config.json, generation_config.json, the safetensors weights (sharded past a size,
-with an index) and the tokenizer files. Each tensor is gathered to the host one at a time (a
-layer's, an expert's), converted (`hf_mapping.to_hf`) and written, so the host holds at most one
-file's worth.
+with an index) and the tokenizer files (`maxlm/hf/tokenizer_files.py`). Each tensor is gathered
+to the host one at a time (a layer's, an expert's), converted (`hf_mapping.to_hf`) and written,
+so the host holds at most one file's worth.
 
 Import (`load_params`, the config key `checkpoint.init_from_hf`) checks the folder's config and
 tensors against the run (one exit-2 line listing every mismatch; process 0 checks, and every
@@ -38,6 +38,7 @@ from maxlm import config as config_lib, console, paths, processes
 from maxlm.hf.architectures import architecture
 from maxlm.hf.config_json import check_config, hf_config
 from maxlm.hf.mapping import hf_index, hf_tensors, read_block, sources, to_hf
+from maxlm.hf.tokenizer_files import write_json, write_tokenizer
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -315,57 +316,8 @@ def write_weights(params, model_cfg, out: str, dtype: str = "float32",
     if len(plan) > 1 and writer:
         index = {"metadata": {"total_size": sum(a[1] for a in arrays.values())},
                  "weight_map": {n: f for f, ns in zip(names, plan) for n in ns}}
-        _write_json(os.path.join(out, INDEX), index)
+        write_json(os.path.join(out, INDEX), index)
     return names + ([INDEX] if len(plan) > 1 else [])
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-
-
-def _special(content: str) -> dict:
-    return {"content": content, "special": True, "lstrip": False, "rstrip": False,
-            "normalized": False, "single_word": False}
-
-
-def write_tokenizer(tokenizer, out: str, seq_len: int) -> list[str]:
-    """The tokenizer files transformers' `AutoTokenizer` loads.
-
-    SentencePiece: the `.model` as `tokenizer.model` with a `LlamaTokenizer` config (bos added,
-    eos not, as maxlm frames documents). Byte tokens: a `ByT5Tokenizer` config, whose byte ids are
-    maxlm's (byte b = id b + 3) and whose special tokens are renamed to maxlm's pad 0, bos 1, eos 2
-    (see the README for what it does differently: it appends eos instead of prepending bos).
-    """
-    from maxlm.data.tokenizer import ByteTokenizer
-
-    if isinstance(tokenizer, ByteTokenizer):
-        pieces = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "unk": "<unk>"}
-        config = {
-            "tokenizer_class": "ByT5Tokenizer",
-            "extra_ids": 0,
-            "added_tokens_decoder": {str(tokenizer.pad_id): _special(pieces["pad"]),
-                                     str(tokenizer.bos_id): _special(pieces["bos"]),
-                                     str(tokenizer.eos_id): _special(pieces["eos"])},
-        }
-        files = []
-    else:
-        import sentencepiece as spm
-
-        with open(os.path.join(out, "tokenizer.model"), "wb") as f:
-            f.write(tokenizer.proto)
-        sp = spm.SentencePieceProcessor(model_proto=tokenizer.proto)
-        pieces = {"pad": sp.id_to_piece(tokenizer.pad_id), "bos": sp.id_to_piece(tokenizer.bos_id),
-                  "eos": sp.id_to_piece(tokenizer.eos_id), "unk": sp.id_to_piece(sp.unk_id())}
-        config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True,
-                  "add_eos_token": False, "legacy": True}
-        files = ["tokenizer.model"]
-    tokens = {f"{kind}_token": piece for kind, piece in pieces.items()}
-    config.update(tokens, model_max_length=seq_len, clean_up_tokenization_spaces=False)
-    _write_json(os.path.join(out, "tokenizer_config.json"), config)
-    _write_json(os.path.join(out, "special_tokens_map.json"), tokens)
-    return files + ["tokenizer_config.json", "special_tokens_map.json"]
 
 
 def generation_config(cfg, tokenizer) -> dict:
@@ -384,7 +336,7 @@ def export(params, cfg, out: str, dtype: str = "float32",
     `params` into `out` (a local directory, created; it must not already hold an export): config.json,
     generation_config.json, the safetensors weights in `dtype` and the tokenizer files. Every
     process calls it; process 0 checks `out` and writes. Returns the files' names."""
-    from maxlm.data.tokenizer import load_tokenizer
+    from maxlm.data.tokenizer import config_tokenizer
 
     if dtype not in DTYPES:
         raise config_lib.ConfigError(f"--dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -403,7 +355,7 @@ def export(params, cfg, out: str, dtype: str = "float32",
         return b""
 
     processes.from_process_0(check_out)
-    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, job=True)
+    tokenizer = tokenizer or config_tokenizer(cfg.data, job=True)
     m = cfg.model
     if m.d_model % m.num_heads:
         console.warn(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}: "
@@ -415,7 +367,7 @@ def export(params, cfg, out: str, dtype: str = "float32",
         os.makedirs(out, exist_ok=True)
     files = write_weights(params, m, out, dtype, max_shard_bytes)
     if jax.process_index() == 0:
-        _write_json(os.path.join(out, "config.json"), hf_config(cfg, tokenizer, dtype))
-        _write_json(os.path.join(out, "generation_config.json"), generation_config(cfg, tokenizer))
+        write_json(os.path.join(out, "config.json"), hf_config(cfg, tokenizer, dtype))
+        write_json(os.path.join(out, "generation_config.json"), generation_config(cfg, tokenizer))
         files += ["config.json", "generation_config.json"] + write_tokenizer(tokenizer, out, cfg.seq_len)
     return files

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 
+from maxlm import config as config_lib
 from maxlm.data import STREAM_KEYS
 from maxlm.errors import ConfigError
 from maxlm.train import metrics
@@ -50,8 +51,10 @@ def record(cfg, dataset, position: int) -> dict:
 
 
 def changes(recorded: dict, cfg) -> list[str]:
-    """`KEY=NOW (checkpoint: SAVED)` for each stream key that differs from the recorded ones."""
+    """`KEY=NOW (checkpoint: SAVED)` for each stream key that differs from the recorded ones. A key
+    the checkpoint did not record (one added to STREAM_KEYS since) was at its default then."""
     now = stream_keys(cfg.to_dict())
+    recorded = {**stream_keys(config_lib.defaults().to_dict()), **recorded}
     return [f"{k}={now.get(k)!r} (checkpoint: {recorded.get(k)!r})" for k in sorted(set(now) | set(recorded))
             if now.get(k) != recorded.get(k)]
 

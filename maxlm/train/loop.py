@@ -23,7 +23,8 @@ from maxlm.hf import files as hf
 from maxlm.model import attention_plan, fp8
 from maxlm.train import anomaly, checkpoint, checkpoint_fit, data_position, evaluate, faults, flops, loss_scale, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
 from maxlm.train.goodput import Goodput, Stopwatch, TimedCheckpointer
-from maxlm.train.step_logger import StepLogger
+from maxlm.train.monitor import Monitor
+from maxlm.train.step_logger import StepLogger, budget_line
 
 log = logging.getLogger("maxlm")
 
@@ -278,6 +279,7 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
     log.info("model: %s parameters%s, %.3g training FLOPs/token; peak %.3g FLOP/s (%s, %s)",
              f"{model.count_params(m):,}", active, per_token, peak["total_flops_per_sec"], peak["device_kind"],
              peak["source"])
+    log.info(budget_line(cfg, per_token))
     kernels = attention_plan.kernels(cfg)
     # may change on resume (they change no parameter): say them
     window = f", sliding window {m.sliding_window}" if m.sliding_window else ""
@@ -309,4 +311,5 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
                  "not faster (float8 GEMMs need an NVIDIA GPU of compute capability >= 8.9)")
     return StepLogger(writer, start_step=start_step, total_steps=cfg.steps, log_every=cfg.log_every_steps,
                       tokens_per_step=cfg.batch_size * cfg.seq_len, flops_per_token=per_token,
-                      peak_flops_per_sec=peak["total_flops_per_sec"], counters=counters)
+                      peak_flops_per_sec=peak["total_flops_per_sec"], counters=counters,
+                      monitor=Monitor.from_config(cfg, accelerator=jax.default_backend() != "cpu"))

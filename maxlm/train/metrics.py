@@ -49,6 +49,8 @@ TENSORBOARD_TAGS = {
     "loss": "train/loss",
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
+    "clipped_grad_norm": "train/clipped_grad_norm",
+    "clipped_fraction": "train/clipped_fraction",
     "param_norm": "train/param_norm",
     "update_ratio": "train/update_ratio",
     "skipped_steps": "train/skipped_steps",
@@ -73,7 +75,8 @@ TENSORBOARD_TAGS = {
     "lost_steps": "goodput/lost_steps",
     "memory_bytes_in_use": "memory/bytes_in_use",
     "memory_peak_bytes_in_use": "memory/peak_bytes_in_use",
-}
+    "memory_peak_fraction": "memory/peak_fraction",
+}  # monitor/<name>_out_of_range (maxlm/train/monitor.py) keep their names, in the monitor section
 
 
 # the eval's loss by position bucket (maxlm/train/evaluate.py): one scalar per bucket, named

@@ -8,6 +8,9 @@
   lion       `optax.lion`: the sign of an interpolated momentum, one moment (b1, b2, mu_dtype).
   adafactor  optax's factored second moment (`scale_by_factored_rms`), update clipping by block
              RMS, no first moment, and AdamW's decoupled, lr-scaled weight decay (`adafactor`).
+  muon       `optax.contrib.scale_by_muon` (Newton–Schulz-orthogonalised momentum) on the weight
+             matrices, `optax.adamw` on the embeddings, the head, norms and biases
+             (maxlm/train/muon.py says which is which, from the logical axis names).
 Each takes weight decay on matrices only (`weight_decay_mask`): norm scales (and biases, should a
 model grow them) are 1-D and decaying them towards zero only hurts. docs/architecture.md
 (#optimizers-and-schedules) gives the settings each reads and the usual values.
@@ -26,18 +29,21 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from maxlm import model
 from maxlm.config_rules import wsd_decay_start
+from maxlm.train import muon
 
 BATCH_SCALING_EXPONENT = {"sqrt": 0.5, "linear": 1.0}  # optim.lr_batch_scaling (besides "none")
 
 
-def peak_lr(cfg) -> float:
-    """The peak learning rate: `optim.lr`, times (batch_size / lr_reference_batch) ** (1/2 or 1)
-    with `optim.lr_batch_scaling` "sqrt" or "linear". The recorded config keeps `optim.lr`."""
+def peak_lr(cfg, lr: float | None = None) -> float:
+    """The peak learning rate: `optim.lr` (or `lr`), times (batch_size / lr_reference_batch) **
+    (1/2 or 1) with `optim.lr_batch_scaling` "sqrt" or "linear". The recorded config keeps `optim.lr`."""
     o = cfg.optim
+    lr = o.lr if lr is None else lr
     if o.lr_batch_scaling == "none":
-        return o.lr
-    return o.lr * (cfg.batch_size / o.lr_reference_batch) ** BATCH_SCALING_EXPONENT[o.lr_batch_scaling]
+        return lr
+    return lr * (cfg.batch_size / o.lr_reference_batch) ** BATCH_SCALING_EXPONENT[o.lr_batch_scaling]
 
 
 def describe(cfg) -> str:
@@ -47,12 +53,17 @@ def describe(cfg) -> str:
     if o.lr_batch_scaling != "none":
         exponent = BATCH_SCALING_EXPONENT[o.lr_batch_scaling]
         peak += f" = optim.lr {o.lr:g} x ({cfg.batch_size} / {o.lr_reference_batch})^{exponent:g}"
-    return f"{o.name}, schedule {o.schedule}, {peak}"
+    name = o.name
+    if o.name == "muon":
+        shapes = jax.eval_shape(lambda: model.init_params(cfg.model, jax.random.key(0)))
+        name = muon.describe(o, model.param_logical_specs(cfg.model), shapes)
+    return f"{name}, schedule {o.schedule}, {peak}"
 
 
-def learning_rate_schedule(cfg) -> optax.Schedule:
-    """`optim.schedule` with its linear warmup from 0 (a resolved config: `decay_steps` filled)."""
-    o, peak = cfg.optim, peak_lr(cfg)
+def learning_rate_schedule(cfg, lr: float | None = None) -> optax.Schedule:
+    """`optim.schedule` with its linear warmup from 0 (a resolved config: `decay_steps` filled), to
+    the peak of `optim.lr` (or of `lr`: Muon's AdamW part, `optim.muon_adam_lr`)."""
+    o, peak = cfg.optim, peak_lr(cfg, lr)
     if o.schedule == "cosine":  # optax's warmup + cosine in one: today's numbers, bit for bit
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=peak, warmup_steps=o.warmup_steps,
@@ -137,8 +148,10 @@ def adafactor(weight_decay: float, schedule: optax.Schedule) -> optax.GradientTr
     )
 
 
-def make_optimizer(cfg) -> optax.GradientTransformation:
-    """The whole chain for a resolved config: clipping, then `optim.name` on `optim.schedule`."""
+def make_optimizer(cfg, param_specs=None) -> optax.GradientTransformation:
+    """The whole chain for a resolved config: clipping, then `optim.name` on `optim.schedule`.
+    `param_specs`: the parameters' logical specs, which Muon splits by (default: the model's;
+    a test's own parameters name theirs)."""
     o = cfg.optim
     schedule = learning_rate_schedule(cfg)
     # bfloat16 halves the first moment's memory; Adam's second moment (whose square root divides
@@ -149,6 +162,10 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
                             weight_decay=o.weight_decay, mask=weight_decay_mask)
     elif o.name == "adafactor":
         update = adafactor(o.weight_decay, schedule)
+    elif o.name == "muon":
+        specs = model.param_logical_specs(cfg.model) if param_specs is None else param_specs
+        adam_schedule = learning_rate_schedule(cfg, o.muon_adam_lr) if o.muon_adam_lr else schedule
+        update = muon.muon(o, schedule, adam_schedule, specs, mu_dtype, weight_decay_mask)
     else:
         update = optax.adamw(learning_rate=schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                              mask=weight_decay_mask, mu_dtype=mu_dtype)

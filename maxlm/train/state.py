@@ -44,13 +44,16 @@ def logical_specs(cfg, tx: optax.GradientTransformation, shapes: State) -> State
     """Logical PartitionSpecs for the whole state: optimizer moments follow their parameter
     (Adafactor's factored ones as `factored_specs` says)."""
     param_specs = model.param_logical_specs(cfg.model)
+    # a partitioned optimizer's (Muon's) moments hold optax.MaskedNode for the parameters another
+    # part updates: kept as they are (no array, no spec)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
     opt_specs = optax.tree_map_params(
         tx,
-        lambda _, spec: spec,
+        lambda moment, spec: moment if masked(moment) else spec,
         shapes["opt_state"],
         param_specs,
         transform_non_params=lambda _: PartitionSpec(),
-        is_leaf=model.is_spec,
+        is_leaf=lambda x: model.is_spec(x) or masked(x),
     )
     is_factored = lambda node: isinstance(node, optax.FactoredState)
     opt_specs = jax.tree.map(

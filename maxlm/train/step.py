@@ -105,7 +105,8 @@ def train_step(cfg, tx, schedule, state: State, batch, lr_scale, inject_nan=None
     params = optax.apply_updates(state["params"], updates)
     if balance.enabled(cfg.model):  # the selection bias moves by the step's load, not by the optimizer
         params = balance.rebalanced(cfg.model, params, state["params"], aux["router"]["layers"]["load_E"])
-    # how far this step moved the weights, relative to their size (~1e-3 is typical for Adam); the
+    # how far this step moved the weights, relative to their size (about 4-12 x lr with AdamW:
+    # docs/observability.md#the-updateparameter-ratio-which-one); the
     # optimizer's update only: a balancing bias's move is not in it (moe/layer_NN/bias_spread shows it)
     update_ratio = optax.tree.norm(updates) / optax.tree.norm(state["params"])
     grads_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -146,6 +147,9 @@ def train_step(cfg, tx, schedule, state: State, batch, lr_scale, inject_nan=None
         **router_metrics.of_step(cfg.model, aux.get("router"), params),
         **(model.mtp.metrics(aux["mtp"]) if "mtp" in aux else {}),  # mtp_loss (and mtp/loss_k) with model.mtp_depth
     }
+    if cfg.optim.clip_norm > 0:  # optax.clip_by_global_norm's: scaled to clip_norm when above it
+        step_metrics.update(clipped=(grad_norm > cfg.optim.clip_norm).astype(jnp.int32),  # StepLogger: clipped_fraction
+                            clipped_grad_norm=jnp.minimum(grad_norm, cfg.optim.clip_norm))
     if scale is not None:
         new_state.update(loss_scale.update(cfg.optim, state, grads_finite, applied=ok))
         step_metrics.update(loss_scale=scale,  # the scale this step used, as `lr`

@@ -16,6 +16,7 @@ import time
 import jax
 
 from maxlm.train import flops, metrics, router_metrics
+from maxlm.train.monitor import Monitor
 
 log = logging.getLogger("maxlm")
 
@@ -52,9 +53,24 @@ def format_eta(seconds: float) -> str:
     return f"{secs}s"
 
 
-def device_memory(device=None) -> dict[str, int]:
+PF_DAY = 1e15 * 86400  # FLOPs: a petaFLOP/s for a day, the unit of the scaling-law papers
+
+
+def budget_line(cfg, flops_per_token: float) -> str:
+    """What the run is in the guides' units, for its start-up log: tokens per batch, total tokens
+    (steps x tokens per batch, padding included), total training FLOPs (flops_per_token x total
+    tokens; the convention of maxlm/train/flops.py) and PF-days."""
+    batch_tokens = cfg.batch_size * cfg.seq_len
+    tokens = cfg.steps * batch_tokens
+    total = flops_per_token * tokens
+    return (f"budget: {batch_tokens:,} tokens per batch ({cfg.batch_size} x {cfg.seq_len}), {tokens:,} tokens in "
+            f"{cfg.steps:,} steps, {total:.3g} training FLOPs = {total / PF_DAY:.3g} PF-days")
+
+
+def device_memory(device=None) -> dict[str, float]:
     """`memory_bytes_in_use` and `memory_peak_bytes_in_use` of one local device (default the
-    first), as its platform reports them; {} where it reports nothing (CPU)."""
+    first), as its platform reports them, and `memory_peak_fraction`, the peak over the memory
+    the platform lets JAX use (`bytes_limit`); {} where it reports nothing (CPU)."""
     device = device if device is not None else jax.local_devices()[0]
     try:
         stats = device.memory_stats()
@@ -64,6 +80,8 @@ def device_memory(device=None) -> dict[str, int]:
     for key in ("bytes_in_use", "peak_bytes_in_use"):
         if stats and key in stats:
             out[f"memory_{key}"] = int(stats[key])
+    if stats and stats.get("bytes_limit") and "peak_bytes_in_use" in stats:
+        out["memory_peak_fraction"] = stats["peak_bytes_in_use"] / stats["bytes_limit"]
     return out
 
 
@@ -73,11 +91,12 @@ class StepLogger:
     `tokens_per_step`, `flops_per_token` and `peak_flops_per_sec` (total) give tokens/s and MFU;
     `total_steps` the ETA; rows are kept every `log_every` steps and at the last step.
     `counters()`: host-side values added to each row, taken when its step is dispatched.
+    `monitor`: the guides' ranges (maxlm/train/monitor.py), watched on each row once read back.
     """
 
     def __init__(self, writer, *, start_step: int, total_steps: int, log_every: int,
                  tokens_per_step: int, flops_per_token: float, peak_flops_per_sec: float,
-                 counters=dict):
+                 counters=dict, monitor: Monitor | None = None):
         self.writer, self.total_steps, self.log_every = writer, total_steps, log_every
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak = peak_flops_per_sec
@@ -87,11 +106,13 @@ class StepLogger:
         self._extra: dict = {}  # added to the next training row written (compile_sec)
         self._compiled: set = set()  # step functions already called once
         self.counters = counters  # host-side counts added to each row (maxlm/train/anomaly.py's)
+        self.monitor = monitor or Monitor([])
         self.restart(start_step)
 
     def restart(self, step: int) -> None:
         """The run (re)starts at `step` (a restore): nothing pending, its next step is a first."""
         self._pending, self._fresh = None, True
+        self._clipped: list = []  # each step's `clipped` flag (a device scalar) since the last row
         self.restart_clock(step)
 
     def restart_clock(self, finished_step: int) -> None:
@@ -117,6 +138,8 @@ class StepLogger:
         """After dispatching the step that made `done` steps: writes the previous log step's row
         (finished by now, or soon) and keeps this step's metrics if `done` is a log step."""
         self.flush()
+        if "clipped" in step_metrics:  # kept on the device: summed when the row is read back
+            self._clipped.append(step_metrics["clipped"])
         if self._fresh:  # its call compiled: keep it out of the throughput
             self._fresh = False
             if math.isnan(self.first_loss):
@@ -124,15 +147,18 @@ class StepLogger:
             if done % self.log_every:
                 self.restart_clock(done)
         if done % self.log_every == 0 or done == self.total_steps:
-            self._pending = (done, step_metrics, self.counters())
+            self._pending = (done, step_metrics, self.counters(), self._clipped)
+            self._clipped = []
 
     def flush(self) -> None:
         """Reads back and writes the pending log step's row, if any."""
         if self._pending is None:
             return
-        step, device_metrics, counters = self._pending
+        step, device_metrics, counters, clipped = self._pending
         self._pending = None
-        row = {k: float(v) for k, v in jax.device_get(device_metrics).items()}  # waits for it
+        # waits for the step; the earlier steps' clipping flags are done by then
+        got, clipped = jax.device_get((device_metrics, clipped))
+        row = {k: float(v) for k, v in got.items()}
         now = time.perf_counter()
         started, clock_step = self._clock
         steps_timed = max(step - clock_step, 1)  # 0 only when the compile step is logged
@@ -148,10 +174,17 @@ class StepLogger:
         )
         self._extra.clear()
         del row["num_tokens"]
+        if "clipped" in row:  # the share of the steps since the last row whose gradient was clipped
+            del row["clipped"]
+            row["clipped_fraction"] = sum(float(c) for c in clipped) / max(len(clipped), 1)
+        markers, notes = self.monitor.observe(step, row)
+        row.update(markers)
         self.writer.write(step, row)
         log.info(format_line(step, row, eta_sec=row["step_time_sec"] * (self.total_steps - step)))
         if moe_line := router_metrics.console_line(step, row):  # an MoE model's worst layers
             log.info(moe_line)
+        for note in notes:  # a watched range left or come back to
+            note.say()
         self.last_row = dict(row, step=step, first_loss=self.first_loss)
 
     def eval_done(self, step: int, row: dict) -> None:
