@@ -64,6 +64,32 @@ def test_the_plan_takes_the_newest_step_every_process_can_have():
     assert _rounds({1: 0, 2: 0, 3: 2}) == [[(1, 0), (3, 2)], [(2, 0)]]
 
 
+def test_a_local_save_restores_bitwise_and_a_damaged_copy_is_marked_and_skipped(tmp_path):
+    """In one process, on 8 devices: save two steps, restore the newest bitwise with its meta;
+    damage it, and the restore marks it and takes the other; a rollback's bound is kept."""
+    from ml_collections import ConfigDict
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+    sharding = NamedSharding(mesh, PartitionSpec("fsdp", "tensor"))
+    state = {"w": jax.device_put(np.arange(64 * 8, dtype=np.float32).reshape(64, 8), sharding),
+             "step": jax.device_put(np.int32(0), NamedSharding(mesh, PartitionSpec()))}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    tier = LocalTier(ConfigDict({"local_dir": str(tmp_path / "local"), "local_max_to_keep": 2}), str(tmp_path / "run"))
+    fine = lambda restored, step: None
+    for step in (2, 4):
+        tier.save(step, dict(state, w=state["w"] + step), {"data_position": step}, {"name": "t"})
+    tier.wait()
+    restored, meta = tier.restore(abstract, fine)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state["w"]) + 4)
+    assert restored["w"].sharding == sharding and meta["step"] == 4 and meta["data_position"] == 4
+    assert tier.restore(abstract, fine, below=4)[1]["step"] == 2  # a rollback to before step 4
+    with open(os.path.join(tier.root, "4", "p0", "data.bin"), "r+b") as f:
+        f.write(b"\x01\x02")
+    restored, meta = tier.restore(abstract, fine)
+    assert meta["step"] == 2 and os.path.exists(os.path.join(tier.root, "4", "p0.damaged"))
+    assert tier.restore(abstract, fine, at_least=3) is None  # the persistent tier's newer: not local
+
+
 def test_a_local_dir_on_shared_storage_or_not_below_every_steps_is_exit_2(tmp_path, data_dirs):
     for extra, words in ((["--config.checkpoint.local_dir=gs://bucket/x"], "each host's own disk"),
                          ([f"--config.checkpoint.local_dir={tmp_path}/l", "--config.checkpoint.local_every_steps=8"],
@@ -84,6 +110,8 @@ def tier_root(local):
     return os.path.join(local, found[0]) if found else None
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_resume_from_the_local_tier_equals_the_run_straight_through(tmp_path, data_dirs):
     """Persistent saves at 8 and 10 (the final); local ones at 3, 6 and 9 (two kept: 6, 9).
     Without the persistent 10, the rerun resumes from the local 9, bitwise. With local 9's data
@@ -100,8 +128,8 @@ def test_a_resume_from_the_local_tier_equals_the_run_straight_through(tmp_path, 
     assert os.listdir(os.path.join(root, "9")) == ["p0"]
     want, final = losses(run), saved_state(run, 10)
 
-    for damage, resumed in ((False, "the local tier"), (True, "checkpoints/8 at step 8"),
-                            ("mesh", "checkpoints/8 at step 8")):
+    for damage, resumed in ((False, "the local tier"), (True, "checkpoints at step 8"),
+                            ("mesh", "checkpoints at step 8")):
         shutil.rmtree(run / "checkpoints" / "10")
         (run / "metrics.jsonl").write_text("")
         if damage is True:

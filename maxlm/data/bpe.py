@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from maxlm.data.tokenizer_base import Tokenizer
+from maxlm.data.tokenizer_base import FileTokenizer
 
 # Llama 3's pre-tokenizer (its tokenizer.py; transformers' TikTokenConverter default).
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -77,7 +77,7 @@ def _digest(data: bytes, *settings) -> str:
     return hashlib.sha256(data + json.dumps(settings).encode()).hexdigest()[:16]
 
 
-class HFTokenizer(Tokenizer):
+class HFTokenizer(FileTokenizer):
     """A Hugging Face `tokenizer.json` (`data`: its bytes), through the `tokenizers` library."""
 
     def __init__(self, path: str | os.PathLike, data: bytes, bos_token: str = "", eos_token: str = "",
@@ -103,14 +103,6 @@ class HFTokenizer(Tokenizer):
         self.bos_id, self.eos_id, self.pad_id = special_ids(
             f"the tokenizer.json {self._path!r}", specials, self._tok.token_to_id, bos_token, eos_token, pad_token)
         self._fingerprint = "hf-" + _digest(data, self.bos_id, self.eos_id, self.pad_id)
-
-    @property
-    def spec(self) -> str:
-        return self._path
-
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids, np.int32)
@@ -162,7 +154,7 @@ def parse_tiktoken(data: bytes, where: str) -> dict[bytes, int]:
     return ranks
 
 
-class TiktokenTokenizer(Tokenizer):
+class TiktokenTokenizer(FileTokenizer):
     """A tiktoken BPE file (`data`: its bytes), through `tiktoken`, with `special_tokens` (default
     Llama 3's) after its ranks and `pattern` (default Llama 3's) splitting text before the merges."""
 
@@ -195,14 +187,6 @@ class TiktokenTokenizer(Tokenizer):
         self.bos_id, self.eos_id, self.pad_id = special_ids(where, self.special_tokens, token_id,
                                                             bos_token, eos_token, pad_token)
         self._fingerprint = "tiktoken-" + _digest(data, self.pattern, names, self.bos_id, self.eos_id, self.pad_id)
-
-    @property
-    def spec(self) -> str:
-        return self._path
-
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._enc.encode_ordinary(text), np.int32)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from maxlm import processes
-from maxlm.data.tokenizer_base import Tokenizer
+from maxlm.data.tokenizer_base import FileTokenizer, Tokenizer
 
 
 class ByteTokenizer(Tokenizer):
@@ -56,7 +56,7 @@ class ByteTokenizer(Tokenizer):
         return "ByteTokenizer()"
 
 
-class SentencePieceTokenizer(Tokenizer):
+class SentencePieceTokenizer(FileTokenizer):
     """A trained SentencePiece model; it must define bos, eos and pad pieces, or the keys
     `data.bos_token`, ... name its pieces for them. `proto`: the model file's bytes, when already
     read (else they are read from `model_path`)."""
@@ -95,14 +95,6 @@ class SentencePieceTokenizer(Tokenizer):
         self._options = {f"{k}_token": v for k, v in named.items() if v}
         if self._options:  # the default pieces keep the fingerprint (and the caches) they always had
             self._fingerprint += "-" + hashlib.sha256(json.dumps(specials, sort_keys=True).encode()).hexdigest()[:8]
-
-    @property
-    def spec(self) -> str:
-        return self._path
-
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._sp.encode(text, out_type=int), dtype=np.int32)

@@ -44,3 +44,18 @@ class Tokenizer(abc.ABC):
 
     def encode_batch(self, texts: Iterable[str], num_threads: int | None = None) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
+
+
+class FileTokenizer(Tokenizer):
+    """A tokenizer read from a file: its spec is the file's path, its fingerprint set at load."""
+
+    _path: str
+    _fingerprint: str
+
+    @property
+    def spec(self) -> str:
+        return self._path
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint

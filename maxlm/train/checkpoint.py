@@ -445,7 +445,7 @@ class Checkpointer:
                     problem = f"does not restore ({short(e)})"
                 problem = agreed(problem, path)
             if problem is None:
-                self.restored_from = path
+                self.restored_from = self.directory
                 return restored
             _sync(f"maxlm_checkpoint_check_{step}")
             self._quarantine(path, problem)
