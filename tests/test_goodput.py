@@ -191,6 +191,7 @@ def test_the_plot_stacks_each_runs_wall_time(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_steps_replayed_after_a_restore_in_the_run_are_lost(tmp_path, data_dirs):
     """NaN gradients at steps 6-8: at the save point of step 8 the run goes back to the checkpoint
     of step 4, and steps 5-8 are trained again."""
