@@ -229,7 +229,8 @@ class LocalTier:
                 return None
             step, source = decided
             # what this process reads: its own copy, and the replicas it sends to their owners
-            reads = {owner: self.held()[step][owner] for owner, holder in source.items() if holder == me}
+            mine = self.held().get(step, {})
+            reads = {owner: mine[owner] for owner, holder in source.items() if holder == me}
             read, problems = {}, {}
             for owner, path in reads.items():
                 try:
@@ -249,15 +250,15 @@ class LocalTier:
                 if me == owner:
                     console.warn(f"this process holds no usable copy of its shards of local step {step}: "
                                  f"restoring them from process {holder}'s replica")
+            layout = host_shards.layout(abstract, me)
             buffer = read[me][0] if me in read else None
             for pairs in _rounds(moved):
                 sent = next((read[o][0] for o, h in pairs if h == me), None)
-                got = host_shards.send(sent, [(h, o) for o, h in pairs],
-                                       host_shards.total_bytes(host_shards.layout(abstract, me)))
+                got = host_shards.send(sent, [(h, o) for o, h in pairs], host_shards.total_bytes(layout))
                 if any(o == me for o, _ in pairs):
                     buffer = got
             meta = _shared_meta(read, source)
-            state = host_shards.unpack(buffer, host_shards.layout(abstract, me), abstract)
+            state = host_shards.unpack(buffer, layout, abstract)
             problem = check(state, step)
             if problem is None:
                 tier = "its own copies" if not moved else f"its own copies and {len(moved)} peer replica(s)"
