@@ -51,13 +51,16 @@ def train_tokenizer(cfg, out: str, special_tokens: Sequence[str] = ()) -> dict:
     ..., else the defaults), then `special_tokens`."""
     import numpy as np
 
+    from maxlm import progress
     from maxlm.data import filters
 
     out = os.path.abspath(os.path.expanduser(out))
     if not out.endswith((".model", ".json")):
         raise ValueError(f"--out must end in .model (sentencepiece) or .json (byte-level BPE), got {out!r}")
     counts = __import__("collections").Counter()
-    texts = filters.read_clean_documents(cfg.data, "train", counts)
+    with progress.Progress("tokenizer: read the train split", None) as line, \
+            progress.polling(line, lambda: {"documents": counts["split_documents"]}):
+        texts = filters.read_clean_documents(cfg.data, "train", counts)
     n = min(len(texts), cfg.data.tokenizer_sample_docs)
     pick = np.sort(np.random.default_rng(cfg.seed).choice(len(texts), n, replace=False))
     vocab = cfg.data.tokenizer_vocab_size or cfg.model.vocab_size
@@ -69,7 +72,10 @@ def train_tokenizer(cfg, out: str, special_tokens: Sequence[str] = ()) -> dict:
         raise ValueError(f"the special tokens {[*names.values(), *special_tokens]} (pad, bos, eos, then "
                          "--special_tokens) name a token twice")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
+    kind = "sentencepiece BPE" if sp else "byte-level BPE"
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp, \
+            progress.Progress(f"tokenizer: train a {kind}", None) as line, progress.polling(line):
+        line.update(documents=int(n))  # its own loop shows nothing: a heartbeat says it is alive
         if sp:
             _train_sentencepiece([texts[i] for i in pick], vocab, names, list(special_tokens), tmp, out)
         else:

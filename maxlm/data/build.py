@@ -22,6 +22,9 @@ passes:
 3. each unit packs its documents, leaving those out.
 A partition holds 1/P of the split's keys, so no process holds them all. The result is the serial
 one (`filters.iter_filtered`): the first of each group is kept.
+
+While a pass runs, its jobs report their counts through the scratch directory and the builder
+prints their sum as a progress line (`unit_progress`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from maxlm import paths, processes
-from maxlm.data import filters, sources
+from maxlm.data import filters, sources, unit_progress
 from maxlm.data.corpus import file_lock
 from maxlm.data.errors import DataError
 from maxlm.data.packing import token_dtype
@@ -203,14 +206,19 @@ def _build(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer, runner: Runn
     else:  # everything in a temporary sibling, renamed into place at the end
         out = tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        job = {"source": source, "data_cfg": data_cfg, "split": split, "tmp": str(tmp)}
+        job = {"source": source, "data_cfg": data_cfg, "split": split, "tmp": str(tmp),
+               "progress": unit_progress.period()}
+        if job["progress"]:
+            unit_progress.directory(str(tmp)).mkdir(parents=True, exist_ok=True)
         kinds = [k for k in DEDUP_KINDS if data_cfg.filters[k]]
+        passes = _Passes(f"prepare {source.slug}[{split}]", tmp, runner, ["keys", "repeats", "pack"] if kinds else ["pack"])
         if kinds:
-            runner.map(_key_unit, [{**job, "unit": u, "index": k} for k, u in enumerate(units)])
-            runner.map(_find_repeats, [{"tmp": str(tmp), "units": len(units), "kinds": kinds, "partition": p,
-                                        "partitions": partitions} for p in range(partitions)])
+            passes.run("keys", _key_unit, [{**job, "unit": u, "index": k} for k, u in enumerate(units)])
+            passes.run("repeats", _find_repeats, [
+                {"tmp": str(tmp), "progress": job["progress"], "units": len(units), "kinds": kinds, "partition": p,
+                 "partitions": partitions} for p in range(partitions)], unit="partitions")
         name = "rows-{:05d}-of-{:05d}.array_record"
-        results = runner.map(_pack_unit, [
+        results = passes.run("pack", _pack_unit, [
             {**job, "unit": u, "index": k, "out": str(out / name.format(k, len(units))),
              "tokenizer": tokenizer.spec, "tokenizer_options": tokenizer.options, "seq_len": seq_len,
              "dtype": token_dtype(tokenizer.vocab_size).name, "eos_id": tokenizer.eos_id, "kinds": kinds}
@@ -239,6 +247,7 @@ def _build(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer, runner: Runn
         }
         for leftover in tmp.glob("*.npy"):  # the dedup passes' keys and drop lists
             leftover.unlink()
+        unit_progress.remove(str(tmp))
         (out / "meta.json").write_text(json.dumps({**meta, **stats}, indent=2, sort_keys=True))
         if not remote:
             try:
@@ -260,6 +269,22 @@ def _build(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer, runner: Runn
         meta["source"], split, runner, len(units), stats["documents"], stats["skipped"],
         stats["filtered"], tokens, rows, seq_len, stats["packing_efficiency"], time.perf_counter() - start, final,
     )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Passes:
+    """A build's passes, each run by `runner` under a progress line (`unit_progress`): `what`,
+    and with several passes the pass's name and number."""
+
+    what: str
+    scratch: Path
+    runner: Runner
+    names: list[str]
+
+    def run(self, name: str, fn, jobs: list[dict], unit: str = "units") -> list:
+        what = self.what if len(self.names) == 1 else f"{self.what} {name} (pass {self.names.index(name) + 1}/{len(self.names)})"
+        with unit_progress.pass_progress(self.scratch, name, what, len(jobs), unit):
+            return self.runner.map(fn, jobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,11 +335,18 @@ def _run_and_record(indexed_job, fn) -> None:
     (_scratch(job["tmp"]) / f"result-{fn.__name__}-{i:05d}.json").write_text(json.dumps(fn(job)))
 
 
-def _unit_texts(job: dict, counts: collections.Counter):
-    """The unit's documents that pass the filters other than the dedups."""
+def _unit_texts(job: dict, counts: collections.Counter, report: unit_progress.UnitReport):
+    """The unit's documents that pass the filters other than the dedups; `report` learns how much
+    of the unit is read."""
     settings = {**filters.settings(job["data_cfg"]), "dedup": False, "near_dedup": False}
-    texts = sources.iter_unit_documents(job["source"], job["data_cfg"], job["split"], job["unit"], counts)
-    return filters.iter_filtered(texts, settings, counts)
+    return filters.iter_filtered(_unit_documents(job, counts, report), settings, counts)
+
+
+def _unit_documents(job: dict, counts: collections.Counter, report: unit_progress.UnitReport):
+    """The unit's documents in order, read piece by piece so that `report` learns how far it is."""
+    for piece, read in unit_progress.pieces(job["source"], job["unit"]):
+        yield from sources.iter_unit_documents(job["source"], job["data_cfg"], job["split"], piece, counts)
+        report.reached(read)
 
 
 DEDUP_KINDS = ("dedup", "near_dedup")
@@ -326,7 +358,9 @@ def _key_unit(job: dict) -> None:
     settings = filters.settings(job["data_cfg"])
     keys = {kind: [] for kind in DEDUP_KINDS if settings[kind]}
     where = {kind: [] for kind in keys}
-    for i, text in enumerate(_unit_texts(job, collections.Counter())):
+    report = unit_progress.UnitReport(job, "keys", job["index"])
+    for i, text in enumerate(_unit_texts(job, collections.Counter(), report)):
+        report.document()
         for kind, found in (("dedup", lambda: [filters.exact_key(text)]),
                             ("near_dedup", lambda: filters.near_keys(text, settings))):
             if kind in keys:
@@ -337,6 +371,7 @@ def _key_unit(job: dict) -> None:
         array = np.frombuffer(b"".join(keys[kind]), np.uint64).reshape(-1, 2)
         _save(_scratch(job["tmp"]) / f"{kind}-keys-{job['index']:05d}.npy", array)
         _save(_scratch(job["tmp"]) / f"{kind}-where-{job['index']:05d}.npy", np.asarray(where[kind], np.int64))
+    report.finish(documents=report.documents or 0)
 
 
 def _find_repeats(job: dict) -> None:
@@ -357,6 +392,7 @@ def _find_repeats(job: dict) -> None:
         repeat = np.zeros(len(keys), bool)
         repeat[1:] = (keys[1:] == keys[:-1]).all(axis=1)
         _save(tmp / f"{kind}-drops-{p:05d}.npy", np.unique(where[repeat], axis=0))
+    unit_progress.UnitReport(job, "repeats", p).finish()
 
 
 def _dropped_positions(tmp: Path, unit: int, kind: str) -> set[int]:
@@ -374,35 +410,40 @@ def _pack_unit(job: dict) -> dict:
     # array_record writes local files only: a remote shard is written here, then copied up
     local_dir = tempfile.mkdtemp(prefix="maxlm-shard-") if paths.is_remote(job["out"]) else None
     path = os.path.join(local_dir, "shard.array_record") if local_dir else job["out"]
+    report = unit_progress.UnitReport(job, "pack", job["index"])
     try:
-        result = _pack_texts(job, counts, drop, ShardWriter(path, job["seq_len"], job["dtype"], job["eos_id"]))
+        result = _pack_texts(job, counts, drop, ShardWriter(path, job["seq_len"], job["dtype"], job["eos_id"]), report)
         if local_dir:
             with open(path, "rb") as src, _scratch(job["out"]).open("wb") as dst:
                 shutil.copyfileobj(src, dst, 16 << 20)
     finally:
         if local_dir:
             shutil.rmtree(local_dir, ignore_errors=True)
+    report.finish(result["documents"], result["tokens"])
     return result
 
 
-def _pack_texts(job: dict, counts: collections.Counter, drop: set[int], writer: ShardWriter) -> dict:
-    """The unit's documents but `drop` tokenized in chunks and packed by `writer`."""
+def _pack_texts(job: dict, counts: collections.Counter, drop: set[int], writer: ShardWriter,
+                report: unit_progress.UnitReport) -> dict:
+    """The unit's documents but `drop` tokenized in chunks and packed by `writer`, counted to `report`."""
     tokenizer = load_tokenizer(job["tokenizer"], **job["tokenizer_options"])
     read_sec = tokenize_sec = 0.0
     long_docs = 0
-    texts = (t for i, t in enumerate(_unit_texts(job, counts)) if i not in drop)
+    texts = (t for i, t in enumerate(_unit_texts(job, counts, report)) if i not in drop)
     chunk, chars = [], 0
     t0 = time.perf_counter()
     for text in _with_end(texts):
         if text is not None:
             chunk.append(text)
             chars += len(text)
+            report.document()
         if chunk and (text is None or len(chunk) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS):
             t1 = time.perf_counter()
             read_sec += t1 - t0
             ids = tokenizer.encode_batch(chunk, num_threads=1)  # a worker is one core: `workers` sets the cores
             long_docs += sum(len(x) + 1 > job["seq_len"] for x in ids)
             writer.add(ids)
+            report.packed(writer.packer.tokens)
             chunk, chars = [], 0
             t0 = time.perf_counter()
             tokenize_sec += t0 - t1

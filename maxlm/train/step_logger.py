@@ -15,6 +15,7 @@ import time
 
 import jax
 
+from maxlm.progress import format_duration as format_eta  # one duration format for every ETA line
 from maxlm.train import flops, metrics, router_metrics
 from maxlm.train.monitor import Monitor
 
@@ -39,18 +40,6 @@ def format_line(step: int, row: dict, eta_sec: float | None = None) -> str:
     if eta_sec is not None:
         parts.append(f"eta {format_eta(eta_sec)}")
     return " | ".join(parts)
-
-
-def format_eta(seconds: float) -> str:
-    """Time left, to the minute past an hour: 45s, 12m05s, 1h02m, 30h00m."""
-    seconds = max(int(round(seconds)), 0)
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
-    return f"{secs}s"
 
 
 PF_DAY = 1e15 * 86400  # FLOPs: a petaFLOP/s for a day, the unit of the scaling-law papers
