@@ -151,7 +151,7 @@ def test_cloze_and_choice_scores_equal_a_direct_computation(trained, tmp_path):
     choices = (" return", " import", "xyz")
     prepared = tasks.prepare(tasks.Task("mc", "-", tasks.MULTIPLE_CHOICE, (tasks.Example("def f(x):\n   ", choices, 1),)),
                              tokenizer, cfg.seq_len, cfg.batch_size)
-    loglik, _ = tasks.request_scores(cfg, run["params"], prepared, run["mesh"], run["rules"])
+    loglik, _ = tasks.request_scores(cfg, run["params"], prepared.packed, run["mesh"], run["rules"])
     expected, _ = direct_scores(cfg, params, [("def f(x):\n   ", c) for c in choices])
     assert loglik == pytest.approx(expected, rel=1e-4)
 
@@ -172,6 +172,138 @@ def test_task_cli(trained):
     assert results[0]["step"] == 50 and results[0]["checkpoint"].endswith("checkpoints/50")
     assert results[0]["acc"] == pytest.approx(evals[50]["eval/cont/acc"])
     assert results[1] == results[2] and results[1]["examples"] == 1
+
+
+# ----------------------------------------------------------------------------- lm-evaluation-harness
+
+HARNESS_YAMLS = {  # lm-eval task YAMLs over local JSON files (dataset_path: json), offline
+    "h_cont": """output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+target_delimiter: ""
+metric_list: [{metric: acc, aggregation: mean, higher_is_better: true},
+              {metric: acc_norm, aggregation: mean, higher_is_better: true}]""",
+    "h_cloze": """output_type: loglikelihood
+doc_to_text: "{{context}}"
+doc_to_target: "{{target}}"
+target_delimiter: ""
+metric_list: [{metric: perplexity, aggregation: perplexity, higher_is_better: false},
+              {metric: acc, aggregation: mean, higher_is_better: true}]""",
+    "h_rolling": """output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list: [{metric: byte_perplexity, aggregation: weighted_perplexity, higher_is_better: false}]""",
+    "h_gen": """output_type: generate_until
+doc_to_text: "{{context}}"
+doc_to_target: "{{target}}"
+target_delimiter: ""
+generation_kwargs: {until: ["\\n"], max_gen_toks: 6}
+metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]""",
+}
+
+
+def harness_tasks(root, docs, cont_file) -> str:
+    """A directory of the four task YAMLs: `h_cont` over the trained run's own task file, the
+    others over cloze lines and texts made from held-out documents."""
+    lines = [line for doc in docs for line in doc.splitlines() if len(line.strip()) >= 12 and line.isascii()][:40]
+    (root / "cloze.jsonl").write_text("".join(json.dumps({"context": x[:-3], "target": x[-3:]}) + "\n" for x in lines))
+    (root / "texts.jsonl").write_text("".join(json.dumps({"text": d[:300]}) + "\n" for d in docs[:6]))
+    data = {"h_cont": cont_file, "h_cloze": root / "cloze.jsonl", "h_rolling": root / "texts.jsonl",
+            "h_gen": root / "cloze.jsonl"}
+    include = root / "harness"
+    include.mkdir(exist_ok=True)
+    for name, body in HARNESS_YAMLS.items():
+        (include / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\n"
+                                              f"dataset_kwargs: {{data_files: {{test: {data[name]}}}}}\n"
+                                              f"test_split: test\n{body}\n")
+    return str(include)
+
+
+@pytest.mark.slow  # the trained run, a subprocess
+def test_harness_cli_scores_as_the_task_scorer_does(trained):
+    """`--harness` through lm-eval's own task YAMLs: its multiple-choice and cloze numbers are
+    those of maxlm's `--task` scorer on the same examples (the loop's logged acc at step 100),
+    and the rolling and generation request types run through the CLI."""
+    cfg, root, evals, docs = trained
+    include = harness_tasks(root, docs, root / "cont.jsonl")
+    done = subprocess.run([sys.executable, "-m", "maxlm.eval", f"--workdir={root / 'run'}", "--harness=h_cont,h_cloze",
+                           "--harness=h_rolling,h_gen", f"--harness_include={include}", "--harness_limit=40"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=command_env(root / "home", devices=8, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {r["task"]: r for r in map(json.loads, done.stdout.strip().splitlines())}
+    assert sorted(results) == ["h_cloze", "h_cont", "h_gen", "h_rolling"]
+    assert results["h_cont"]["step"] == 100 and results["h_cont"]["examples"] == 40
+    ours, = evaluate.evaluate_tasks(str(root / "run"), [str(root / "cont.jsonl")])
+    first40 = root / "cont40.jsonl"
+    first40.write_text("".join((root / "cont.jsonl").read_text().splitlines(keepends=True)[:40]))
+    ours40, cloze = evaluate.evaluate_tasks(str(root / "run"), [str(first40), str(root / "cloze.jsonl")])
+    assert ours["acc"] == evals[100]["eval/cont/acc"]
+    for metric in ("acc", "acc_norm", "acc_stderr", "acc_norm_stderr"):
+        assert results["h_cont"][metric] == pytest.approx(ours40[metric], abs=1e-12), metric
+    assert results["h_cloze"]["acc"] == cloze["acc"]
+    assert results["h_cloze"]["perplexity"] == pytest.approx(cloze["perplexity"], rel=1e-12)
+    assert results["h_rolling"]["byte_perplexity"] > 1 and results["h_gen"]["examples"] == 40
+
+
+@pytest.mark.slow  # the trained run
+def test_harness_requests_equal_a_direct_computation(trained):
+    """The model class's three request types: rolling log-likelihoods of texts longer than
+    seq_len as model.apply gives them window by window, an empty context scored after bos alone,
+    and generation as `generate`'s greedy tokens cut at the stop string."""
+    from lm_eval.api.instance import Instance
+
+    from maxlm import harness
+
+    cfg, root, _, docs = trained
+    run = runs.load_run(str(root / "run"))
+    params, tokenizer = jax.device_get(run["params"]), ByteTokenizer()
+    lm = harness.run_lm_class()(run, tokenizer, 4)
+    ask = lambda kind, *args: [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+    texts = [docs[0][:150], docs[1][:40]]
+    rolling = lm.loglikelihood_rolling(ask("loglikelihood_rolling", *[(t,) for t in texts]))
+    for text, got in zip(texts, rolling):
+        windows = harness.rolling_windows(tokenizer.encode(text).tolist(), tokenizer.bos_id, cfg.seq_len)
+        assert got == pytest.approx(sum(direct_window_loglik(cfg, params, w, n) for w, n in windows), rel=1e-4)
+    (empty, _), = lm.loglikelihood(ask("loglikelihood", ("", texts[1])))
+    assert empty == pytest.approx(rolling[1], rel=1e-5)  # one window: bos then the text
+    prompts = ["    def __init__(self", "import o", "class A"]
+    got = lm.generate_until(ask("generate_until", *[(p, {"until": ["(", "\n"], "max_gen_toks": 5}) for p in prompts]))
+    greedy = gen.generate(cfg, params, [[tokenizer.bos_id, *tokenizer.encode(p).tolist()] for p in prompts],
+                          max_new_tokens=5, eos_id=tokenizer.eos_id, vocab_limit=tokenizer.vocab_size)
+    assert got == [harness.cut_at_stop(tokenizer.decode(ids), ["(", "\n"]) for ids in greedy]
+
+
+def direct_window_loglik(cfg, params, sequence, scored) -> float:
+    """The summed log-probability of a token sequence's last `scored` tokens, from model.apply."""
+    inputs = np.zeros((8, cfg.seq_len), np.int32)
+    inputs[0, :len(sequence) - 1] = sequence[:-1]
+    batch = {"inputs": inputs, "segment_ids": np.ones_like(inputs),
+             "positions": np.broadcast_to(np.arange(cfg.seq_len), inputs.shape)}
+    logp = np.asarray(jax.nn.log_softmax(jax.jit(functools.partial(model.apply, cfg.model))(params, batch)))[0]
+    return float(sum(logp[k - 1, sequence[k]] for k in range(len(sequence) - scored, len(sequence))))
+
+
+def test_rolling_windows_predict_each_token_once_with_all_the_context_that_fits():
+    from maxlm.harness import rolling_windows
+
+    windows = rolling_windows(list(range(10, 20)), bos_id=1, seq_len=4)
+    assert windows == [([1, 10, 11, 12, 13], 4), ([13, 14, 15, 16, 17], 4), ([15, 16, 17, 18, 19], 2)]
+    assert rolling_windows([], 1, 4) == []
+
+
+def test_harness_refuses_unknown_tasks_and_mixed_flags(tmp_path):
+    from maxlm import harness
+
+    with pytest.raises(runs.RunError, match="no lm-eval task, group or tag named no_such_task .*--harness_include"):
+        harness.check_task_names(["arc_easy", "no_such_task"], ["arc_easy", "hellaswag"], None)
+    harness.check_task_names(["arc_easy"], ["arc_easy"], None)
+    with pytest.raises(runs.RunError, match="--harness_limit=0 must be >= 1"):
+        harness.evaluate_harness(str(tmp_path), ["arc_easy"], limit=0)
+    done = subprocess.run([sys.executable, "-m", "maxlm.eval", f"--workdir={tmp_path}", "--harness=x", "--task=y.jsonl"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=command_env(tmp_path, devices=None))
+    assert done.returncode == 2 and "give one of them" in done.stderr
 
 
 # ----------------------------------------------------------------------------- hand-made cases
@@ -235,8 +367,8 @@ def test_contexts_are_cut_on_the_left_to_seq_len():
     prepared = tasks.prepare(task, ByteTokenizer(), seq_len=6, batch_size=2)
     encode = lambda s: (ByteTokenizer().encode(s)).tolist()
     assert prepared.truncated == 1
-    assert prepared.rows.arrays["inputs"][0].tolist() == encode("defghx")  # bos and "abc" cut
-    assert prepared.owner_RL[0].tolist() == [-1, -1, -1, -1, 0, 0]
+    assert prepared.packed.rows.arrays["inputs"][0].tolist() == encode("defghx")  # bos and "abc" cut
+    assert prepared.packed.owner_RL[0].tolist() == [-1, -1, -1, -1, 0, 0]
     with pytest.raises(DataError, match=r"t.jsonl:0: continuation 'xyz' is 3 tokens; it must be 1 to seq_len=2"):
         tasks.prepare(tasks.Task("t", "t.jsonl", tasks.CLOZE, (tasks.Example("a", ("xyz",)),)),
                       ByteTokenizer(), seq_len=2, batch_size=2)

@@ -3,6 +3,7 @@ workdir the processes do not share is exit 2 at start, and what process 0 alone 
 build, a file only it reads) reaches every process, a failure included. Real local processes over
 jax.distributed (gloo collectives on 127.0.0.1)."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -167,6 +168,7 @@ def test_process_0_prepares_the_data_and_a_cache_the_processes_do_not_share_is_e
         assert str(cache) in err and "Traceback" not in err
 
 
+@pytest.mark.ci  # 17 s, moved out of make test to keep it within 12 minutes (--harness came in)
 def test_what_process_0_alone_reads_or_builds_stops_every_process_when_it_fails(tmp_path, data_dirs, sp_model):
     """Process 0 alone builds the data and reads the tokenizer model; when either fails there, every
     process stops with process 0's message at once, rather than wait in a collective for a
@@ -210,3 +212,49 @@ def test_what_process_0_alone_reads_or_builds_stops_every_process_when_it_fails(
         assert code == 2, err[-3000:]
         assert "checkpoint.init_from_hf=" in err and "cannot be read by process(es) 1 of the job" in err
         assert "Traceback" not in err
+
+
+HARNESS_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+doc_to_text: "{{{{context}}}}"
+target_delimiter: ""
+"""
+HARNESS_KINDS = {
+    "mc": """output_type: multiple_choice
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list: [{metric: acc, aggregation: mean, higher_is_better: true}]""",
+    "gen": """output_type: generate_until
+doc_to_target: "{{choices[answer]}}"
+generation_kwargs: {until: ["\\\\n"], max_gen_toks: 4}
+metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]""",
+}
+
+
+@pytest.mark.ci
+def test_harness_on_two_processes_prints_what_one_process_does(tmp_path, data_dirs):
+    """`maxlm.eval --harness` on a job of two processes: each runs lm-eval alike (their shared
+    Hugging Face cache built by both at once) and they score and generate together on the global
+    mesh; process 0 alone prints, and what it prints is the one-process job's output."""
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "maxlm.train", *train_flags(run, data_dirs)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=command_env(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [f"    return self.{name}(x" for name in ("forward", "update", "reset", "close", "flush", "read")]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(
+        {"context": line, "choices": [")\n", "]\n", " +\n"], "answer": k % 3}) + "\n" for k, line in enumerate(lines)))
+    include = tmp_path / "tasks"
+    include.mkdir()
+    for kind, body in HARNESS_KINDS.items():
+        (include / f"{kind}.yaml").write_text(HARNESS_TASK.format(name=kind, data=tmp_path / "mc.jsonl") + body + "\n")
+    command = [sys.executable, "-m", "maxlm.eval", f"--workdir={run}", "--harness=mc,gen", f"--harness_include={include}"]
+    one = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=command_env(tmp_path, HF_DATASETS_OFFLINE="1"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert [json.loads(line)["task"] for line in one.stdout.splitlines()] == ["mc", "gen"]
+    ((out0, err0), code0), ((out1, err1), code1) = two_processes(tmp_path, command, HF_DATASETS_OFFLINE="1")
+    assert code0 == 0 and code1 == 0, (err0 + err1)[-3000:]
+    json_lines = lambda out: [line for line in out.splitlines() if line.startswith("{")]  # not gloo's own
+    assert json_lines(out0) == json_lines(one.stdout) and json_lines(out1) == []

@@ -20,7 +20,8 @@ MAX_FUNCTION_LINES = 100
 # A module may import modules of its own group and of lower-ranked groups only; two groups of the
 # same rank (the model and the data) do not import each other.
 RANKS = {"config": 0, "model": 1, "data": 1, "hf": 2, "train": 3, "cli": 4, "commands": 5, "bench": 5}
-COMMANDS = {"maxlm.eval", "maxlm.generate", "maxlm.export", "maxlm.plot", "maxlm.checkpoint"}
+COMMANDS = {"maxlm.eval", "maxlm.generate", "maxlm.export", "maxlm.plot", "maxlm.checkpoint",
+            "maxlm.harness"}  # maxlm.eval --harness: lm-eval answered through maxlm.generate
 
 
 def group(module: str) -> str:

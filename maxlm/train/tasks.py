@@ -217,14 +217,22 @@ class Rows:
 
 
 @dataclasses.dataclass
+class Packed:
+    """Requests (token sequences whose last tokens are scored) packed into whole batches."""
+
+    rows: Rows
+    owner_RL: np.ndarray  # the request whose continuation a target slot is; -1 elsewhere
+    num_requests: int
+
+
+@dataclasses.dataclass
 class PreparedTask:
     """A task's requests packed into batches, ready to score many times (each eval)."""
 
     task: Task
     shots: int
     seed: int
-    rows: Rows
-    owner_RL: np.ndarray  # the request whose continuation a target slot is; -1 elsewhere
+    packed: Packed
     first_request: np.ndarray  # example e's requests are first_request[e] .. first_request[e+1]-1
     truncated: int  # requests whose context was cut on the left to fit seq_len
 
@@ -243,18 +251,30 @@ def prepare(task: Task, tokenizer, seq_len: int, batch_size: int, shots: int = 0
             if not 0 < len(continuation_ids) <= seq_len:
                 raise DataError(f"continuation {continuation!r:.40} is {len(continuation_ids)} tokens; "
                                 f"it must be 1 to seq_len={seq_len}", task.path, example.line)
-            tokens = [tokenizer.bos_id, *context_ids, *continuation_ids]
-            truncated += len(tokens) > seq_len + 1
-            sequences.append(tokens[-(seq_len + 1):])
+            tokens, cut = framed(tokenizer, context_ids, continuation_ids, seq_len)
+            truncated += cut
+            sequences.append(tokens)
             scored.append(len(continuation_ids))
         first_request.append(len(sequences))
     if truncated:
         log.warning("task %s: %d of %d requests cut on the left to seq_len=%d", task.name, truncated,
                     len(sequences), seq_len)
-    arrays = pack_requests(sequences, scored, seq_len, batch_size, tokenizer.pad_id)
-    owner_RL = arrays.pop("owner")
-    return PreparedTask(task, shots, seed, Rows(arrays, batch_size), owner_RL,
+    return PreparedTask(task, shots, seed, pack(sequences, scored, seq_len, batch_size, tokenizer.pad_id),
                         np.asarray(first_request), truncated)
+
+
+def framed(tokenizer, context_ids, continuation_ids, seq_len: int) -> tuple[list[int], bool]:
+    """(`[bos] + context + continuation` cut on the left to seq_len + 1 tokens, whether it was cut):
+    a request framed as training framed a document."""
+    tokens = [tokenizer.bos_id, *context_ids, *continuation_ids]
+    return tokens[-(seq_len + 1):], len(tokens) > seq_len + 1
+
+
+def pack(sequences, scored, seq_len: int, batch_size: int, pad_id: int = 0) -> Packed:
+    """`pack_requests` as batches of `batch_size` rows, ready to score."""
+    arrays = pack_requests(sequences, scored, seq_len, batch_size, pad_id)
+    owner_RL = arrays.pop("owner")
+    return Packed(Rows(arrays, batch_size), owner_RL, len(sequences))
 
 
 def pack_requests(sequences, scored, seq_len: int, batch_size: int, pad_id: int = 0) -> dict:
@@ -308,29 +328,33 @@ def _score_step(model_json: str, mesh, rules):
                    out_shardings=mesh_lib.replicated(mesh))
 
 
-def request_scores(cfg, params, prepared: PreparedTask, mesh, rules) -> tuple[np.ndarray, np.ndarray]:
+def request_scores(cfg, params, packed: Packed, mesh, rules, on_batch=None) -> tuple[np.ndarray, np.ndarray]:
     """(log-likelihood, greedy) per request: the continuation's summed log-probability, and
-    whether every one of its tokens is the argmax of its position."""
+    whether every one of its tokens is the argmax of its position. `on_batch(scored_tokens)` is
+    called as each batch's scores come back (progress)."""
     step_fn = make_score_step(cfg.model, mesh, rules)
-    num_requests = int(prepared.first_request[-1])
+    num_requests = packed.num_requests
     loglik, wrong = np.zeros(num_requests), np.zeros(num_requests)
-    B = prepared.rows.batch_size
+    B = packed.rows.batch_size
 
     def add(index: int, out) -> None:
         out = jax.device_get(out)
-        owner = prepared.owner_RL[index * B:(index + 1) * B]
+        owner = packed.owner_RL[index * B:(index + 1) * B]
         mine = owner >= 0
         loglik[:] -= np.bincount(owner[mine], out["cross_entropy"][mine], num_requests)
         wrong[:] += np.bincount(owner[mine], 1.0 - out["correct"][mine], num_requests)
+        if on_batch is not None:
+            on_batch(int(mine.sum()))
 
     pending = None
     with mesh_lib.activate(mesh, rules):
-        for index in range(prepared.rows.num_batches):  # read batch i-1 back once i is queued
-            out = step_fn(params, mesh_lib.read_batch(prepared.rows, index, mesh, rules))
+        for index in range(packed.rows.num_batches):  # read batch i-1 back once i is queued
+            out = step_fn(params, mesh_lib.read_batch(packed.rows, index, mesh, rules))
             if pending is not None:
                 add(*pending)
             pending = (index, out)
-        add(*pending)
+        if pending is not None:
+            add(*pending)
     return loglik, wrong == 0
 
 
@@ -369,7 +393,7 @@ def _stderr(values) -> float:
 def score(cfg, params, prepared: PreparedTask, mesh, rules) -> dict:
     """The task's result: task, file, kind, examples, shots, seed, truncated, and its metrics."""
     task = prepared.task
-    loglik, greedy = request_scores(cfg, params, prepared, mesh, rules)
+    loglik, greedy = request_scores(cfg, params, prepared.packed, mesh, rules)
     if task.kind == MULTIPLE_CHOICE:
         bounds = prepared.first_request
         metrics = multiple_choice_metrics(
