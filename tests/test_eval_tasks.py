@@ -8,6 +8,7 @@ import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -248,14 +249,16 @@ def test_harness_cli_scores_as_the_task_scorer_does(trained):
 
 
 @pytest.mark.slow  # the trained run
-def test_harness_requests_equal_a_direct_computation(trained):
+def test_harness_requests_equal_a_direct_computation(trained, monkeypatch, capfd):
     """The model class's three request types: rolling log-likelihoods of texts longer than
     seq_len as model.apply gives them window by window, an empty context scored after bos alone,
-    and generation as `generate`'s greedy tokens cut at the stop string."""
+    and generation as `generate`'s greedy tokens cut at the stop string; each with its progress
+    line (every poll prints, here)."""
     from lm_eval.api.instance import Instance
 
     from maxlm import harness
 
+    monkeypatch.setenv("MAXLM_PROGRESS_SECONDS", "1e-6")
     cfg, root, _, docs = trained
     run = runs.load_run(str(root / "run"))
     params, tokenizer = jax.device_get(run["params"]), ByteTokenizer()
@@ -273,6 +276,9 @@ def test_harness_requests_equal_a_direct_computation(trained):
     greedy = gen.generate(cfg, params, [[tokenizer.bos_id, *tokenizer.encode(p).tolist()] for p in prompts],
                           max_new_tokens=5, eos_id=tokenizer.eos_id, vocab_limit=tokenizer.vocab_size)
     assert got == [harness.cut_at_stop(tokenizer.decode(ids), ["(", "\n"]) for ids in greedy]
+    err = capfd.readouterr().err
+    assert re.search(r"maxlm: harness loglikelihood_rolling: 1/1 batches \(100%\), \d+ tokens", err), err[-2000:]
+    assert "maxlm: harness generate_until: 1/1 batches (100%)" in err
 
 
 def direct_window_loglik(cfg, params, sequence, scored) -> float:

@@ -111,19 +111,21 @@ def test_the_compile_cache_is_off_on_several_cpu_devices(tmp_path, capsys):
 @pytest.mark.ci
 def test_a_second_start_loads_the_compiled_step_from_the_compile_cache(tmp_path):
     """compile_cache_dir: the second start of the same run (here: a fresh workdir, the same
-    config) loads its programs instead of compiling them, so its first step is measurably faster."""
+    config) loads its train step from the cache instead of compiling it, as jax's own log of cache
+    hits says (JAX_LOG_COMPILES). Not a timing: how much a hit saves of the first step's time
+    depends on the load (1.95 s vs 1.05 s on a loaded 2-core machine, 0.54 of it)."""
     cache = tmp_path / "cache"
-    env = command_env(tmp_path, devices=None)
+    env = command_env(tmp_path, devices=None, JAX_LOG_COMPILES="1")
 
-    def compile_sec(run: str) -> float:
+    def train_step_hits(run: str) -> int:
         result = subprocess.run(
             [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={tmp_path / run}",
              "--config.steps=5", "--config.eval.every_steps=0", f"--config.compile_cache_dir={cache}"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
-        return next(row["compile_sec"] for row in metrics_rows(tmp_path / run) if "compile_sec" in row)
+        assert any("compile_sec" in row for row in metrics_rows(tmp_path / run))
+        return result.stderr.count("Persistent compilation cache hit for 'jit_train_step'")
 
-    first = compile_sec("first")
+    assert train_step_hits("first") == 0
     assert any(cache.iterdir())
-    second = compile_sec("second")
-    assert second < 0.5 * first, (first, second)
+    assert train_step_hits("second") == 1

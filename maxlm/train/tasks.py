@@ -330,8 +330,8 @@ def _score_step(model_json: str, mesh, rules):
 
 def request_scores(cfg, params, packed: Packed, mesh, rules, on_batch=None) -> tuple[np.ndarray, np.ndarray]:
     """(log-likelihood, greedy) per request: the continuation's summed log-probability, and
-    whether every one of its tokens is the argmax of its position. `on_batch(scored_tokens)` is
-    called as each batch's scores come back (progress)."""
+    whether every one of its tokens is the argmax of its position. `on_batch(tokens)` is called
+    as each batch's scores come back, with the batch's tokens (padding left out): progress."""
     step_fn = make_score_step(cfg.model, mesh, rules)
     num_requests = packed.num_requests
     loglik, wrong = np.zeros(num_requests), np.zeros(num_requests)
@@ -344,7 +344,7 @@ def request_scores(cfg, params, packed: Packed, mesh, rules, on_batch=None) -> t
         loglik[:] -= np.bincount(owner[mine], out["cross_entropy"][mine], num_requests)
         wrong[:] += np.bincount(owner[mine], 1.0 - out["correct"][mine], num_requests)
         if on_batch is not None:
-            on_batch(int(mine.sum()))
+            on_batch(int(np.count_nonzero(packed.rows.arrays["segment_ids"][index * B:(index + 1) * B])))
 
     pending = None
     with mesh_lib.activate(mesh, rules):
