@@ -221,11 +221,33 @@ def harness_tasks(root, docs, cont_file) -> str:
     return str(include)
 
 
-@pytest.mark.slow  # the trained run, a subprocess
+@pytest.mark.slow  # the trained run
+def test_harness_scores_as_the_task_scorer_does(trained, monkeypatch, tmp_path):
+    """lm-eval's own task YAMLs over local JSON, in process: the multiple-choice and cloze numbers
+    are those of maxlm's `--task` scorer on the same examples."""
+    from maxlm import harness
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cfg, root, _, docs = trained
+    include = harness_tasks(root, docs, root / "cont.jsonl")
+    results = {r["task"]: r for r in harness.evaluate_harness(str(root / "run"), ["h_cont", "h_cloze"], include,
+                                                              limit=40, builtin_tasks=False)}
+    first40 = tmp_path / "cont40.jsonl"
+    first40.write_text("".join((root / "cont.jsonl").read_text().splitlines(keepends=True)[:40]))
+    ours, cloze = evaluate.evaluate_tasks(str(root / "run"), [str(first40), str(root / "cloze.jsonl")])
+    assert results["h_cont"]["examples"] == 40 and results["h_cont"]["step"] == 100
+    for metric in ("acc", "acc_norm", "acc_stderr", "acc_norm_stderr"):
+        assert results["h_cont"][metric] == pytest.approx(ours[metric], abs=1e-12), metric
+    assert results["h_cloze"]["acc"] == cloze["acc"]
+    assert results["h_cloze"]["perplexity"] == pytest.approx(cloze["perplexity"], rel=1e-12)
+
+
+@pytest.mark.ci  # the trained run and a subprocess: 24 s (the in-process test above stays in make test)
 def test_harness_cli_scores_as_the_task_scorer_does(trained):
-    """`--harness` through lm-eval's own task YAMLs: its multiple-choice and cloze numbers are
-    those of maxlm's `--task` scorer on the same examples (the loop's logged acc at step 100),
-    and the rolling and generation request types run through the CLI."""
+    """`--harness` through the CLI: its multiple-choice and cloze numbers are those of maxlm's
+    `--task` scorer on the same examples (the loop's logged acc at step 100), and the rolling and
+    generation request types run."""
     cfg, root, evals, docs = trained
     include = harness_tasks(root, docs, root / "cont.jsonl")
     done = subprocess.run([sys.executable, "-m", "maxlm.eval", f"--workdir={root / 'run'}", "--harness=h_cont,h_cloze",
