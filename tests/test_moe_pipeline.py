@@ -66,9 +66,10 @@ CASES = [
      {"model.capacity_factor": 1.0, "model.mtp_depth": 1, "model.remat": "full", "model.pipeline_microbatches": 4,
       "batch_size": 16}),
     pytest.param({"stage": 2, "data": 2, "fsdp": 1, "expert": 2}, {}, marks=pytest.mark.ci),
-    # a circular pipeline: 4 dense then 4 MoE layers, each group 2 chunks of 1 layer a stage
-    ({"stage": 2, "data": 4, "fsdp": 1},
-     {"model.pipeline_repeats": 2, "model.num_layers": 8, "model.first_dense_layers": 4, "model.load_balance": "bias"}),
+    # a circular pipeline: 4 dense then 4 MoE layers, each group 2 chunks of 1 layer a stage (15 s: ci)
+    pytest.param({"stage": 2, "data": 4, "fsdp": 1},
+                 {"model.pipeline_repeats": 2, "model.num_layers": 8, "model.first_dense_layers": 4,
+                  "model.load_balance": "bias"}, marks=pytest.mark.ci),
 ]
 # a distinct bias for each MoE layer (up to 4)
 ROUTER_BIAS = [[0.0, 0.1, -0.1, 0.05], [0.1, 0.0, 0.0, -0.1], [-0.1, 0.05, 0.1, 0.0], [0.05, -0.1, 0.0, 0.1]]
