@@ -160,12 +160,7 @@ def _score(cfg, run, tokenizer, sequences, scored, what: str) -> tuple[np.ndarra
 
     packed = tasks_lib.pack(sequences, scored, cfg.seq_len, cfg.batch_size, tokenizer.pad_id)
     with Progress(f"harness {what}", packed.rows.num_batches, "batches") as progress:
-        done = {"tokens": 0}
-
-        def on_batch(tokens: int) -> None:
-            done["tokens"] += tokens
-            progress.update(advance=1, tokens=done["tokens"])
-
+        on_batch = lambda tokens: progress.update(advance=1, tokens=(progress.tokens or 0) + tokens)
         return tasks_lib.request_scores(cfg, run["params"], packed, run["mesh"], run["rules"], on_batch)
 
 
@@ -216,22 +211,19 @@ def generate_texts(cfg, run, tokenizer, args, batch_size: int) -> list[str]:
     """Each (context, gen_kwargs)'s generated text, cut at its first stop string."""
     from lm_eval.models.utils import normalize_gen_kwargs
 
-    groups: dict[str, list[int]] = {}
-    kwargs_of = {}
-    for index, (_, gen_kwargs) in enumerate(args):
-        kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}))
-        key = json.dumps(kwargs, sort_keys=True, default=str)
-        groups.setdefault(key, []).append(index)
-        kwargs_of[key] = kwargs
     from maxlm.progress import Progress
 
+    groups: dict[str, tuple[dict, list[int]]] = {}  # requests by their generation settings
+    for index, (_, gen_kwargs) in enumerate(args):
+        kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}))
+        groups.setdefault(json.dumps(kwargs, sort_keys=True, default=str), (kwargs, []))[1].append(index)
     texts = [""] * len(args)
-    batches = [(key, indices[first:first + batch_size]) for key, indices in groups.items()
+    batches = [(kwargs, indices[first:first + batch_size]) for kwargs, indices in groups.values()
                for first in range(0, len(indices), batch_size)]
     with Progress("harness generate_until", len(batches), "batches") as progress:
-        for key, chunk in batches:
-            for index, text in zip(chunk, _generate_batch(cfg, run, tokenizer, [args[i][0] for i in chunk],
-                                                          kwargs_of[key], batch_size)):
+        for kwargs, chunk in batches:
+            generated = _generate_batch(cfg, run, tokenizer, [args[i][0] for i in chunk], kwargs, batch_size)
+            for index, text in zip(chunk, generated):
                 texts[index] = text
             progress.update(advance=1)
     return texts
@@ -246,8 +238,8 @@ def _generate_batch(cfg, run, tokenizer, contexts, kwargs: dict, batch_size: int
     rows = prompts + [prompts[-1]] * (batch_size - len(prompts))  # one shape per length bucket
     prompt_BP, lengths_B = generate_lib.pad_prompts(rows, tokenizer.pad_id)
     prompt_BP = np.pad(prompt_BP, ((0, 0), (0, padded_len - prompt_BP.shape[1])), constant_values=tokenizer.pad_id)
-    sampling = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature") or 0) > 0
-    settings = generate_lib.settings(seed=0, temperature=float(kwargs.get("temperature") or 0) if sampling else 0.0,
+    # normalize_gen_kwargs has set temperature 0 (greedy) unless the task samples
+    settings = generate_lib.settings(seed=0, temperature=float(kwargs.get("temperature") or 0.0),
                                      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                      vocab_limit=tokenizer.vocab_size)
     fn = generate_lib.make_generate_fn(cfg, run["mesh"], run["rules"], max_new_tokens=max_new)
