@@ -25,6 +25,7 @@ from maxlm.config_rules import (
     CONTEXT_PARALLEL,
     BOOL,
     DTYPES,
+    EXPERT_DISPATCH,
     GROUPED_MATMUL,
     INT_OR_OFF,
     LR_BATCH_SCALING,
@@ -293,6 +294,7 @@ def _model_defaults() -> _Section:
     s.router_z_loss = 0.0, NON_NEGATIVE  # weight of the router's log²Z (ST-MoE uses 1e-3)
     s.capacity_factor = 0.0, NON_NEGATIVE  # 0: dropless; > 0: each expert takes this x its fair share, drops the rest
     s.grouped_matmul = "auto", one_of(GROUPED_MATMUL)  # dropless experts' kernel; auto: megablox on TPUs, tiled on CPUs and GPUs
+    s.expert_dispatch = "auto", one_of(EXPERT_DISPATCH)  # dropless tokens to mesh.expert; auto: ragged_all_to_all on GPUs/TPUs
     # DeepSeek-V3's multi-token prediction (maxlm/model/mtp.py): this many modules after the trunk,
     # module k predicting the token k + 1 ahead; the objective adds mtp_loss_weight x their mean loss
     s.mtp_depth = 0, NON_NEGATIVE_INT  # 0: off

@@ -35,6 +35,7 @@ MLP_ACTIVATIONS = ("swiglu", "geglu", "gelu")  # model.mlp_activation: see maxlm
 ROUTERS = ("softmax", "sigmoid")  # model.router: see maxlm/model/moe.py
 LOAD_BALANCE = ("aux_loss", "bias", "none")  # model.load_balance: see maxlm/model/balance.py for bias
 GROUPED_MATMUL = ("auto", "ragged_dot", "tiled", "megablox")  # see grouped_matmul.grouped_matmul_backend
+EXPERT_DISPATCH = ("auto", "all_gather", "ragged_all_to_all")  # see expert_parallel.dispatch_backend
 CONTEXT_PARALLEL = ("all_gather", "ring", "ulysses")  # model.context_parallel: docs/long-context.md
 SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 lanes (maxlm/model/attention.py)
 

@@ -1,7 +1,9 @@
 """Expert parallelism (`mesh.expert`, maxlm/model/expert_parallel.py): an MoE model trained on 8
 fake CPU devices with its experts split over the expert axis gives the 1-device losses, dropless
-and with capacity, alone and with fsdp, tensor, sequence, accumulation and remat; the compiled
-step really exchanges the tokens; each device holds its share of the experts; the config errors."""
+(both token dispatches: all-gather, and ragged all-to-all, emulated on CPU) and with capacity,
+alone and with fsdp, tensor, sequence, accumulation and remat; the compiled step really exchanges
+the tokens; each device holds its share of the experts; the config errors. The ragged
+all-to-all's emulation against its documented semantics: tests/test_ragged_exchange.py."""
 
 import shutil
 import subprocess
@@ -11,11 +13,16 @@ import jax
 import numpy as np
 import pytest
 
+import jax.numpy as jnp
+from flax import linen as nn
+
 from maxlm import config as config_lib, model
 from maxlm.errors import ConfigError
+from maxlm.model import expert_parallel, moe
 from maxlm.train import mesh as mesh_lib
 from tests.helpers import (ROOT, command_env, load_config, metrics_rows, packed_batch, saved_state, synthetic_batch,
                            train_metrics, train_rows, with_overrides)
+from tests.test_moe import D, assert_close, moe_cfg
 
 STEPS = 20
 E = 8
@@ -59,6 +66,58 @@ def test_expert_parallel_losses_equal_one_device(one_device):
     m = cfg.model
     assert {s.data.shape for s in w_gate.addressable_shards} == {(1, E // 4, m.d_model, m.expert_mlp_dim)}
     assert w_gate.sharding.spec[1] == "expert"
+
+
+@pytest.mark.parametrize("one_device", [0.0], indirect=True, ids=["dropless"])  # capacity has one dispatch
+def test_the_ragged_all_to_all_dispatch_trains_as_one_device(one_device):
+    _, want, _ = one_device
+    cfg = moe_config(**{"mesh.expert": 4, "mesh.data": 2, "mesh.fsdp": 1, "model.expert_dispatch": "ragged_all_to_all"})
+    losses, dropped, _ = run(cfg, STEPS)
+    np.testing.assert_allclose(losses, want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend,axes", [
+    ("tiled", {"expert": 4, "data": 2}),
+    ("tiled", {"expert": 2, "tensor": 2, "data": 2}),  # each device a slice of the hidden units, psum'd
+    ("tiled", {"expert": 2, "fsdp": 2, "sequence": 2}),  # a row's tokens on two devices
+    ("megablox_interpret", {"expert": 4, "data": 2}),  # the kernel leaves the buffer's spare rows unwritten
+    pytest.param("ragged_dot", {"expert": 8}, marks=pytest.mark.ci),  # one expert a device
+], ids=["tiled-expert4_data2", "tiled-expert2_tensor2_data2", "tiled-expert2_fsdp2_sequence2",
+        "megablox-expert4_data2", "ragged_dot-expert8"])
+def test_the_ragged_all_to_all_layer_equals_the_all_gather_one(backend, axes):
+    """Outputs and the gradients of the weights and tokens, on a skewed routing (init_std 0.5: some
+    experts get many slots, some none)."""
+    cfg = config_lib.defaults()
+    cfg.mesh.fsdp = 1
+    for axis, size in axes.items():
+        cfg.mesh[axis] = size
+    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
+    x_BLD = jax.random.normal(jax.random.key(1), (8, 4, D))
+    layer_cfg = moe_cfg(init_std=0.5, grouped_matmul=backend)
+    params = nn.unbox(moe.MoE(layer_cfg).init(jax.random.key(0), x_BLD))["params"]
+
+    def loss(dispatch, params, x_BLD):
+        layer_cfg.expert_dispatch = dispatch
+        out_BLD, _ = moe.MoE(layer_cfg).apply({"params": params}, x_BLD)
+        return jnp.sum(jnp.square(out_BLD)), out_BLD
+
+    with mesh_lib.activate(mesh, rules):
+        grad = lambda dispatch: jax.jit(jax.value_and_grad(  # noqa: E731
+            lambda p, x: loss(dispatch, p, x), (0, 1), has_aux=True))(params, x_BLD)
+        (_, got), grads = grad("ragged_all_to_all")
+        (_, want), want_grads = grad("all_gather")
+    assert np.abs(want).max() > 0.5
+    assert_close(got, want, 1e-5)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        assert_close(g, w, 1e-5)
+
+
+def test_auto_dispatches_with_ragged_all_to_all_on_gpus_and_tpus():
+    assert expert_parallel.dispatch_backend("auto") == "all_gather"  # this CPU
+    assert expert_parallel.dispatch_backend("auto", "cpu") == "all_gather"
+    assert expert_parallel.dispatch_backend("auto", "gpu") == "ragged_all_to_all"
+    assert expert_parallel.dispatch_backend("auto", "tpu") == "ragged_all_to_all"
+    assert expert_parallel.dispatch_backend("ragged_all_to_all", "cpu") == "ragged_all_to_all"
 
 
 # (data, fsdp, expert, sequence, tensor, knobs): expert with each other axis

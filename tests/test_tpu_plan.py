@@ -189,6 +189,28 @@ def test_an_moe_plan_compiles_megablox_natively(tmp_path):
     assert result["params"] > result["active_params"] > 0
 
 
+@pytest.mark.ci  # about 30 s on a loaded 2-core machine
+@pytest.mark.slow
+@needs_libtpu
+def test_expert_parallelism_compiles_the_ragged_all_to_all_natively(tmp_path):
+    """model.expert_dispatch=auto on a TPU: the dropless tokens go to their experts' chips and back
+    through XLA's ragged-all-to-all (2 a layer forward, 2 backward; XLA:CPU cannot run it)."""
+    result = plan(tmp_path, "configs/moe_tiny.py", "v5p-8", "--noestimate", "--config.model.dtype=bfloat16",
+                  "--config.model.attention=xla", "--config.mesh.fsdp=1", "--config.mesh.expert=4")
+    assert result["expert_dispatch"] == "ragged_all_to_all" and result["fits"]
+    assert result["collectives"].get("ragged-all-to-all", 0) >= 4, result["collectives"]
+
+
+def test_collectives_are_counted_by_op_not_by_name():
+    hlo = """
+  %ragged-all-to-all-start = ((bf16[512,128]{1,0}, /*index=5*/s64[8]{0}), bf16[2048,128]{1,0}) ragged-all-to-all-start(%a, %b)
+  %ragged-all-to-all-done = bf16[2048,128]{1,0} ragged-all-to-all-done(%ragged-all-to-all-start)
+  %all-gather.3 = f32[64,8]{1,0} all-gather(%all-to-all.2), dimensions={0}
+  %all-to-all.2 = f32[16,8]{1,0} all-to-all(%x), dimensions={0}
+  ROOT %all-reduce-start = f32[] all-reduce-start(%y), to_apply=%add"""
+    assert plan_lib.collectives(hlo) == {"all-gather": 1, "all-reduce": 1, "all-to-all": 1, "ragged-all-to-all": 1}
+
+
 @pytest.mark.ci  # a tiny model: about a minute on a loaded 2-core machine
 @pytest.mark.slow
 @needs_libtpu

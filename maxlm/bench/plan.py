@@ -20,7 +20,7 @@ import numpy as np
 
 from maxlm import config as config_lib, model
 from maxlm.bench.targets import Target
-from maxlm.model import attention_plan, grouped_matmul
+from maxlm.model import attention_plan, expert_parallel, grouped_matmul
 from maxlm.train import flops, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ESTIMATE_MODEL = ("step_sec = max(hardware FLOPs / peak FLOP/s, bytes accessed / memory bandwidth) per "
@@ -60,6 +60,7 @@ def _model_size(cfg, platform: str) -> dict:
     if m.num_experts and not m.capacity_factor:
         sizes["grouped_matmul"] = grouped_matmul.grouped_matmul_backend(m.grouped_matmul, model.compute_dtype(m),
                                                                         platform)
+        sizes["expert_dispatch"] = expert_parallel.dispatch_backend(m.expert_dispatch, platform)
     return sizes
 
 
@@ -123,6 +124,7 @@ def plan(cfg, target: Target | None = None, estimate: bool = True) -> dict:
         # __cublas$lt$matmul$f8, tpu_custom_call (Pallas/Mosaic kernels such as splash attention)
         "kernels": sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))),
         "tpu_kernels": tpu_kernels(compiled.as_text()),
+        "collectives": collectives(compiled.as_text()),
         "compile_sec": compile_sec,
         "xla_cost": xla_cost(compiled),
     })
@@ -143,6 +145,19 @@ def tpu_kernels(hlo_text: str) -> list[str]:
             name = parts[parts.index("pallas_call") - 1] if "pallas_call" in parts[1:] else parts[-1]
             names.add(re.sub(r"^jit\((.*)\)$", r"\1", name))
     return sorted(names)
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
+
+
+def collectives(hlo_text: str) -> dict[str, int]:
+    """How many of each collective the compiled step holds (an async pair `-start`/`-done` once),
+    by XLA's op name: what the mesh's axes cost in communication, e.g. `ragged-all-to-all` for the
+    MoE's dropless exchange on GPUs and TPUs (model.expert_dispatch)."""
+    counts = {}
+    for op in re.findall(r" (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo_text):  # the op, not a name (%...)
+        counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def xla_cost(compiled) -> dict:

@@ -1,7 +1,8 @@
 """Expert parallelism: an MoE layer's experts split over the mesh's `expert` axis, n devices each
 holding E/n of them, and the tokens taken to their experts' devices and back.
 
-    out_BLD = dropless(moe.sorted_experts, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype)
+    out_BLD = dropless(moe.sorted_experts, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype,
+                       dispatch_backend(model_cfg.expert_dispatch))
     out_BLD = with_capacity(moe.dispatch_masks, moe.buffered_experts, x_BLD, experts_BLK, gates_BLK,
                             position_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, capacity, dtype)
 
@@ -17,12 +18,15 @@ in the layer's ordinary GSPMD code, so its statistics are global: the 1-device n
 expert compute runs in `jax.shard_map`, each device on its own tokens (its share of batch and
 length: the `batch` rule includes `expert`) and its own experts:
 
-- dropless (capacity 0): the tokens of the n devices along `expert` are all-gathered, each device
-  sorts the slots routed to its experts and runs `moe.sorted_experts` on them, and a
-  reduce-scatter sums the n partial outputs back onto the tokens' devices (Megatron-LM's "allgather" token dispatcher). Static
-  shapes and exact. `jax.lax.ragged_all_to_all` (MaxText's dropless exchange) would move only the
-  routed slots, but XLA:CPU cannot run it (jax 0.12: "HLO opcode ragged-all-to-all is not
-  supported"), so it could be neither tested nor used here.
+- dropless (capacity 0), `model.expert_dispatch`:
+  ragged_all_to_all (MaxText's exchange; "auto" on GPUs and TPUs): each device sorts its own
+  slots by expert and sends each expert's run to that expert's device only
+  (`jax.lax.ragged_all_to_all`, emulated on CPUs: maxlm/model/ragged_exchange.py); the receiver
+  sorts them by its local experts, runs `moe.sorted_experts`, and the outputs return the same way.
+  all_gather (Megatron-LM's "allgather" dispatcher; "auto" on CPUs): the tokens of the n devices
+  along `expert` are all-gathered, each device sorts the slots routed to its experts and runs
+  `moe.sorted_experts` on them, and a reduce-scatter sums the n partial outputs back onto the
+  tokens' devices. Both have static shapes and are exact.
 - capacity: GShard. Each device fills its tokens' [B, E, C, D] expert buffers (C per sequence:
   `moe.capacity`), an all-to-all over `expert` sends each expert's buffers to its device
   ([n·B, E/n, C, D] there), the experts run, and a second all-to-all brings the outputs back.
@@ -45,6 +49,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
+
+from maxlm.model.attention import target_platform
+from maxlm.model.ragged_exchange import ragged_all_to_all
 
 
 def _axes(logical: str, split_only: bool = False) -> tuple[str, ...]:
@@ -92,14 +99,29 @@ def _specs():
     return ep, tensor, tokens, w_in, w_out
 
 
-def dropless(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype):
+def dispatch_backend(name: str, platform: str | None = None) -> str:
+    """Resolves `model.expert_dispatch` for `platform` (default: the target's): "auto" is
+    ragged_all_to_all on GPUs and TPUs, all_gather on CPUs (XLA:CPU cannot run the collective,
+    which moves no fewer bytes there: it is emulated with all-gathers, maxlm/model/ragged_exchange.py)."""
+    if name != "auto":
+        return name
+    return "all_gather" if (platform or target_platform()) == "cpu" else "ragged_all_to_all"
+
+
+def dropless(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype,
+             dispatch: str = "all_gather"):
     """The dropless layer with the experts split over the mesh's expert axes, and each device's
-    tokens sorted on that device: [B, L, D]. `compute`: `moe.sorted_experts`.
+    tokens sorted on that device: [B, L, D]. `compute`: `moe.sorted_experts`; `dispatch`:
+    `model.expert_dispatch` ("all_gather" or "ragged_all_to_all", resolved).
     The types go unchecked (`check_vma=False`, as MaxText runs its sparse matmul's shard_map):
     the megablox kernel's outputs carry no varying-axes type, and the tiled loop's carries start
     as plain zeros. The gradients are the checked path's (tests/test_grouped_matmul.py)."""
     ep, tensor, tokens, w_in, w_out = _specs()
-    local = functools.partial(_dropless_local, compute, ep=ep, tensor=tensor, dtype=dtype)
+    if ep and dispatch == "ragged_all_to_all":
+        local = functools.partial(_dropless_ragged_local, compute, ep=ep, tensor=tensor, dtype=dtype,
+                                  platform=target_platform())
+    else:  # without expert axes no token leaves its device: the two dispatches are the same
+        local = functools.partial(_dropless_local, compute, ep=ep, tensor=tensor, dtype=dtype)
     return jax.shard_map(local, in_specs=(tokens,) * 3 + (w_in, w_in, w_out), out_specs=tokens, check_vma=False)(
         x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
@@ -149,6 +171,54 @@ def _dropless_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF
     out_TD = jnp.einsum("tkd,tk->td", y_TKD, gates_TK.astype(dtype), preferred_element_type=jnp.float32)
     if ep:
         out_TD = jax.lax.psum_scatter(out_TD, ep, scatter_dimension=0, tiled=True)  # the group's parts, summed
+    if tensor:  # each device computed its slice of the hidden units
+        out_TD = jax.lax.psum(out_TD, tensor)
+    return out_TD.astype(dtype).reshape(B, L, D)
+
+
+def _exclusive_cumsum(a, axis: int = 0):
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _dropless_ragged_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, *, ep,
+                           tensor, dtype, platform):
+    """One device, MaxText's dropless exchange: its own token-slots sorted by expert and sent, each
+    run of slots to its experts' device only (`ragged_all_to_all`); the slots received from the
+    group sorted by local expert, its E/n experts run on them, and the outputs sent back the same
+    way; returns its own tokens' outputs. Shape suffixes as `_dropless_local`'s, n the devices of
+    `ep`, R the receive buffer's rows (every slot the group could send here: n·T·min(K, E/n))."""
+    B, L, D = x_BLD.shape
+    T, K, E_local = B * L, experts_BLK.shape[-1], w_gate_EDF.shape[0]
+    n, me = jax.lax.psum(1, ep), jax.lax.axis_index(ep)
+    experts_N = experts_BLK.reshape(-1)
+    order_N = jnp.argsort(experts_N, stable=True)  # by expert, so by destination device
+    x_ND = x_BLD.reshape(T, D).astype(dtype)[order_N // K]
+    # every device's slots per expert, [sender, receiver, local expert]: the exchange's sizes
+    counts_SRE = jax.lax.all_gather(jnp.bincount(experts_N, length=n * E_local).astype(jnp.int32), ep)
+    counts_SRE = counts_SRE.reshape(n, n, E_local)
+    chunks_SR = counts_SRE.sum(axis=-1)  # slots sender s sends receiver r
+    # a receiver's buffer holds its senders' runs in sender order, each run sorted by expert
+    placed_SR = _exclusive_cumsum(chunks_SR, axis=0)  # where s's run starts in r's buffer
+    taken_SR = _exclusive_cumsum(chunks_SR, axis=1)  # where s's run for r starts in s's sorted slots
+    R = n * T * min(K, E_local)
+    recv_RD = ragged_all_to_all(x_ND, jnp.zeros((R, D), dtype), taken_SR[me], chunks_SR[me], placed_SR[me],
+                                chunks_SR[:, me], ep, platform)
+    # the received rows' local experts (E_local past the last: buffer rows nobody sent), then
+    # sorted by it for the grouped matmuls
+    ends_X = jnp.cumsum(counts_SRE[:, me].reshape(-1))  # [sender · local expert]
+    expert_R = jnp.searchsorted(ends_X, jnp.arange(R), side="right") % E_local
+    received_R = jnp.arange(R) < ends_X[-1]  # the first rows, before the sort and after it
+    local_order_R = jnp.argsort(jnp.where(received_R, expert_R, E_local), stable=True)
+    sizes_E = counts_SRE[:, me].sum(axis=0)
+    # rows past the received ones are unspecified both ways (megablox never writes them): zeroed
+    keep = lambda a: jnp.where(received_R[:, None], a, jnp.zeros((), a.dtype))  # noqa: E731
+    y_RD = keep(compute(keep(recv_RD[local_order_R]), sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype))
+    y_RD = y_RD[jnp.argsort(local_order_R)]  # back to the buffer's order, for the return trip
+    # each run goes back to where its sender took it from
+    back_ND = ragged_all_to_all(y_RD, jnp.zeros((T * K, D), dtype), placed_SR[:, me], chunks_SR[:, me],
+                                taken_SR[:, me], chunks_SR[me], ep, platform)
+    y_TKD = back_ND[jnp.argsort(order_N)].reshape(T, K, D)
+    out_TD = jnp.einsum("tkd,tk->td", y_TKD, gates_BLK.reshape(T, K).astype(dtype), preferred_element_type=jnp.float32)
     if tensor:  # each device computed its slice of the hidden units
         out_TD = jax.lax.psum(out_TD, tensor)
     return out_TD.astype(dtype).reshape(B, L, D)

@@ -214,16 +214,16 @@ def with_capacity(x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EF
     return out_BLD.astype(dtype), dropped_fraction(position_BLK, capacity)
 
 
-def _expert_parallel(x_BLD, experts_BLK, gates_BLK, weights, capacity: int, dtype, backend: str):
-    """`dropless` (capacity 0, on the grouped-matmul `backend`) or `with_capacity` with the experts split
-    over the mesh's expert axis (maxlm/model/expert_parallel.py), the same numbers: ([B, L, D] in
-    `dtype`, dropped)."""
+def _expert_parallel(x_BLD, experts_BLK, gates_BLK, weights, capacity: int, dtype, backend: str, dispatch: str):
+    """`dropless` (capacity 0, on the grouped-matmul `backend`, the tokens exchanged by `dispatch`)
+    or `with_capacity` with the experts split over the mesh's expert axis
+    (maxlm/model/expert_parallel.py), the same numbers: ([B, L, D] in `dtype`, dropped)."""
     # in the compute dtype before the exchange: the weights' FSDP gathers (and their gradients'
     # reduce-scatters) at the shard_map's edge then move bfloat16, not the float32 params
     weights = tuple(w.astype(dtype) for w in weights)
     if not capacity:
         out_BLD = expert_parallel.dropless(functools.partial(sorted_experts, backend=backend), x_BLD, experts_BLK,
-                                           gates_BLK, *weights, dtype)
+                                           gates_BLK, *weights, dtype, dispatch)
         return out_BLD, jnp.zeros((), jnp.float32)
     position_BLK = dispatch_positions(experts_BLK, weights[0].shape[0])  # whole sequences' queues: GSPMD
     out_BLD = expert_parallel.with_capacity(dispatch_masks, buffered_experts, x_BLD, experts_BLK, gates_BLK,
@@ -283,8 +283,9 @@ class MoE(nn.Module):
         C = capacity(cfg, L) if cfg.capacity_factor else 0
         # init only needs the parameters' shapes, and may run off the target (a plan from a CPU)
         backend = "ragged_dot" if self.is_initializing() else cfg.grouped_matmul
+        dispatch = "all_gather" if self.is_initializing() else expert_parallel.dispatch_backend(cfg.expert_dispatch)
         if expert_parallel.active(x_BLD, dropless=not C):  # in shard_map: local sorts; tokens travel to split experts
-            out_BLD, dropped = _expert_parallel(x_BLD, experts_BLK, gates_BLK, weights, C, dtype, backend)
+            out_BLD, dropped = _expert_parallel(x_BLD, experts_BLK, gates_BLK, weights, C, dtype, backend, dispatch)
             out_TD = out_BLD.reshape(B * L, D)
         elif C:
             out_BLD, dropped = with_capacity(x_BLD, experts_BLK, gates_BLK, *weights, C, dtype)

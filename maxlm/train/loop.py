@@ -20,7 +20,7 @@ from maxlm import config as config_lib, console, model, paths
 from maxlm.data import make_dataset
 from maxlm.errors import ConfigError
 from maxlm.hf import files as hf
-from maxlm.model import attention_plan, fp8
+from maxlm.model import attention_plan, expert_parallel, fp8, grouped_matmul
 from maxlm.train import anomaly, checkpoint, checkpoint_fit, data_position, evaluate, faults, flops, loss_scale, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
 from maxlm.train.goodput import Goodput, Stopwatch, TimedCheckpointer
 from maxlm.train.monitor import Monitor
@@ -269,6 +269,20 @@ def xla_flag(name: str) -> str | None:
     return value
 
 
+def moe_kernels(cfg) -> str:
+    """How an MoE run computes its experts: capacity or dropless (its grouped matmul), and how the
+    tokens reach experts split over mesh.expert."""
+    m = cfg.model
+    if m.capacity_factor:
+        compute = f"capacity factor {m.capacity_factor:g} (dense dispatch)"
+    else:
+        compute = f"dropless, grouped matmul {grouped_matmul.grouped_matmul_backend(m.grouped_matmul, model.compute_dtype(m))}"
+    if cfg.mesh.expert == 1:
+        return f"{compute}; no expert axis"
+    exchange = "all-to-all" if m.capacity_factor else expert_parallel.dispatch_backend(m.expert_dispatch)
+    return f"{compute}; tokens to the {cfg.mesh.expert} devices of mesh.expert by {exchange}"
+
+
 def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
     """The run's StepLogger; logs what the run is (model size, FLOPs, peak, kernels, parallelism)."""
     per_token = flops.flops_per_token(cfg.model, cfg.seq_len)
@@ -290,6 +304,8 @@ def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
     log.info("attention: %s%s (context parallel: %s), layers %s, remat %s, compute %s, fp8 %s",
              kernels["attention"], window, kernels["context_parallel"],
              "scanned" if m.scan_layers else "unrolled", m.remat, m.dtype, "on" if m.fp8 else "off")
+    if m.num_experts:
+        log.info("experts: %s", moe_kernels(cfg))
     log.info("optimizer: %s", optim.describe(cfg))
     if cfg.mesh.stage > 1 or cfg.mesh.sequence > 1:
         stages, micro, repeats = cfg.mesh.stage, m.pipeline_microbatches, m.pipeline_repeats
