@@ -219,6 +219,7 @@ def train(workdir, data_dirs, steps):
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # make test keeps within its 12 minutes (CI runs it: make test-ci)
 def test_a_run_reports_goodput_and_counts_the_steps_a_resume_redoes(tmp_path, data_dirs):
     run = tmp_path / "run"
     first = train(run, data_dirs, 4)

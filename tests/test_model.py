@@ -336,7 +336,7 @@ def test_scan_and_remat_equal_unrolled(remat):
                                    tiny_model_cfg(scan_layers=True, remat=remat))
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("remat", ["none", pytest.param("full", marks=pytest.mark.ci)])  # full: ci, 13 s
 def test_layer_pattern_scanned_equals_unrolled(remat):
     """Local and global layers (`GEMMA3_LIKE`: two scanned groups of the pattern, a layer after them)
     give the unrolled layers' loss and gradients, with and without remat (gradients of about 1e-3

@@ -61,7 +61,7 @@ def has_collective(hlo: str, op: str) -> bool:
 # `expert` (a capacity: the all-to-all exchange), multi-token prediction and remat; with data and the
 # experts split (dropless: the all-gather exchange)
 CASES = [
-    ({"stage": 2, "data": 4, "fsdp": 1}, {"model.load_balance": "bias"}),
+    pytest.param({"stage": 2, "data": 4, "fsdp": 1}, {"model.load_balance": "bias"}, marks=pytest.mark.ci),  # 13 s
     ({"stage": 2, "data": 1, "fsdp": 2, "expert": 2},
      {"model.capacity_factor": 1.0, "model.mtp_depth": 1, "model.remat": "full", "model.pipeline_microbatches": 4,
       "batch_size": 16}),

@@ -117,6 +117,7 @@ def wait_until(proc, ready) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.ci  # make test keeps within its 12 minutes (CI runs it: make test-ci)
 def test_ctrl_c_saves_at_the_step_boundary_and_exits_130(tmp_path, data_dirs):
     """The first Ctrl-C behaves as a preemption: the step finishes, its checkpoint commits, one
     line says so, exit 130; the rerun resumes from it."""
@@ -304,7 +305,7 @@ def test_the_preemption_sync_point_is_asked_every_iteration_with_an_increasing_i
     assert asked == list(range(1, iterations + 1))
 
 
-@pytest.mark.parametrize("stop_at", [8, 9])
+@pytest.mark.parametrize("stop_at", [8, pytest.param(9, marks=pytest.mark.ci)])  # 9: ci, 12 s
 def test_a_preemption_agreed_around_a_restore_stops_at_a_committed_checkpoint(tmp_path, data_dirs, monkeypatch, stop_at):
     """Whether the agreed stop falls on the iteration that restores (9 here) or the one before
     it (8, inside the non-finite streak), the run stops at a step whose checkpoint is committed."""

@@ -40,6 +40,7 @@ def test_same_losses_on_every_mesh(shape, reference_losses):
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
 
 
+@pytest.mark.ci  # make test keeps within its 12 minutes (CI runs it: make test-ci)
 def test_both_layer_layouts_start_and_train_alike():
     """`model.scan_layers` changes the compiled program, not the run: from the same seed the
     unrolled layout starts from the scanned parameters (bitwise) and trains to the same losses."""

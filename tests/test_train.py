@@ -64,6 +64,7 @@ def test_resume_equals_uninterrupted(full_run, tmp_path):
         assert replayed[step]["loss"] == train_rows(workdir)[step]["loss"]
 
 
+@pytest.mark.ci  # make test keeps within its 12 minutes (CI runs it: make test-ci)
 def test_cli_run_and_resume(tmp_path, data_dirs):
     workdir = tmp_path / "run"
     command = [
