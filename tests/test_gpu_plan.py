@@ -113,13 +113,16 @@ def test_the_qwen3_moe_preset_fits_two_h100_hosts(tmp_path):
 
 @needs_compiler
 @pytest.mark.ci  # about 40 s on the 2-core machine
-def test_expert_parallelism_compiles_the_ragged_all_to_all_for_h100s(tmp_path):
+def test_expert_parallelism_compiles_the_ragged_all_to_all_for_h100s_in_a_pipeline(tmp_path):
     """model.expert_dispatch=auto on GPUs: the dropless tokens go to their experts' GPUs and back
-    through XLA's ragged-all-to-all (NCCL), 2 a layer forward and 2 backward; XLA:CPU cannot run it."""
+    through XLA's ragged-all-to-all (NCCL), 2 a layer forward and 2 backward, here under the
+    pipeline's vmap (JAX's batching rule for the collective; the TPU test compiles it without a
+    pipeline). XLA:CPU cannot run it."""
     result = plan(tmp_path, "configs/moe_tiny.py", "h100x8", "--noestimate", "--config.model.dtype=bfloat16",
-                  "--config.mesh.fsdp=1", "--config.mesh.expert=8")
+                  "--config.mesh.fsdp=1", "--config.mesh.stage=2", "--config.mesh.expert=4",
+                  "--config.model.first_dense_layers=2")
     assert result["expert_dispatch"] == "ragged_all_to_all" and result["fits"]
-    moe_layers = 3  # moe_tiny: 4 layers, the first dense
+    moe_layers = 2  # moe_tiny's 4 layers, the first 2 dense here
     assert result["collectives"].get("ragged-all-to-all") == 4 * moe_layers, result["collectives"]
 
 
