@@ -203,17 +203,24 @@ def _dropless_ragged_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w
     R = n * T * min(K, E_local)
     recv_RD = ragged_all_to_all(x_ND, jnp.zeros((R, D), dtype), taken_SR[me], chunks_SR[me], placed_SR[me],
                                 chunks_SR[:, me], ep, platform)
-    # the received rows' local experts (E_local past the last: buffer rows nobody sent), then
-    # sorted by it for the grouped matmuls
-    ends_X = jnp.cumsum(counts_SRE[:, me].reshape(-1))  # [sender · local expert]
-    expert_R = jnp.searchsorted(ends_X, jnp.arange(R), side="right") % E_local
-    received_R = jnp.arange(R) < ends_X[-1]  # the first rows, before the sort and after it
-    local_order_R = jnp.argsort(jnp.where(received_R, expert_R, E_local), stable=True)
-    sizes_E = counts_SRE[:, me].sum(axis=0)
+    # The buffer holds runs by (sender, local expert); the grouped matmuls want them by (local
+    # expert, sender). Each received row's place in that order is computed, not sorted for: its
+    # expert's first row + the rows of that expert from earlier senders + its place in its run.
+    counts_SE = counts_SRE[:, me]
+    ends_X = jnp.cumsum(counts_SE.reshape(-1))  # [sender · local expert]: where each run ends
+    rows_R = jnp.arange(R)
+    received_R = rows_R < ends_X[-1]  # the first rows, in either order; the rest nobody sent
+    run_R = jnp.minimum(jnp.searchsorted(ends_X, rows_R, side="right"), ends_X.shape[0] - 1)
+    sender_R, expert_R = run_R // E_local, run_R % E_local
+    sizes_E = counts_SE.sum(axis=0)
+    place_R = (_exclusive_cumsum(sizes_E)[expert_R] + _exclusive_cumsum(counts_SE, axis=0)[sender_R, expert_R]
+               + rows_R - (ends_X - counts_SE.reshape(-1))[run_R])
+    place_R = jnp.where(received_R, place_R, rows_R)  # a permutation of the R rows
     # rows past the received ones are unspecified both ways (megablox never writes them): zeroed
     keep = lambda a: jnp.where(received_R[:, None], a, jnp.zeros((), a.dtype))  # noqa: E731
-    y_RD = keep(compute(keep(recv_RD[local_order_R]), sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype))
-    y_RD = y_RD[jnp.argsort(local_order_R)]  # back to the buffer's order, for the return trip
+    by_expert_RD = jnp.zeros_like(recv_RD).at[place_R].set(recv_RD, unique_indices=True)
+    y_RD = keep(compute(keep(by_expert_RD), sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype))
+    y_RD = y_RD[place_R]  # back to the buffer's order, for the return trip
     # each run goes back to where its sender took it from
     back_ND = ragged_all_to_all(y_RD, jnp.zeros((T * K, D), dtype), placed_SR[:, me], chunks_SR[:, me],
                                 taken_SR[:, me], chunks_SR[me], ep, platform)
