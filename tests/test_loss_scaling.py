@@ -329,6 +329,7 @@ def test_resume_restores_the_scale_exactly(growing_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # make test keeps within its 12 minutes (CI runs it: make test-ci)
 def test_non_finite_at_the_minimum_scale_is_a_bad_step(tmp_path, data_dirs, capsys):
     """From scale 4 (minimum 1), steps 12-16 non-finite: 12 and 13 are overflows (4 → 2 → 1),
     14-16 at the minimum are bad steps, and the third restores the last checkpoint (step 10, scale

@@ -246,6 +246,7 @@ def test_a_restore_after_non_finite_steps_reuses_the_compiled_step(tmp_path, dat
     assert len(lr_at_6) == 2 and lr_at_6[1] == pytest.approx(0.5 * lr_at_6[0], rel=1e-6)
 
 
+@pytest.mark.ci  # make test keeps within its 12 minutes (CI runs it: make test-ci)
 def test_a_resume_never_initialises_a_second_state(two_layer_run, data_dirs, monkeypatch, tmp_path):
     """A resume restores straight into the abstract state: no fresh state is built beside the
     restored one (params and optimizer state held twice would make a run filling 60% of HBM
@@ -285,6 +286,7 @@ def test_a_second_run_on_a_live_workdir_exits_2_naming_the_holder_and_a_dead_one
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
 
 
+@pytest.mark.ci  # make test keeps within its 12 minutes (CI runs it: make test-ci)
 def test_the_preemption_sync_point_is_asked_every_iteration_with_an_increasing_id(tmp_path, data_dirs, monkeypatch):
     """JAX's preemption sync point must be reached by every process at the same ids: the loop asks
     it on every iteration, a restore's included, with an id that never goes back (the step does)."""
@@ -369,6 +371,7 @@ def test_seq_len_changes_on_resume_only_with_a_new_rope_and_rope_theta_may_chang
     loop.check_start(tiny(data_dirs, steps=8, **{"model.rope_theta": 5e5}), str(two_layer_run))
 
 
+@pytest.mark.ci  # make test keeps within its 12 minutes (CI runs it: make test-ci)
 def test_a_context_extension_resumes_as_a_fresh_run_from_the_checkpoint_would_start(two_layer_run, data_dirs, tmp_path):
     """Resuming two_layer_run (step 4, 32 rows of 64 tokens read) at seq_len 128 with llama3
     scaling: the step and optimizer state go on, the data after the 2048 tokens read (16 rows of
