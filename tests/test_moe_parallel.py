@@ -68,6 +68,7 @@ def test_expert_parallel_losses_equal_one_device(one_device):
     assert w_gate.sharding.spec[1] == "expert"
 
 
+@pytest.mark.ci  # 14 s; make test keeps the layer's equality below
 @pytest.mark.parametrize("one_device", [0.0], indirect=True, ids=["dropless"])  # capacity has one dispatch
 def test_the_ragged_all_to_all_dispatch_trains_as_one_device(one_device):
     _, want, _ = one_device
@@ -80,7 +81,7 @@ def test_the_ragged_all_to_all_dispatch_trains_as_one_device(one_device):
     ("tiled", {"expert": 4, "data": 2}),
     ("tiled", {"expert": 2, "tensor": 2, "data": 2}),  # each device a slice of the hidden units, psum'd
     ("tiled", {"expert": 2, "fsdp": 2, "sequence": 2}),  # a row's tokens on two devices
-    ("megablox_interpret", {"expert": 4, "data": 2}),  # the kernel leaves the buffer's spare rows unwritten
+    pytest.param("megablox_interpret", {"expert": 4, "data": 2}, marks=pytest.mark.ci),  # spare rows unwritten
     pytest.param("ragged_dot", {"expert": 8}, marks=pytest.mark.ci),  # one expert a device
 ], ids=["tiled-expert4_data2", "tiled-expert2_tensor2_data2", "tiled-expert2_fsdp2_sequence2",
         "megablox-expert4_data2", "ragged_dot-expert8"])

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from maxlm.model import slot_order
 from maxlm.model.attention import target_platform
 from maxlm.model.ragged_exchange import ragged_all_to_all
 
@@ -157,16 +158,16 @@ def _dropless_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF
     local_N = jnp.where(mine_TK, local_TK, E_local).reshape(-1)
     M = T * min(K, E_local)
     order_N = jnp.argsort(local_N, stable=True)
-    order_M = order_N[:M]
+    order_M, inverse_N = order_N[:M], slot_order.inverse(order_N)
     mine_M = local_N[order_M] < E_local
     sizes_E = jnp.bincount(local_N, length=E_local + 1)[:E_local].astype(jnp.int32)
     # rows past the local slots (only with expert axes) are unspecified both ways, in y and in x's
     # gradient (megablox never writes them): zeroed on the way in and out
     keep = (lambda a: jnp.where(mine_M[:, None], a, jnp.zeros((), a.dtype))) if ep else (lambda a: a)
-    x_MD = keep(x_TD.astype(dtype)[order_M // K])
+    x_MD = keep(slot_order.by_expert(x_TD.astype(dtype), order_M, inverse_N, K))
     y_MD = keep(compute(x_MD, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype))
     # each slot's row is its rank in the sort; a rank of M or more is another device's slot: 0
-    y_TKD = y_MD.at[jnp.argsort(order_N)].get(mode="fill", fill_value=0).reshape(T, K, D)
+    y_TKD = slot_order.by_token(y_MD, order_M, inverse_N, K).reshape(T, K, D)
     gates_TK = jnp.where(mine_TK, gates_TK, 0.0)  # other devices' slots: their outputs come from there
     out_TD = jnp.einsum("tkd,tk->td", y_TKD, gates_TK.astype(dtype), preferred_element_type=jnp.float32)
     if ep:
@@ -192,7 +193,8 @@ def _dropless_ragged_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w
     n, me = jax.lax.psum(1, ep), jax.lax.axis_index(ep)
     experts_N = experts_BLK.reshape(-1)
     order_N = jnp.argsort(experts_N, stable=True)  # by expert, so by destination device
-    x_ND = x_BLD.reshape(T, D).astype(dtype)[order_N // K]
+    inverse_N = slot_order.inverse(order_N)
+    x_ND = slot_order.by_expert(x_BLD.reshape(T, D).astype(dtype), order_N, inverse_N, K)
     # every device's slots per expert, [sender, receiver, local expert]: the exchange's sizes
     counts_SRE = jax.lax.all_gather(jnp.bincount(experts_N, length=n * E_local).astype(jnp.int32), ep)
     counts_SRE = counts_SRE.reshape(n, n, E_local)
@@ -218,13 +220,13 @@ def _dropless_ragged_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w
     place_R = jnp.where(received_R, place_R, rows_R)  # a permutation of the R rows
     # rows past the received ones are unspecified both ways (megablox never writes them): zeroed
     keep = lambda a: jnp.where(received_R[:, None], a, jnp.zeros((), a.dtype))  # noqa: E731
-    by_expert_RD = jnp.zeros_like(recv_RD).at[place_R].set(recv_RD, unique_indices=True)
+    by_expert_RD = recv_RD[slot_order.inverse(place_R)]
     y_RD = keep(compute(keep(by_expert_RD), sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype))
     y_RD = y_RD[place_R]  # back to the buffer's order, for the return trip
     # each run goes back to where its sender took it from
     back_ND = ragged_all_to_all(y_RD, jnp.zeros((T * K, D), dtype), placed_SR[:, me], chunks_SR[:, me],
                                 taken_SR[:, me], chunks_SR[me], ep, platform)
-    y_TKD = back_ND[jnp.argsort(order_N)].reshape(T, K, D)
+    y_TKD = slot_order.by_token(back_ND, order_N, inverse_N, K).reshape(T, K, D)
     out_TD = jnp.einsum("tkd,tk->td", y_TKD, gates_BLK.reshape(T, K).astype(dtype), preferred_element_type=jnp.float32)
     if tensor:  # each device computed its slice of the hidden units
         out_TD = jax.lax.psum(out_TD, tensor)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.config_rules import LOAD_BALANCE, ROUTERS  # noqa: F401  (the choices, as moe.ROUTERS)
-from maxlm.model import expert_parallel
+from maxlm.model import expert_parallel, slot_order
 from maxlm.model.grouped_matmul import grouped_matmul
 
 
@@ -150,10 +150,12 @@ def dropless(x_TD, experts_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype
     E = w_gate_EDF.shape[0]
     experts_N = experts_TK.reshape(-1)
     order_N = jnp.argsort(experts_N, stable=True)
+    inverse_N = slot_order.inverse(order_N)
     sizes_E = jnp.bincount(experts_N, length=E).astype(jnp.int32)
-    y_ND = sorted_experts(x_TD.astype(dtype)[order_N // K], sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, backend)
-    # unsort with the inverse permutation: a gather, then a plain weighted sum over the K slots
-    y_TKD = y_ND[jnp.argsort(order_N)].reshape(T, K, -1)
+    x_ND = slot_order.by_expert(x_TD.astype(dtype), order_N, inverse_N, K)
+    y_ND = sorted_experts(x_ND, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, backend)
+    # unsort with the inverse permutation, then a plain weighted sum over the K slots
+    y_TKD = slot_order.by_token(y_ND, order_N, inverse_N, K).reshape(T, K, -1)
     out_TD = jnp.einsum("tkd,tk->td", y_TKD, gates_TK.astype(dtype), preferred_element_type=jnp.float32)
     return out_TD.astype(dtype)
 
