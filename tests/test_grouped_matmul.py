@@ -12,13 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen as nn
 
 from maxlm import config as config_lib
 from maxlm.errors import ConfigError
-from maxlm.model import grouped_matmul as gm, moe
-from maxlm.train import mesh as mesh_lib
-from tests.test_moe import D, assert_close, moe_cfg
+from maxlm.model import grouped_matmul as gm
+from tests.test_moe import assert_close, assert_the_layer_on_a_mesh_equals
 
 INTERPRET = gm.MEGABLOX_INTERPRET
 
@@ -96,29 +94,7 @@ def test_local_sizes_split_the_groups_at_the_shard_edges():
 ], ids=["megablox-fsdp4_data2", "megablox-expert4_data2", "megablox-expert2_tensor2_data2",
         "tiled-fsdp2_tensor2_data2", "tiled-expert4_data2"])
 def test_the_moe_layer_on_a_kernel_over_a_mesh_equals_ragged_dot(backend, axes):
-    cfg = config_lib.defaults()
-    cfg.mesh.fsdp = 1
-    for axis, size in axes.items():
-        cfg.mesh[axis] = size
-    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
-    x_BLD = jax.random.normal(jax.random.key(1), (8, 4, D))
-    layer_cfg = moe_cfg(init_std=0.5)
-    params = nn.unbox(moe.MoE(layer_cfg).init(jax.random.key(0), x_BLD))["params"]
-
-    def loss(backend, params, x_BLD):
-        layer_cfg.grouped_matmul = backend
-        out_BLD, _ = moe.MoE(layer_cfg).apply({"params": params}, x_BLD)
-        return jnp.sum(jnp.square(out_BLD)), out_BLD
-
-    with mesh_lib.activate(mesh, rules):
-        (_, got), grads = jax.jit(jax.value_and_grad(lambda p, x: loss(backend, p, x), (0, 1), has_aux=True))(
-            params, x_BLD)
-        (_, want), want_grads = jax.jit(jax.value_and_grad(lambda p, x: loss("ragged_dot", p, x), (0, 1),
-                                                           has_aux=True))(params, x_BLD)
-    assert np.abs(want).max() > 0.5
-    assert_close(got, want, 1e-5)
-    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
-        assert_close(g, w, 1e-5)
+    assert_the_layer_on_a_mesh_equals(axes, "grouped_matmul", backend, "ragged_dot")
 
 
 def test_auto_is_megablox_on_tpus_and_tiled_on_cpus_and_gpus(monkeypatch):

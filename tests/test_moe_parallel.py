@@ -13,16 +13,14 @@ import jax
 import numpy as np
 import pytest
 
-import jax.numpy as jnp
-from flax import linen as nn
 
 from maxlm import config as config_lib, model
 from maxlm.errors import ConfigError
-from maxlm.model import expert_parallel, moe
+from maxlm.model import expert_parallel
 from maxlm.train import mesh as mesh_lib
 from tests.helpers import (ROOT, command_env, load_config, metrics_rows, packed_batch, saved_state, synthetic_batch,
                            train_metrics, train_rows, with_overrides)
-from tests.test_moe import D, assert_close, moe_cfg
+from tests.test_moe import assert_the_layer_on_a_mesh_equals
 
 STEPS = 20
 E = 8
@@ -86,31 +84,8 @@ def test_the_ragged_all_to_all_dispatch_trains_as_one_device(one_device):
 ], ids=["tiled-expert4_data2", "tiled-expert2_tensor2_data2", "tiled-expert2_fsdp2_sequence2",
         "megablox-expert4_data2", "ragged_dot-expert8"])
 def test_the_ragged_all_to_all_layer_equals_the_all_gather_one(backend, axes):
-    """Outputs and the gradients of the weights and tokens, on a skewed routing (init_std 0.5: some
-    experts get many slots, some none)."""
-    cfg = config_lib.defaults()
-    cfg.mesh.fsdp = 1
-    for axis, size in axes.items():
-        cfg.mesh[axis] = size
-    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
-    x_BLD = jax.random.normal(jax.random.key(1), (8, 4, D))
-    layer_cfg = moe_cfg(init_std=0.5, grouped_matmul=backend)
-    params = nn.unbox(moe.MoE(layer_cfg).init(jax.random.key(0), x_BLD))["params"]
-
-    def loss(dispatch, params, x_BLD):
-        layer_cfg.expert_dispatch = dispatch
-        out_BLD, _ = moe.MoE(layer_cfg).apply({"params": params}, x_BLD)
-        return jnp.sum(jnp.square(out_BLD)), out_BLD
-
-    with mesh_lib.activate(mesh, rules):
-        grad = lambda dispatch: jax.jit(jax.value_and_grad(  # noqa: E731
-            lambda p, x: loss(dispatch, p, x), (0, 1), has_aux=True))(params, x_BLD)
-        (_, got), grads = grad("ragged_all_to_all")
-        (_, want), want_grads = grad("all_gather")
-    assert np.abs(want).max() > 0.5
-    assert_close(got, want, 1e-5)
-    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
-        assert_close(g, w, 1e-5)
+    assert_the_layer_on_a_mesh_equals(axes, "expert_dispatch", "ragged_all_to_all", "all_gather",
+                                      grouped_matmul=backend)
 
 
 def test_auto_dispatches_with_ragged_all_to_all_on_gpus_and_tpus():
