@@ -20,7 +20,7 @@ import numpy as np
 
 from maxlm import config as config_lib, model
 from maxlm.bench.targets import Target
-from maxlm.model import attention_plan, expert_parallel, grouped_matmul
+from maxlm.model import attention_plan, moe
 from maxlm.train import flops, mesh as mesh_lib, optim, state as state_lib, step as step_lib
 
 ESTIMATE_MODEL = ("step_sec = max(hardware FLOPs / peak FLOP/s, bytes accessed / memory bandwidth) per "
@@ -57,11 +57,7 @@ def _model_size(cfg, platform: str) -> dict:
     grouped-matmul backend on `platform`."""
     m = cfg.model
     sizes = {"params": model.count_params(m), "active_params": model.active_params(m)}
-    if m.num_experts and not m.capacity_factor:
-        sizes["grouped_matmul"] = grouped_matmul.grouped_matmul_backend(m.grouped_matmul, model.compute_dtype(m),
-                                                                        platform)
-        sizes["expert_dispatch"] = expert_parallel.dispatch_backend(m.expert_dispatch, platform)
-    return sizes
+    return {**sizes, **moe.kernels(m, platform)}
 
 
 def _out_of_memory(error: Exception) -> str | None:
@@ -100,6 +96,7 @@ def plan(cfg, target: Target | None = None, estimate: bool = True) -> dict:
                 "compile_sec": time.perf_counter() - start, "jax_version": jax.__version__}
     compile_sec = time.perf_counter() - start
     mem = compiled.memory_analysis()
+    hlo = compiled.as_text()  # megabytes for a big model: printed once
     argument, output = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
     alias = int(mem.alias_size_in_bytes)  # donated state: inputs that are reused as outputs
     temp = int(mem.temp_size_in_bytes)
@@ -122,9 +119,9 @@ def plan(cfg, target: Target | None = None, estimate: bool = True) -> dict:
         "fits": None if limit is None else peak <= limit,
         # XLA's calls into libraries and kernels: __cudnn$fmha* (fused attention),
         # __cublas$lt$matmul$f8, tpu_custom_call (Pallas/Mosaic kernels such as splash attention)
-        "kernels": sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))),
-        "tpu_kernels": tpu_kernels(compiled.as_text()),
-        "collectives": collectives(compiled.as_text()),
+        "kernels": sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))),
+        "tpu_kernels": tpu_kernels(hlo),
+        "collectives": collectives(hlo),
         "compile_sec": compile_sec,
         "xla_cost": xla_cost(compiled),
     })

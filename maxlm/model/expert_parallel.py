@@ -22,7 +22,7 @@ length: the `batch` rule includes `expert`) and its own experts:
   ragged_all_to_all (MaxText's exchange; "auto" on GPUs and TPUs): each device sorts its own
   slots by expert and sends each expert's run to that expert's device only
   (`jax.lax.ragged_all_to_all`, emulated on CPUs: maxlm/model/ragged_exchange.py); the receiver
-  sorts them by its local experts, runs `moe.sorted_experts`, and the outputs return the same way.
+  puts them in its local experts' order, runs `moe.sorted_experts`, and the outputs return the same way.
   all_gather (Megatron-LM's "allgather" dispatcher; "auto" on CPUs): the tokens of the n devices
   along `expert` are all-gathered, each device sorts the slots routed to its experts and runs
   `moe.sorted_experts` on them, and a reduce-scatter sums the n partial outputs back onto the
@@ -109,8 +109,7 @@ def dispatch_backend(name: str, platform: str | None = None) -> str:
     return "all_gather" if (platform or target_platform()) == "cpu" else "ragged_all_to_all"
 
 
-def dropless(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype,
-             dispatch: str = "all_gather"):
+def dropless(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w_up_EDF, w_down_EFD, dtype, dispatch: str):
     """The dropless layer with the experts split over the mesh's expert axes, and each device's
     tokens sorted on that device: [B, L, D]. `compute`: `moe.sorted_experts`; `dispatch`:
     `model.expert_dispatch` ("all_gather" or "ragged_all_to_all", resolved).
@@ -185,7 +184,7 @@ def _dropless_ragged_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w
                            tensor, dtype, platform):
     """One device, MaxText's dropless exchange: its own token-slots sorted by expert and sent, each
     run of slots to its experts' device only (`ragged_all_to_all`); the slots received from the
-    group sorted by local expert, its E/n experts run on them, and the outputs sent back the same
+    group put in its local experts' order, its E/n experts run on them, and the outputs sent back the same
     way; returns its own tokens' outputs. Shape suffixes as `_dropless_local`'s, n the devices of
     `ep`, R the receive buffer's rows (every slot the group could send here: n·T·min(K, E/n))."""
     B, L, D = x_BLD.shape
@@ -209,14 +208,15 @@ def _dropless_ragged_local(compute, x_BLD, experts_BLK, gates_BLK, w_gate_EDF, w
     # expert, sender). Each received row's place in that order is computed, not sorted for: its
     # expert's first row + the rows of that expert from earlier senders + its place in its run.
     counts_SE = counts_SRE[:, me]
-    ends_X = jnp.cumsum(counts_SE.reshape(-1))  # [sender · local expert]: where each run ends
+    counts_X = counts_SE.reshape(-1)  # [sender · local expert], the buffer's runs in order
+    ends_X = jnp.cumsum(counts_X)
     rows_R = jnp.arange(R)
     received_R = rows_R < ends_X[-1]  # the first rows, in either order; the rest nobody sent
     run_R = jnp.minimum(jnp.searchsorted(ends_X, rows_R, side="right"), ends_X.shape[0] - 1)
     sender_R, expert_R = run_R // E_local, run_R % E_local
     sizes_E = counts_SE.sum(axis=0)
     place_R = (_exclusive_cumsum(sizes_E)[expert_R] + _exclusive_cumsum(counts_SE, axis=0)[sender_R, expert_R]
-               + rows_R - (ends_X - counts_SE.reshape(-1))[run_R])
+               + rows_R - (ends_X - counts_X)[run_R])
     place_R = jnp.where(received_R, place_R, rows_R)  # a permutation of the R rows
     # rows past the received ones are unspecified both ways (megablox never writes them): zeroed
     keep = lambda a: jnp.where(received_R[:, None], a, jnp.zeros((), a.dtype))  # noqa: E731

@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.config_rules import LOAD_BALANCE, ROUTERS  # noqa: F401  (the choices, as moe.ROUTERS)
 from maxlm.model import expert_parallel, slot_order
-from maxlm.model.grouped_matmul import grouped_matmul
+from maxlm.model.grouped_matmul import grouped_matmul, grouped_matmul_backend
 
 
 def _dtype(model_cfg):
@@ -302,6 +302,16 @@ class MoE(nn.Module):
                                       w_down_SD.astype(dtype), "td,ds->ts", "ts,sd->td")
         out_BLD = checkpoint_name(out_TD.reshape(B, L, D), "mlp_out")  # as SwiGLU's, for the remat policies
         return out_BLD, {**stats, "dropped": dropped}
+
+
+def kernels(cfg, platform: str | None = None) -> dict:
+    """What the dropless layer runs on `platform` (default: the target's): `grouped_matmul` and
+    `expert_dispatch` resolved, for the run's log line and the plan's fields; {} for a dense model
+    or one with a capacity."""
+    if not cfg.num_experts or cfg.capacity_factor:
+        return {}
+    return {"grouped_matmul": grouped_matmul_backend(cfg.grouped_matmul, _dtype(cfg), platform),
+            "expert_dispatch": expert_parallel.dispatch_backend(cfg.expert_dispatch, platform)}
 
 
 def dense_layers(cfg) -> int:

@@ -20,7 +20,7 @@ from maxlm import config as config_lib, console, model, paths
 from maxlm.data import make_dataset
 from maxlm.errors import ConfigError
 from maxlm.hf import files as hf
-from maxlm.model import attention_plan, expert_parallel, fp8, grouped_matmul
+from maxlm.model import attention_plan, fp8, moe
 from maxlm.train import anomaly, checkpoint, checkpoint_fit, data_position, evaluate, faults, flops, loss_scale, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
 from maxlm.train.goodput import Goodput, Stopwatch, TimedCheckpointer
 from maxlm.train.monitor import Monitor
@@ -272,14 +272,14 @@ def xla_flag(name: str) -> str | None:
 def moe_kernels(cfg) -> str:
     """How an MoE run computes its experts: capacity or dropless (its grouped matmul), and how the
     tokens reach experts split over mesh.expert."""
-    m = cfg.model
+    m, resolved = cfg.model, moe.kernels(cfg.model)
     if m.capacity_factor:
         compute = f"capacity factor {m.capacity_factor:g} (dense dispatch)"
     else:
-        compute = f"dropless, grouped matmul {grouped_matmul.grouped_matmul_backend(m.grouped_matmul, model.compute_dtype(m))}"
+        compute = f"dropless, grouped matmul {resolved['grouped_matmul']}"
     if cfg.mesh.expert == 1:
         return f"{compute}; no expert axis"
-    exchange = "all-to-all" if m.capacity_factor else expert_parallel.dispatch_backend(m.expert_dispatch)
+    exchange = "all-to-all" if m.capacity_factor else resolved["expert_dispatch"]
     return f"{compute}; tokens to the {cfg.mesh.expert} devices of mesh.expert by {exchange}"
 
 
