@@ -17,7 +17,7 @@ MAXLM_GPU_XLA_FLAGS=(
   --xla_gpu_reduce_scatter_combine_threshold_bytes=134217728
   --xla_gpu_all_reduce_combine_threshold_bytes=134217728
   # Every GEMM to cuBLAS/cuBLASLt: otherwise XLA may compile model.fp8's float8 dots as 16-bit
-  # Triton GEMMs (maxlm/model/fp8.py).
+  # Triton GEMMs (maxlm/model/kernels/fp8.py).
   --xla_gpu_enable_triton_gemm=false
   # Bitwise run-to-run determinism (same config and seed, same losses; a resume equal to a run
   # straight through): deterministic GEMM algorithms and scatter-adds. Without it two runs of

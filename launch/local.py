@@ -5,7 +5,7 @@
 
 Each process is `python -m maxlm.train <train args>` with JAX's multi-controller runtime set up
 through `JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` (read by
-maxlm/train/distributed.py) and `M` fake CPU devices, gloo collectives between them. Output lines are
+maxlm/runtime/distributed.py) and `M` fake CPU devices, gloo collectives between them. Output lines are
 prefixed with the process index. If a process dies, the others are killed at once and the whole job is
 started again (up to --max_restarts): it resumes from the newest checkpoint, as a cluster's
 babysitter would do. Exit status: the job's (0 done; the failing process's status otherwise).

@@ -49,8 +49,9 @@ sys.path.insert(0, ROOT)
 
 from etils import epath  # noqa: E402
 
-from maxlm import config as config_lib, paths  # noqa: E402  (after the path fix-up above)
-from maxlm.train import metrics  # noqa: E402
+from maxlm import config as config_lib
+from maxlm.observe import metrics  # noqa: E402
+from maxlm.runtime import paths  # noqa: E402  (after the path fix-up above)
 
 COLUMNS = ("point", "mesh", "batch_size", "overrides", "status", "memory_per_device_mib",
            "tokens_per_sec", "mfu", "step_sec_median", "model_tflops_per_sec", "reason")
@@ -193,7 +194,7 @@ def collect(sweep, overrides: dict, point_dir: str) -> dict:
     if not rows:
         return {"status": "failed", "reason": f"no training steps after the warm-up in {path}"}
     median = lambda key: statistics.median(r[key] for r in rows.values())  # noqa: E731
-    from maxlm.train import flops  # imports jax: only here
+    from maxlm.observe import flops  # imports jax: only here
 
     cfg = config_lib.resolve(config_lib.apply_overrides(load_base(sweep["base"]), overrides),
                              sweep["devices"])

@@ -2,11 +2,11 @@
 default, and the exit status of a user error.
 
 Every user error — a bad flag, an unknown `--config.KEY`, a config file that does not load, a
-value that fails validation, a `maxlm.errors.UserError` raised anywhere below — ends the same way:
+value that fails validation, a `maxlm.runtime.errors.UserError` raised anywhere below — ends the same way:
 one line on stderr and exit status 2, no traceback. A process of a job that stops because process 0
-failed (`maxlm.processes.ProcessFailed`) ends with one line and exit status 1: process 0 prints the
+failed (`maxlm.runtime.processes.ProcessFailed`) ends with one line and exit status 1: process 0 prints the
 traceback. Only commands import this module; the library
-raises, and warns through maxlm/console.py.
+raises, and warns through maxlm/runtime/console.py.
 
 Before a command runs, `run` sets one XLA flag for the *CPU* backend (accelerators ignore `xla_cpu_*`
 flags; XLA reads XLA_FLAGS when the first backend starts, so importing JAX before is fine): matmuls
@@ -28,8 +28,8 @@ import os
 import sys
 from typing import Callable, NoReturn
 
-from maxlm.errors import UserError
-from maxlm.processes import ProcessFailed
+from maxlm.runtime.errors import UserError
+from maxlm.runtime.processes import ProcessFailed
 
 # XLA_FLAGS as the environment gave them, before `set_xla_cpu_defaults` adds maxlm's (bench
 # compare passes these, not maxlm's, to the code it compares with).
@@ -134,7 +134,7 @@ def resolved_config(num_devices: int, num_granules: int | None = None, platform:
     from absl import flags
 
     from maxlm import config as config_lib
-    from maxlm.train import mesh as mesh_lib
+    from maxlm.sharding import mesh as mesh_lib
 
     if num_granules is None:
         num_granules = mesh_lib.num_granules()
@@ -164,7 +164,7 @@ def use_compile_cache(cfg) -> None:
     process ("Termination timeout"). A compiled executable keeps one order (docs/testing.md)."""
     import jax
 
-    from maxlm import console, paths
+    from maxlm.runtime import console, paths
 
     if jax.default_backend() == "cpu" and jax.device_count() > 1:
         if cfg.compile_cache_dir or jax.config.jax_compilation_cache_dir:

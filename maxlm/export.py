@@ -22,8 +22,9 @@ import json
 import jax
 
 from maxlm import cli
+from maxlm.checkpoint import saved_run
 from maxlm.hf import files as hf
-from maxlm.train import distributed, runs
+from maxlm.runtime import distributed
 
 
 def main(argv) -> None:
@@ -34,8 +35,8 @@ def main(argv) -> None:
         cli.config_error(f"--max_shard_mb={f.max_shard_mb} must be >= 1")
     distributed.initialize()
     try:
-        hf.architecture(runs.read_config(f.workdir).model, "the Hugging Face export")  # before restoring
-        run = runs.load_run(f.workdir, f.step)
+        hf.architecture(saved_run.read_config(f.workdir).model, "the Hugging Face export")  # before restoring
+        run = saved_run.load_run(f.workdir, f.step)
         files = hf.export(run["params"], run["config"], f.out, f.dtype, f.max_shard_mb * 2**20)
     except ValueError as e:  # RunError, ConfigError, a missing tokenizer file
         cli.config_error(str(e))

@@ -1,11 +1,11 @@
 """Training curves of one or more runs: `python -m maxlm.plot DIR [DIR ...] --out=curves.png`.
 
-Reads each `DIR/metrics.jsonl` (local or `gs://`, through maxlm/paths.py) and draws a 2 x 3 grid:
+Reads each `DIR/metrics.jsonl` (local or `gs://`, through maxlm/runtime/paths.py) and draws a 2 x 3 grid:
 train loss, eval loss, learning rate and tokens/s against the step, one line per run (the legend
 is the run directory's name), and the last eval's loss by position in the document
 (`eval/loss_by_position/START`: `eval.position_buckets`), which falls with the position while the
 model uses its context. Each run also gets a panel of where its wall time went: `goodput` and the
-`badput/<category>` shares stacked against the step (maxlm/train/goodput.py); the first run's fills
+`badput/<category>` shares stacked against the step (maxlm/observe/goodput.py); the first run's fills
 the grid's last cell, the others' follow in rows of three. A resumed run repeats some steps in its
 file; the last row written for a step is the one drawn, as for every reader of metrics.jsonl.
 Rendering uses matplotlib's Agg backend, so no display is needed. A DIR without `metrics.jsonl`
@@ -18,9 +18,10 @@ import io
 import math
 import sys
 
-from maxlm import cli, paths
-from maxlm.errors import UserError
-from maxlm.train import goodput, metrics
+from maxlm import cli
+from maxlm.observe import goodput, metrics
+from maxlm.runtime import paths
+from maxlm.runtime.errors import UserError
 
 # (panel title, metrics.jsonl key), row by row
 PANELS = (("train loss", "loss"), ("eval loss", "eval_loss"),

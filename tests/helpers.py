@@ -15,7 +15,11 @@ from etils import epath
 from xla_flags import with_test_flags, without_test_flags
 
 from maxlm import config as config_lib, model
-from maxlm.train import checkpoint, checkpoint_fit, flops, mesh as mesh_lib, optim, state as state_lib, step as step_lib
+from maxlm.checkpoint import compatibility, store as checkpoint
+from maxlm.observe import flops
+from maxlm.optim import optimizers as optim
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -200,7 +204,7 @@ def saved_state(workdir, step: int) -> dict:
     """The state checkpointed at `step` in `workdir` (restored with the config recorded in the
     checkpoint, onto one device), as numpy arrays."""
     path = _checkpoint_path(workdir, step)
-    state, _ = checkpoint.restore_state(path, checkpoint_fit.expected_state(checkpoint.read_json(path, "config")))
+    state, _ = checkpoint.restore_state(path, compatibility.expected_state(checkpoint.read_json(path, "config")))
     return jax.tree.map(np.asarray, jax.device_get(state))
 
 
@@ -210,12 +214,12 @@ def saved_meta(workdir, step: int) -> dict:
 
 
 def ring_blocks_one_after_another(kernel, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, n: int, dout_BLHDh):
-    """The ring's fused-kernel computations (maxlm/model/ring_blocks.py) for n devices run one
+    """The ring's fused-kernel computations (maxlm/model/parallel/ring_blocks.py) for n devices run one
     after another on one device, no mesh: (out, dq, dk, dv) as the ring gives them, for checking
     a kernel where there is a single accelerator. Each device's queries merge its own block, then
     the others in ring order; the backward pass feeds every block the whole rows' output and
     log-sum-exp."""
-    from maxlm.model import ring_blocks, zigzag
+    from maxlm.model.parallel import ring_blocks, zigzag
 
     L, Dh = q_BLHDh.shape[1], q_BLHDh.shape[-1]
     order = zigzag.token_order(L, n) if kernel.zigzag else np.arange(L)

@@ -1,4 +1,4 @@
-"""Loss-spike recovery (maxlm/train/anomaly.py): the detector's arithmetic, the skip list, and real
+"""Loss-spike recovery (maxlm/resilience/anomaly.py): the detector's arithmetic, the skip list, and real
 in-process runs of configs/tiny.py where an injected spike (the batch at data position 13 trained
 at 1000x the lr) is rolled back, its batches skipped, and a resume after it is bitwise exact."""
 
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.errors import ConfigError
-from maxlm.train import anomaly, loop
+from maxlm.resilience import anomaly
+from maxlm.runtime.errors import ConfigError
+from maxlm.train import loop
 from tests.helpers import load_config, metrics_rows, saved_meta, saved_state, train_rows, with_overrides
 
 SPIKE = {"eval.every_steps": 0, "log_every_steps": 1, "metrics.tensorboard": False,

@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import pytest
 from ml_collections import ConfigDict
 
-from maxlm import checkpoint as checkpoint_command, config as config_lib
-from maxlm.train import checkpoint, checkpoint_fit, faults, loop
+from maxlm import config as config_lib
+from maxlm.checkpoint import __main__ as checkpoint_command, compatibility, store as checkpoint
+from maxlm.resilience import faults
+from maxlm.train import loop
 from tests.helpers import load_config, saved_meta, saved_state, train_rows, with_overrides
 
 BASE = {"eval.every_steps": 0, "log_every_steps": 1, "metrics.tensorboard": False,
@@ -178,12 +180,12 @@ def test_expected_state_holds_a_learned_position_table():
     is a RoPE model's, without one."""
     learned = with_overrides(load_config("tiny"), {"model.positions": "learned"})
     recorded = json.loads(config_lib.to_json(config_lib.resolve(learned, jax.device_count())))
-    expected = checkpoint_fit.expected_state(recorded)
+    expected = compatibility.expected_state(recorded)
     assert expected["params"]["pos_embed"].shape == (64, 64)  # [seq_len, d_model]
     assert len([leaf for leaf in jax.tree.leaves(expected["opt_state"]) if leaf.shape == (64, 64)]) == 2
     older = json.loads(config_lib.to_json(config_lib.resolve(load_config("tiny"), jax.device_count())))
     del older["model"]["positions"], older["model"]["max_positions"]
-    assert "pos_embed" not in checkpoint_fit.expected_state(older)["params"]
+    assert "pos_embed" not in compatibility.expected_state(older)["params"]
 
 
 def test_another_position_encoding_does_not_resume(clean_run, data_dirs, tmp_path):

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from maxlm.train import goodput, host_shards
-from maxlm.train.local_tier import LocalTier, _rounds
+from maxlm.checkpoint import host_shards
+from maxlm.checkpoint.local_tier import LocalTier, _rounds
+from maxlm.observe import goodput
 from tests.helpers import ROOT, command_env, free_port, losses, saved_state, train_rows
 
 

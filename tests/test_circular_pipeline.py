@@ -1,4 +1,4 @@
-"""Circular pipelines (`model.pipeline_repeats` = R > 1, maxlm/model/pipeline.py): the schedule
+"""Circular pipelines (`model.pipeline_repeats` = R > 1, maxlm/model/parallel/pipeline.py): the schedule
 runs every layer once per microbatch in layer order, each stage on its own chunks; the model
 gives the unpipelined loss and gradients with data, fsdp and remat; the bubble shrinks to
 (S - 1)/(R·M + S - 1); the combinations it cannot run are refused; the CLI trains and resumes."""
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, model
-from maxlm.model import pipeline
-from maxlm.train import mesh as mesh_lib
+from maxlm.model.parallel import pipeline
+from maxlm.sharding import mesh as mesh_lib
 from tests.helpers import ROOT, command_env, load_config, packed_batch, saved_state, train_rows, with_overrides
 
 

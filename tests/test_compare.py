@@ -10,7 +10,7 @@ import pytest
 
 from maxlm import cli, config as config_lib
 from maxlm.bench import compare, maxtext_peer
-from maxlm.errors import ConfigError
+from maxlm.runtime.errors import ConfigError
 from tests.helpers import load_config
 
 # The model of the comparison in docs/performance.md: 20.6M parameters, batch 4 x 256, bfloat16.
@@ -266,7 +266,7 @@ def test_train_compile_output_is_read_back_with_the_same_peak_formula_as_ours():
 def test_the_estimate_is_the_slower_of_compute_and_memory_at_the_chips_datasheet():
     from maxlm.bench import compare_plan
     from maxlm.bench.targets import tpu
-    from maxlm.train import flops
+    from maxlm.observe import flops
 
     peak, bandwidth = flops.table_peak("TPU v5", "bfloat16"), tpu.TPUS["v5p"][4]
     compute_bound = compare_plan.estimate({"flops": 100 * peak, "bytes_accessed": bandwidth}, "v5p-8", "bfloat16")

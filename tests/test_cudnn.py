@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm.model import attention, cudnn, ring_blocks
+from maxlm.model import attention
+from maxlm.model.kernels import cudnn
+from maxlm.model.parallel import ring_blocks
 from tests.helpers import ring_blocks_one_after_another
 
 
@@ -78,7 +80,7 @@ def test_cudnn_matches_xla_values_and_gradients(length, window):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
 @pytest.mark.parametrize("zigzag", [False, True], ids=["in_order", "zigzag"])
 def test_the_rings_cudnn_blocks_match_xla_values_and_gradients(zigzag):
-    """cuDNN per ring block (maxlm/model/ring_blocks.py: its forward's log-sum-exp, its backward
+    """cuDNN per ring block (maxlm/model/parallel/ring_blocks.py: its forward's log-sum-exp, its backward
     primitive fed the whole rows' residuals), 4 blocks run one after another on the one GPU."""
     length = 4096
     q, k, v, dout = bfloat16_qkv_and_cotangent(length, jnp.bfloat16, seed=1)
@@ -93,7 +95,7 @@ def test_the_rings_cudnn_blocks_match_xla_values_and_gradients(zigzag):
 
 
 class XlaStandIn:
-    """What maxlm/model/cudnn.py binds, with XLA's attention in place of the kernel: a forward with
+    """What maxlm/model/kernels/cudnn.py binds, with XLA's attention in place of the kernel: a forward with
     its log-sum-exp, and a backward that takes the residuals and the output's cotangent. JAX's
     batching rule is not involved: the calls batch through `_batch_folded`, which is under test."""
 
@@ -135,7 +137,7 @@ class XlaStandIn:
 
 @pytest.mark.parametrize("window", [0, 5], ids=["causal", "window5"])
 def test_cudnn_attention_batches_under_vmap_with_a_bias_shared_by_the_heads(monkeypatch, window):
-    """maxlm/model/cudnn.py's calls, with an XLA stand-in for the kernel, under the pipeline's vmap
+    """maxlm/model/kernels/cudnn.py's calls, with an XLA stand-in for the kernel, under the pipeline's vmap
     over stages and a second vmap around it: the stage axes fold into the batch (the kernel only
     ever sees [B, L, H, Dh]), and values and gradients are xla_attention's for each stage's rows,
     causal or within a sliding window (which reaches the kernel as cuDNN's sliding_window_length)."""
@@ -162,7 +164,7 @@ def test_cudnn_attention_batches_under_vmap_with_a_bias_shared_by_the_heads(monk
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
 def test_the_pipelines_cudnn_call_matches_jaxs_under_vmap():
-    """maxlm/model/cudnn.py's attention (the pipeline's, batched over 2 stages by folding) gives
+    """maxlm/model/kernels/cudnn.py's attention (the pipeline's, batched over 2 stages by folding) gives
     jax.nn.dot_product_attention's cuDNN values and gradients, stage by stage."""
     q, k, v, cotangent = bfloat16_qkv_and_cotangent(1024, jnp.float32, seed=2)
     segment_ids = jnp.asarray(packed_rows(2, 1024, seed=3))

@@ -221,7 +221,8 @@ def test_batch_is_pure_function_of_config_and_step(tfds_dir, tmp_path):
 
 
 def test_interrupted_packing_leaves_no_cache_entry(tfds_dir, tmp_path, monkeypatch):
-    from maxlm.data import build, shards
+    from maxlm.data import shards
+    from maxlm.data.prepare import build
 
     config = make_config(tfds_dir, tmp_path)
     real_add = shards.ShardWriter.add
@@ -395,7 +396,7 @@ def test_a_prefetcher_still_running_at_interpreter_exit_does_not_hang_it():
         from maxlm.data.prefetch import Prefetcher
 
         class Rows:
-            def batch(self, step, process_index=0, process_count=1):
+            def batch(self, step, parts=0, num_parts=1):
                 return {"tokens": np.full((4, 8), step)}
 
         rows = Rows()

@@ -1,4 +1,4 @@
-"""maxlm.data.filters on text without spaces: words counted by script (Chinese and Japanese
+"""maxlm.data.prepare.filters on text without spaces: words counted by script (Chinese and Japanese
 characters one each), the repeated-word share and count rules, NFKC, on a mixed zh/ja/en corpus;
 the CLI's prepare with them; their place in the cache key and the stream keys."""
 
@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.data import build, filters, load_tokenizer
-from maxlm.errors import ConfigError
-from maxlm.train import data_position
+from maxlm.data import load_tokenizer
+from maxlm.data.prepare import build, filters
+from maxlm.resilience import data_position
+from maxlm.runtime.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

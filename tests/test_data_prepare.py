@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maxlm.data import build, filters, make_dataset, sources
+from maxlm.data import make_dataset, sources
 from maxlm.data.packing import Packer, token_dtype
-from maxlm.data.tokenizer import checked_tokenizer
+from maxlm.data.prepare import build, filters
+from maxlm.data.tokenizers import checked_tokenizer
 from tests.test_data_sources import REPO, SEQ_LEN, _doc, make_config
 
 # ---------------------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ _RSS_SCRIPT = """
 import json, resource, sys
 from maxlm import config as config_lib
 from maxlm.data import build
-from maxlm.data.tokenizer import checked_tokenizer
+from maxlm.data.tokenizers import checked_tokenizer
 c = config_lib.defaults()
 c.seq_len, c.batch_size = 2048, 8
 c.data.source, c.data.cache_dir = sys.argv[1], sys.argv[2]
@@ -171,7 +172,7 @@ def test_one_or_two_workers_write_the_same_shards_and_dedup_across_them(tmp_path
 
 
 def test_minhash_keys_find_near_duplicates_not_different_texts():
-    from maxlm.data import minhash
+    from maxlm.data.prepare import minhash
 
     def shared(a, b):
         return len(set(minhash.band_keys(a, 5, 14, 8)) & set(minhash.band_keys(b, 5, 14, 8)))

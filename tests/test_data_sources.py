@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.data import DataError, build, filters, make_dataset, sources
+from maxlm.data import DataError, make_dataset, sources
+from maxlm.data.prepare import build, filters
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN, BATCH = 32, 4

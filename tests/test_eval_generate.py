@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, generate as gen, model
+from maxlm.checkpoint import saved_run
 from maxlm.data import make_dataset
-from maxlm.data.tokenizer import ByteTokenizer
-from maxlm.train import evaluate as evaluate_lib, loop, mesh as mesh_lib, runs, state as state_lib
+from maxlm.data.tokenizers import ByteTokenizer
+from maxlm.eval import during_training as evaluate_lib
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import loop
 from tests.helpers import ROOT, command_env, load_config, metrics_rows, with_overrides
 
 # ----------------------------------------------------------------------------- a trained run
@@ -63,13 +66,13 @@ def test_eval_on_another_mesh_and_device_count(run):
     a config recorded for 8 devices re-resolves for 4 or 1."""
     cfg, workdir, eval_losses = run
     for devices in (4, 1):
-        mesh_cfg = runs.read_config(str(workdir), devices).mesh
+        mesh_cfg = saved_run.read_config(str(workdir), devices).mesh
         assert (mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor) == (1, devices, 1)
-    other = with_overrides(runs.read_config(str(workdir)),
+    other = with_overrides(saved_run.read_config(str(workdir)),
                            {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     other = config_lib.resolve(other, jax.device_count())
     rules, mesh = mesh_lib.rules_of(other.mesh), mesh_lib.make_mesh(other.mesh)
-    params, _ = runs.restore_params(runs.checkpoint_path(str(workdir)), other, mesh, rules)
+    params, _ = saved_run.restore_params(saved_run.checkpoint_path(str(workdir)), other, mesh, rules)
     assert tuple(params["layers"]["attn"]["wq"].sharding.spec)[1:3] == (("fsdp", "sequence"), "tensor")
     result = evaluate_lib.evaluate(other, params, make_dataset(other, "validation"), mesh, rules, 2)
     assert result["loss"] == pytest.approx(eval_losses[10], rel=1e-5)
@@ -77,14 +80,14 @@ def test_eval_on_another_mesh_and_device_count(run):
 
 def test_eval_errors(run, tmp_path):
     cfg, workdir, _ = run
-    with pytest.raises(runs.RunError, match="no config.json in"):
+    with pytest.raises(saved_run.RunError, match="no config.json in"):
         evaluate_lib.evaluate_run(str(tmp_path))
     (tmp_path / "config.json").write_text((workdir / "config.json").read_text())
-    with pytest.raises(runs.RunError, match="no complete checkpoint in"):
+    with pytest.raises(saved_run.RunError, match="no complete checkpoint in"):
         evaluate_lib.evaluate_run(str(tmp_path))
-    with pytest.raises(runs.RunError, match=r"--step=7: .*\(steps: 5, 10\)"):
+    with pytest.raises(saved_run.RunError, match=r"--step=7: .*\(steps: 5, 10\)"):
         evaluate_lib.evaluate_run(str(workdir), step=7)
-    with pytest.raises(runs.RunError, match="--split='test': expected one of train, validation"):
+    with pytest.raises(saved_run.RunError, match="--split='test': expected one of train, validation"):
         evaluate_lib.evaluate_run(str(workdir), split="test")
 
 
@@ -276,7 +279,7 @@ def test_generate_cli(run):
     """Greedy from the trained run: the CLI (8 devices, the run's mesh) prints the tokens that
     generate() gives in this process, and decodes them with the run's byte tokenizer."""
     cfg, workdir, _ = run
-    loaded = runs.load_run(str(workdir))
+    loaded = saved_run.load_run(str(workdir))
     tokenizer = ByteTokenizer()
     prompt = "def main("
     prompt_ids = [tokenizer.bos_id, *tokenizer.encode(prompt).tolist()]
@@ -319,7 +322,7 @@ def test_eval_reads_each_validation_row_at_most_once(run):
     """More eval batches than the split holds stop at its end: past it the rows would come round
     again and count twice."""
     cfg, workdir, _ = run
-    loaded = runs.load_run(str(workdir))
+    loaded = saved_run.load_run(str(workdir))
     big = config_lib.resolve(with_overrides(load_config("tiny"), {**{k: cfg.data[k.split(".")[1]] for k in
                                                                      ("data.tfds_dir", "data.cache_dir")},
                                                                   "batch_size": 2048}), jax.device_count())

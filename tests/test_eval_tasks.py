@@ -17,10 +17,13 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, generate as gen, model
+from maxlm.checkpoint import saved_run
 from maxlm.data import sources
 from maxlm.data.errors import DataError
-from maxlm.data.tokenizer import ByteTokenizer
-from maxlm.train import evaluate, loop, mesh as mesh_lib, runs, state as state_lib, tasks
+from maxlm.data.tokenizers import ByteTokenizer
+from maxlm.eval import during_training, tasks
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import loop
 from tests.helpers import ROOT, command_env, load_config, metrics_rows, with_overrides
 
 STEPS, CHANCE = 100, 0.25
@@ -77,7 +80,7 @@ def test_sets_and_tasks_are_logged_at_each_eval(trained):
         assert row["eval/cont/acc"] == row["eval/cont/acc_norm"]  # equal lengths: nothing to normalize
     assert evals[100]["eval/held/loss"] < evals[50]["eval/held/loss"]
     # local files held out whole: every document packed, not data.validation_percent of them
-    held = evaluate.load_eval_sets(cfg)["held"]
+    held = during_training.load_eval_sets(cfg)["held"]
     tokens = sum(len(d.encode()) + 1 for d in docs[:20])
     assert held.num_rows == -(-tokens // cfg.seq_len)
 
@@ -85,7 +88,7 @@ def test_sets_and_tasks_are_logged_at_each_eval(trained):
 @pytest.mark.slow  # the trained run
 def test_trained_model_beats_chance_and_untrained_does_not(trained):
     cfg, root, evals, _ = trained
-    result, = evaluate.evaluate_tasks(str(root / "run"), [str(root / "cont.jsonl")])
+    result, = during_training.evaluate_tasks(str(root / "run"), [str(root / "cont.jsonl")])
     assert result["step"] == 100 and result["examples"] == 400 and result["shots"] == 0
     assert result["acc"] == evals[100]["eval/cont/acc"]  # the loop's own scores
     assert result["acc"] > CHANCE + 3 * result["acc_stderr"], result
@@ -132,7 +135,7 @@ def test_cloze_and_choice_scores_equal_a_direct_computation(trained, tmp_path):
     argmax of model.apply) writes it; perplexity and each choice's log-likelihood as model.apply
     gives them."""
     cfg, root, _, _ = trained
-    run = runs.load_run(str(root / "run"))
+    run = saved_run.load_run(str(root / "run"))
     params = jax.device_get(run["params"])
     tokenizer = ByteTokenizer()
     contexts = ["    def __init__(self", "        return sel", "import o"]
@@ -143,7 +146,7 @@ def test_cloze_and_choice_scores_equal_a_direct_computation(trained, tmp_path):
     targets = [written[0], written[1][:2] + ("#" if written[1][2] != "#" else "@"), "s"]  # right, wrong, ?
     path = tmp_path / "cloze.jsonl"
     path.write_text("".join(json.dumps({"context": c, "target": t}) + "\n" for c, t in zip(contexts, targets)))
-    result, = evaluate.evaluate_tasks(str(root / "run"), [str(path)])
+    result, = during_training.evaluate_tasks(str(root / "run"), [str(path)])
     loglik, correct = direct_scores(cfg, params, list(zip(contexts, targets)))
     assert correct[:2] == [True, False] and correct[2] == written[2].startswith("s")
     assert result["kind"] == "cloze" and result["acc"] == pytest.approx(np.mean(correct))
@@ -225,7 +228,7 @@ def harness_tasks(root, docs, cont_file) -> str:
 def test_harness_scores_as_the_task_scorer_does(trained, monkeypatch, tmp_path):
     """lm-eval's own task YAMLs over local JSON, in process: the multiple-choice and cloze numbers
     are those of maxlm's `--task` scorer on the same examples."""
-    from maxlm import harness
+    from maxlm.eval import harness
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -235,7 +238,7 @@ def test_harness_scores_as_the_task_scorer_does(trained, monkeypatch, tmp_path):
                                                               limit=40, builtin_tasks=False)}
     first40 = tmp_path / "cont40.jsonl"
     first40.write_text("".join((root / "cont.jsonl").read_text().splitlines(keepends=True)[:40]))
-    ours, cloze = evaluate.evaluate_tasks(str(root / "run"), [str(first40), str(root / "cloze.jsonl")])
+    ours, cloze = during_training.evaluate_tasks(str(root / "run"), [str(first40), str(root / "cloze.jsonl")])
     assert results["h_cont"]["examples"] == 40 and results["h_cont"]["step"] == 100
     for metric in ("acc", "acc_norm", "acc_stderr", "acc_norm_stderr"):
         assert results["h_cont"][metric] == pytest.approx(ours[metric], abs=1e-12), metric
@@ -258,10 +261,10 @@ def test_harness_cli_scores_as_the_task_scorer_does(trained):
     results = {r["task"]: r for r in map(json.loads, done.stdout.strip().splitlines())}
     assert sorted(results) == ["h_cloze", "h_cont", "h_gen", "h_rolling"]
     assert results["h_cont"]["step"] == 100 and results["h_cont"]["examples"] == 40
-    ours, = evaluate.evaluate_tasks(str(root / "run"), [str(root / "cont.jsonl")])
+    ours, = during_training.evaluate_tasks(str(root / "run"), [str(root / "cont.jsonl")])
     first40 = root / "cont40.jsonl"
     first40.write_text("".join((root / "cont.jsonl").read_text().splitlines(keepends=True)[:40]))
-    ours40, cloze = evaluate.evaluate_tasks(str(root / "run"), [str(first40), str(root / "cloze.jsonl")])
+    ours40, cloze = during_training.evaluate_tasks(str(root / "run"), [str(first40), str(root / "cloze.jsonl")])
     assert ours["acc"] == evals[100]["eval/cont/acc"]
     for metric in ("acc", "acc_norm", "acc_stderr", "acc_norm_stderr"):
         assert results["h_cont"][metric] == pytest.approx(ours40[metric], abs=1e-12), metric
@@ -278,11 +281,11 @@ def test_harness_requests_equal_a_direct_computation(trained, monkeypatch, capfd
     line (every poll prints, here)."""
     from lm_eval.api.instance import Instance
 
-    from maxlm import harness
+    from maxlm.eval import harness
 
     monkeypatch.setenv("MAXLM_PROGRESS_SECONDS", "1e-6")
     cfg, root, _, docs = trained
-    run = runs.load_run(str(root / "run"))
+    run = saved_run.load_run(str(root / "run"))
     params, tokenizer = jax.device_get(run["params"]), ByteTokenizer()
     lm = harness.run_lm_class()(run, tokenizer, 4)
     ask = lambda kind, *args: [Instance(kind, {}, a, i) for i, a in enumerate(args)]
@@ -314,7 +317,7 @@ def direct_window_loglik(cfg, params, sequence, scored) -> float:
 
 
 def test_rolling_windows_predict_each_token_once_with_all_the_context_that_fits():
-    from maxlm.harness import rolling_windows
+    from maxlm.eval.harness import rolling_windows
 
     windows = rolling_windows(list(range(10, 20)), bos_id=1, seq_len=4)
     assert windows == [([1, 10, 11, 12, 13], 4), ([13, 14, 15, 16, 17], 4), ([15, 16, 17, 18, 19], 2)]
@@ -322,12 +325,12 @@ def test_rolling_windows_predict_each_token_once_with_all_the_context_that_fits(
 
 
 def test_harness_refuses_unknown_tasks_and_mixed_flags(tmp_path):
-    from maxlm import harness
+    from maxlm.eval import harness
 
-    with pytest.raises(runs.RunError, match="no lm-eval task, group or tag named no_such_task .*--harness_include"):
+    with pytest.raises(saved_run.RunError, match="no lm-eval task, group or tag named no_such_task .*--harness_include"):
         harness.check_task_names(["arc_easy", "no_such_task"], ["arc_easy", "hellaswag"], None)
     harness.check_task_names(["arc_easy"], ["arc_easy"], None)
-    with pytest.raises(runs.RunError, match="--harness_limit=0 must be >= 1"):
+    with pytest.raises(saved_run.RunError, match="--harness_limit=0 must be >= 1"):
         harness.evaluate_harness(str(tmp_path), ["arc_easy"], limit=0)
     done = subprocess.run([sys.executable, "-m", "maxlm.eval", f"--workdir={tmp_path}", "--harness=x", "--task=y.jsonl"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=command_env(tmp_path, devices=None))
@@ -440,16 +443,16 @@ def test_local_eval_sets_are_held_out_whole_unless_they_are_a_training_source(tm
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text('{"text": "x"}\n')
     cfg = tiny(**{"data.source": str(tmp_path / "train")})
-    percent = lambda source: evaluate.eval_set_config(cfg, source).data.validation_percent
+    percent = lambda source: during_training.eval_set_config(cfg, source).data.validation_percent
     assert percent(str(tmp_path / "held")) == 100.0  # other files: every document
     assert percent(str(tmp_path / "train")) == 2.0  # the training source: the share it holds out
     assert percent("tfds:python_stdlib") == 2.0  # its own validation split (the percent is unused)
     with pytest.raises(DataError, match=r"1 of its files \(.*train/a.jsonl, \.\.\.\) are in the training source"):
-        evaluate.eval_set_config(cfg, str(tmp_path / "train" / "a.jsonl"))
+        during_training.eval_set_config(cfg, str(tmp_path / "train" / "a.jsonl"))
     mixed = tiny(**{"data.mixture": (("web", str(tmp_path / "train" / "*.jsonl"), 1.0),)})
-    assert evaluate.eval_set_config(mixed, str(tmp_path / "train" / "*.jsonl")).data.validation_percent == 2.0
+    assert during_training.eval_set_config(mixed, str(tmp_path / "train" / "*.jsonl")).data.validation_percent == 2.0
     with pytest.raises(DataError, match="2 of its files"):
-        evaluate.eval_set_config(mixed, str(tmp_path / "train"))
+        during_training.eval_set_config(mixed, str(tmp_path / "train"))
 
 
 def test_bad_eval_data_fails_before_training(tmp_path, data_dirs):

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm.train import checkpoint_fit
+from maxlm.checkpoint import compatibility
 from tests.helpers import ROOT, command_env, free_port, saved_state, train_rows
 
 pytestmark = pytest.mark.slow
@@ -89,7 +89,7 @@ def test_kill9_and_sigterm_then_resume_is_bitwise_exact(tmp_path, data_dirs, tie
             assert proc.returncode == 143, (seed, history, err[-3000:])
             assert "maxlm: preempted (SIGTERM): checkpoint of step" in err, (seed, history, err[-2000:])
             saved = int(err.split("checkpoint of step ")[1].split()[0])
-            assert checkpoint_fit.verify_one(str(run / "checkpoints" / str(saved))) is None, (seed, history)
+            assert compatibility.verify_one(str(run / "checkpoints" / str(saved))) is None, (seed, history)
         elif action == "finish":
             assert proc.returncode == 0, (seed, history, err[-3000:])
             break
@@ -131,7 +131,7 @@ def test_sigterm_two_processes_agree_on_the_step(tmp_path, data_dirs):
     err0 = results[0][1]
     assert "maxlm: preempted (SIGTERM): checkpoint of step" in err0, err0[-2000:]
     saved = int(err0.split("checkpoint of step ")[1].split()[0])
-    assert checkpoint_fit.verify_one(str(run / "checkpoints" / str(saved))) is None
+    assert compatibility.verify_one(str(run / "checkpoints" / str(saved))) is None
     assert saved < 2000
 
 

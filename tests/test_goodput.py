@@ -1,4 +1,4 @@
-"""Goodput (maxlm/train/goodput.py): the stopwatch's tiling on a fake clock, redone steps counted
+"""Goodput (maxlm/observe/goodput.py): the stopwatch's tiling on a fake clock, redone steps counted
 as lost, goodput.json across attempts, the plot's panel, and a run through the command: killed
 back to an older checkpoint and resumed, its redone steps counted."""
 
@@ -11,7 +11,8 @@ import jax
 import pytest
 
 from maxlm import config as config_lib, plot
-from maxlm.train import goodput, loop, metrics
+from maxlm.observe import goodput, metrics
+from maxlm.train import loop
 from tests.helpers import ROOT, command_env, load_config, metrics_rows, with_overrides
 
 

@@ -72,7 +72,7 @@ def test_gpu_presets_fit_an_h100(tmp_path, config, target, overrides, hosts, att
 @needs_compiler
 @pytest.mark.ci  # a 1B compile at 64k tokens for 8 H100s, about a minute of CPU
 def test_the_64k_preset_fits_an_h100_host_with_the_ring_and_cudnn_per_block(tmp_path):
-    """Each ring block through cuDNN's fused kernels, forward and backward (maxlm/model/ring_blocks.py),
+    """Each ring block through cuDNN's fused kernels, forward and backward (maxlm/model/parallel/ring_blocks.py),
     compiled for the real GPUs: the only check of cuDNN's private backward binding off a GPU."""
     result = plan(tmp_path, "configs/llama_1b_64k_h100x8.py", "h100x8", "--noestimate")
     assert result["context_parallel"] == "ring over 8 devices, zig-zag, cudnn per block"
@@ -89,7 +89,7 @@ def test_the_64k_preset_fits_an_h100_host_with_the_ring_and_cudnn_per_block(tmp_
 ], ids=["whole_rows", "ring"])
 def test_a_pipeline_compiles_cudnn_under_its_vmap(tmp_path, mesh, strategy):
     """mesh.stage=2 runs the stages under vmap, where JAX's own batching rule for cuDNN fails on a
-    bias shared by the heads: maxlm/model/cudnn.py's folded calls compile to cuDNN's kernels, for
+    bias shared by the heads: maxlm/model/kernels/cudnn.py's folded calls compile to cuDNN's kernels, for
     whole rows and per ring block."""
     result = plan(tmp_path, "configs/tiny.py", "h100x8", "--noestimate", "--config.seq_len=1024", "--config.batch_size=8",
                   "--config.model.dtype=bfloat16", "--config.mesh.stage=2", "--config.model.pipeline_microbatches=2", *mesh)

@@ -1,5 +1,5 @@
-"""The dropless MoE's grouped matmul (maxlm/model/grouped_matmul.py): the megablox kernel, run by
-the Pallas interpreter on CPU, and the tiled loop (maxlm/model/tiled_matmul.py) give ragged_dot's
+"""The dropless MoE's grouped matmul (maxlm/model/moe/grouped_matmul.py): the megablox kernel, run by
+the Pallas interpreter on CPU, and the tiled loop (maxlm/model/kernels/tiled_matmul.py) give ragged_dot's
 outputs and gradients (alone, with rows padded to their tiles and empty groups, and as the MoE
 layer's backend on an 8-device mesh, where each device multiplies its share of the sorted rows);
 "auto" picks megablox on TPUs and tiled on CPUs, and megablox off a TPU is a one-line config error. The TPU compile itself: tests/test_tpu_plan.py."""
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.errors import ConfigError
-from maxlm.model import grouped_matmul as gm
+from maxlm.model.moe import grouped_matmul as gm
+from maxlm.runtime.errors import ConfigError
 from tests.test_moe import assert_close, assert_the_layer_on_a_mesh_equals
 
 INTERPRET = gm.MEGABLOX_INTERPRET
@@ -133,7 +133,7 @@ def test_bench_grouped_matmul_times_each_cpu_backend_through_the_cli():
 def test_the_tiling_keeps_padding_and_the_gathered_weights_bounded():
     """256-row tiles only when the groups average 512 rows; tiles per step a power of two, the
     weights one step gathers within STEP_WEIGHT_BYTES, never more tiles than there can be."""
-    from maxlm.model import tiled_matmul as tm
+    from maxlm.model.kernels import tiled_matmul as tm
     assert tm.default_tile(65536, 128) == 256 and tm.default_tile(65535, 128) == 128
     qwen3 = jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16)  # 3 MiB a tile: 42 fit
     assert tm.default_tiles_per_step(65536, qwen3, 256) == 32

@@ -19,10 +19,12 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, model
+from maxlm.checkpoint import saved_run
 from maxlm.data import make_dataset
-from maxlm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer
+from maxlm.data.tokenizers import ByteTokenizer, SentencePieceTokenizer
 from maxlm.hf import config_json as hf_config_json, files as hf
-from maxlm.train import loop, mesh as mesh_lib, runs, state as state_lib
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import loop
 from tests.helpers import ROOT, command_env, load_config, random_params, with_overrides
 
 torch = pytest.importorskip("torch")
@@ -287,7 +289,7 @@ def test_export_cli(exported):
     workdir, out, printed = exported
     assert printed["step"] == 6 and printed["dtype"] == "float32"
     assert sorted(os.listdir(out)) == sorted(printed["files"])
-    run = runs.load_run(str(workdir))
+    run = saved_run.load_run(str(workdir))
     batch = _sequence(64, 259, seed=1)
     ours = np.asarray(jax.jit(functools.partial(model.apply, run["config"].model))(run["params"], batch))
     np.testing.assert_allclose(_hf_logits(str(out), batch["inputs"]), ours, atol=1e-4, rtol=0)
@@ -311,7 +313,7 @@ def test_training_starts_from_the_export(exported, tmp_path, data_dirs):
     overrides = {**data_dirs, "steps": 2, "optim.warmup_steps": 1, "checkpoint.every_steps": 2,
                  "seed": 7, "checkpoint.init_from_hf": str(out)}
     cfg = _cfg(overrides)
-    run = runs.load_run(str(source))
+    run = saved_run.load_run(str(source))
     rules, mesh = mesh_lib.rules_of(cfg.mesh), mesh_lib.make_mesh(cfg.mesh)
     dataset = make_dataset(cfg, "train")
     initial = model.init_params(cfg.model, jax.random.key(cfg.seed))

@@ -379,7 +379,8 @@ def test_export_cli_refuses_a_shared_expert_run_in_one_line(tmp_path):
 def test_a_trained_moe_run_exports_through_the_cli(tmp_path, data_dirs):
     """As a user would: train a tiny MoE run, `python -m maxlm.export`, load it in transformers
     by its config.json alone, decode greedily: maxlm's tokens."""
-    from maxlm.train import loop, runs
+    from maxlm.checkpoint import saved_run
+    from maxlm.train import loop
 
     cfg = _moe_cfg({**data_dirs, "steps": 2, "optim.warmup_steps": 1, "checkpoint.every_steps": 2})
     loop.train_and_evaluate(cfg, str(tmp_path / "run"))
@@ -387,7 +388,7 @@ def test_a_trained_moe_run_exports_through_the_cli(tmp_path, data_dirs):
     assert result.returncode == 0, result.stderr
     hf_model = _hf_model(str(tmp_path / "hf"))
     assert type(hf_model).__name__ == "MixtralForCausalLM"
-    run = runs.load_run(str(tmp_path / "run"))
+    run = saved_run.load_run(str(tmp_path / "run"))
     tokenizer = transformers.ByT5Tokenizer.from_pretrained(str(tmp_path / "hf"))
     prompt = [tokenizer.bos_token_id, *tokenizer("The quick", add_special_tokens=False).input_ids]
     logits_of = functools.partial(jax.jit(functools.partial(model.apply, run["config"].model)), run["params"])

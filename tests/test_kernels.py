@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, model
-from maxlm.model import attention, fp8
-from maxlm.train import mesh as mesh_lib, optim, state as state_lib, step as step_lib
+from maxlm.model import attention
+from maxlm.model.kernels import fp8
+from maxlm.optim import optimizers as optim
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import step as step_lib
 from tests.helpers import load_config, packed_batch, padded_packed_batch
 
 

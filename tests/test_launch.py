@@ -285,7 +285,7 @@ def test_slurm_script_forwards_sigterm_to_srun_and_waits_for_the_save(tmp_path):
 
 
 def test_distributed_auto_lets_jax_detect_the_cluster(monkeypatch):
-    from maxlm.train import distributed
+    from maxlm.runtime import distributed
 
     calls = []
     monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: calls.append(kw))
@@ -308,7 +308,7 @@ def test_distributed_auto_lets_jax_detect_the_cluster(monkeypatch):
 ], ids=["no-slurm", "cpu", "one-task-per-node", "one-task-per-gpu", "two-tasks", "bound"])
 def test_every_gpu_of_every_node_under_slurm(env, ids):
     """JAX's SLURM detection alone would give each task [SLURM_LOCALID]: 1 GPU of 8 per node."""
-    from maxlm.train import distributed
+    from maxlm.runtime import distributed
 
     if env:
         env = {"SLURM_JOB_ID": "42", "SLURM_LOCALID": "0", **env}
@@ -317,7 +317,7 @@ def test_every_gpu_of_every_node_under_slurm(env, ids):
 
 def test_tasks_that_cannot_share_the_gpus_evenly_are_a_config_error():
     from maxlm import config as config_lib
-    from maxlm.train import distributed
+    from maxlm.runtime import distributed
 
     env = {"SLURM_JOB_ID": "1", "SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "3",
            "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}

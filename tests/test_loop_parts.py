@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.train import faults, step_logger
+from maxlm.observe import step_logger
+from maxlm.resilience import faults
 
 
 def policy(clock=None, clock_every=1, broadcast=None, **overrides):

@@ -1,4 +1,4 @@
-"""float16 compute with dynamic loss scaling (maxlm/train/loss_scale.py): the forward at init, the
+"""float16 compute with dynamic loss scaling (maxlm/optim/loss_scale.py): the forward at init, the
 step's skip / halve / grow rules, the bad-step machinery at the minimum scale, precision against
 float32 and bfloat16, gradient accumulation, checkpoints and an exact resume."""
 
@@ -11,10 +11,13 @@ import numpy as np
 import optax
 import pytest
 
-from maxlm import checkpoint as checkpoint_command, config as config_lib, model
+from maxlm import config as config_lib, model
+from maxlm.checkpoint import __main__ as checkpoint_command, compatibility, store as checkpoint
 from maxlm.data import make_dataset
 from maxlm.model import attention
-from maxlm.train import checkpoint, checkpoint_fit, loop, loss_scale, mesh as mesh_lib, optim, state as state_lib, step as step_lib
+from maxlm.optim import loss_scale, optimizers as optim
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import loop, step as step_lib
 from tests.helpers import load_config, metrics_rows, packed_batch, saved_state, train_losses, train_rows, with_overrides
 
 FP16 = {"model.dtype": "float16"}
@@ -265,7 +268,7 @@ def test_checkpoints_without_the_loss_scale_restore_both_ways(tmp_path, capsys):
 
     restored, _ = checkpoint.restore_state(str(tmp_path / "f16" / "checkpoints" / "0"), abstract32)
     assert set(restored) == set(state32)
-    assert checkpoint_fit.verify_one(str(tmp_path / "f16" / "checkpoints" / "0")) is None
+    assert compatibility.verify_one(str(tmp_path / "f16" / "checkpoints" / "0")) is None
 
 
 # ----------------------------------------------------------------------------- through the loop

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.errors import UserError
-from maxlm.train import flops, metrics
+from maxlm.observe import flops, metrics
+from maxlm.runtime.errors import UserError
 
 
 def model_cfg(**overrides):

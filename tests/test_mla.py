@@ -13,7 +13,8 @@ import pytest
 
 from maxlm import config as config_lib, generate as gen, model
 from maxlm.model import attention, mla
-from maxlm.train import flops, mesh as mesh_lib
+from maxlm.observe import flops
+from maxlm.sharding import mesh as mesh_lib
 from tests.helpers import load_config, packed_batch, with_overrides
 
 # configs/tiny.py's shape with 4 heads of 16 + 8 query/key dims and 12 value dims from a 32-wide latent

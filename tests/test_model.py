@@ -465,18 +465,18 @@ def test_auto_attention_on_cpu_is_xla():
 
 @pytest.mark.parametrize("weight_spec", ["dv", "vd"])
 def test_output_projection_gradients_equal_the_plain_einsums(weight_spec):
-    # maxlm/model/head.py writes the backward pass out (the weight gradient in the weight's layout)
-    from maxlm.model import head
+    # maxlm/model/output_projection.py writes the backward pass out (the weight gradient in the weight's layout)
+    from maxlm.model import output_projection
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(2, 8, 16)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(16, 40) if weight_spec == "dv" else (40, 16)), jnp.float32)
     g = jnp.asarray(rng.normal(size=(2, 8, 40)), jnp.float32)
-    ours = jax.grad(lambda x, w: (head.project(weight_spec, x, w) * g).sum(), (0, 1))(x, w)
+    ours = jax.grad(lambda x, w: (output_projection.project(weight_spec, x, w) * g).sum(), (0, 1))(x, w)
     plain = jax.grad(lambda x, w: (jnp.einsum(f"bld,{weight_spec}->blv", x, w) * g).sum(), (0, 1))(x, w)
     for a, b in zip(ours, plain):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    bf16 = jax.grad(lambda x, w: head.project(weight_spec, x, w).astype(jnp.float32).sum(), (0, 1))(
+    bf16 = jax.grad(lambda x, w: output_projection.project(weight_spec, x, w).astype(jnp.float32).sum(), (0, 1))(
         x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
     assert [a.dtype for a in bf16] == [jnp.bfloat16, jnp.bfloat16]
 

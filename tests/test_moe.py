@@ -1,4 +1,4 @@
-"""The mixture-of-experts layer (maxlm/model/moe.py): routing against a plain numpy router, the
+"""The mixture-of-experts layer (maxlm/model/moe/): routing against a plain numpy router, the
 dropless and capacity paths against the every-expert reference and a numpy loop (outputs and
 gradients), the dropped slots against a numpy queue, the layer's params and specs, param counts."""
 
@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec
 
 from maxlm import config as config_lib
 from maxlm.model import moe
-from maxlm.train import mesh as mesh_lib
+from maxlm.sharding import mesh as mesh_lib
 
 T, D, E, K, F = 16, 8, 8, 2, 16
 F32 = jnp.float32

@@ -1,7 +1,7 @@
-"""DeepSeek-V3's auxiliary-loss-free balancing (`model.load_balance=bias`, maxlm/model/balance.py)
+"""DeepSeek-V3's auxiliary-loss-free balancing (`model.load_balance=bias`, maxlm/model/moe/router_bias.py)
 in the training step: the bias moves against each layer's load, only on applied steps and never
 by the optimizer, alike in both layer layouts, and it balances a skewed router; the per-layer
-router metrics and their console line (maxlm/train/router_metrics.py). The bitwise resume with
+router metrics and their console line (maxlm/observe/router_metrics.py). The bitwise resume with
 the bias: tests/test_moe_model.py."""
 
 import functools
@@ -14,8 +14,10 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from maxlm import config as config_lib, model
-from maxlm.model import balance
-from maxlm.train import metrics as metrics_lib, optim, router_metrics, step as step_lib, step_logger
+from maxlm.model.moe import router_bias
+from maxlm.observe import metrics as metrics_lib, router_metrics, step_logger
+from maxlm.optim import optimizers as optim
+from maxlm.train import step as step_lib
 from tests.helpers import load_config, packed_batch, random_params, with_overrides
 
 # 3 layers, the first dense: MoE layers 1 and 2; sigmoid scores, as DeepSeek-V3's; two microbatches a step
@@ -55,11 +57,11 @@ def test_the_bias_moves_against_the_load_only_on_applied_steps_and_never_by_the_
     cfg, tx, step = compiled_step()
     params = random_params(cfg.model, std=0.2)
     bias_ME = jnp.asarray([[0.3, -0.2, 0.1, 0.0], [-0.1, 0.2, 0.0, 0.4]])  # weight decay would shrink these
-    params = balance.with_layer_biases(cfg.model, params, bias_ME)
+    params = router_bias.with_layer_biases(cfg.model, params, bias_ME)
     load_ME = load_of(cfg, params, batch(0))
     assert (load_ME != 1.0).any(axis=-1).all()  # every layer unbalanced, so every bias moves
     state, metrics = step(start(tx, params), batch(0), np.float32(1.0), jnp.bool_(False))
-    new_ME = np.asarray(balance.layer_biases(cfg.model, state["params"]))
+    new_ME = np.asarray(router_bias.layer_biases(cfg.model, state["params"]))
     # exactly b + rate·sign(1 − load): an overloaded expert's bias falls, an idle one's rises, and
     # neither AdamW's update nor its weight decay moved it (the other weights did move)
     np.testing.assert_array_equal(new_ME, np.asarray(bias_ME + np.float32(0.05) * np.sign(1.0 - load_ME)))
@@ -74,21 +76,21 @@ def test_the_bias_moves_against_the_load_only_on_applied_steps_and_never_by_the_
     # a skipped (non-finite) step keeps the bias as it was
     skipped, metrics = step(state, batch(1), np.float32(1.0), jnp.bool_(True))
     assert int(metrics["applied"]) == 0
-    np.testing.assert_array_equal(balance.layer_biases(cfg.model, skipped["params"]), new_ME)
+    np.testing.assert_array_equal(router_bias.layer_biases(cfg.model, skipped["params"]), new_ME)
 
 
 def test_both_layer_layouts_hold_and_move_the_same_biases():
     cfg = moe_config(**{"model.load_balance": "bias"})
     unrolled_cfg = moe_config(**{"model.load_balance": "bias", "model.scan_layers": False})
-    scanned = balance.with_layer_biases(cfg.model, random_params(cfg.model), jnp.arange(8.0).reshape(2, 4) / 10)
+    scanned = router_bias.with_layer_biases(cfg.model, random_params(cfg.model), jnp.arange(8.0).reshape(2, 4) / 10)
     unrolled = model.unstack_layers(scanned)
     assert "router_bias" not in unrolled["layer_0"]["mlp"]
     np.testing.assert_array_equal(unrolled["layer_2"]["mlp"]["router_bias"], np.float32([0.4, 0.5, 0.6, 0.7]))
-    np.testing.assert_array_equal(balance.layer_biases(unrolled_cfg.model, unrolled),
-                                  balance.layer_biases(cfg.model, scanned))
+    np.testing.assert_array_equal(router_bias.layer_biases(unrolled_cfg.model, unrolled),
+                                  router_bias.layer_biases(cfg.model, scanned))
     load_ME = jnp.asarray([[2.0, 1.0, 0.5, 0.5], [0.0, 0.0, 2.0, 2.0]])
-    moved = balance.rebalanced(cfg.model, scanned, scanned, load_ME)
-    moved_unrolled = balance.rebalanced(unrolled_cfg.model, unrolled, unrolled, load_ME)
+    moved = router_bias.rebalanced(cfg.model, scanned, scanned, load_ME)
+    moved_unrolled = router_bias.rebalanced(unrolled_cfg.model, unrolled, unrolled, load_ME)
     assert jax.tree.all(jax.tree.map(np.array_equal, model.unstack_layers(moved), moved_unrolled))
     np.testing.assert_allclose(moved["layers"]["mlp"]["router_bias"],
                                [[-0.001, 0.1, 0.201, 0.301], [0.401, 0.501, 0.599, 0.699]], atol=1e-7)
@@ -120,7 +122,7 @@ def test_the_bias_balances_a_skewed_router_where_nothing_else_does():
         loads[mode] = []
         for i in range(24):  # the learning rate scaled down: the router itself stays as skewed
             if mode == "none":
-                state["params"] = balance.with_layer_biases(cfg.model, state["params"], jnp.zeros((2, 4)))
+                state["params"] = router_bias.with_layer_biases(cfg.model, state["params"], jnp.zeros((2, 4)))
             state, metrics = step(state, batch(i), np.float32(1e-3), jnp.bool_(False))
             loads[mode].append(float(metrics["moe_load_max"]))
     none, bias = np.array(loads["none"]), np.array(loads["bias"])

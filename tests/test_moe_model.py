@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, generate as gen, model
-from maxlm.errors import ConfigError
-from maxlm.model import balance, moe
-from maxlm.train import flops, loop
+from maxlm.model import moe
+from maxlm.model.moe import router_bias
+from maxlm.observe import flops
+from maxlm.runtime.errors import ConfigError
+from maxlm.train import loop
 from tests.helpers import load_config, losses, saved_state, train_rows, with_overrides
 
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.first_dense_layers": 1, "model.num_layers": 3,
@@ -93,7 +95,7 @@ def test_an_moe_model_trains_on_8_devices_and_resumes_exactly_balancing_bias_inc
     assert got == want and sorted(got) == list(range(1, 11))
     assert want[10] < want[1]
     cfg = moe_config(**overrides)
-    bias = {run: np.asarray(balance.layer_biases(cfg.model, saved_state(run, 10)["params"])) for run in (whole, resumed)}
+    bias = {run: np.asarray(router_bias.layer_biases(cfg.model, saved_state(run, 10)["params"])) for run in (whole, resumed)}
     np.testing.assert_array_equal(bias[resumed], bias[whole])
     assert np.ptp(bias[whole], axis=-1).min() > 0  # it did move, in both MoE layers
     row = train_rows(whole)[10]  # the router's numbers, in metrics.jsonl and TensorBoard alike

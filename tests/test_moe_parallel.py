@@ -1,4 +1,4 @@
-"""Expert parallelism (`mesh.expert`, maxlm/model/expert_parallel.py): an MoE model trained on 8
+"""Expert parallelism (`mesh.expert`, maxlm/model/moe/expert_parallel.py): an MoE model trained on 8
 fake CPU devices with its experts split over the expert axis gives the 1-device losses, dropless
 (both token dispatches: all-gather, and ragged all-to-all, emulated on CPU) and with capacity,
 alone and with fsdp, tensor, sequence, accumulation and remat; the compiled step really exchanges
@@ -13,13 +13,22 @@ import jax
 import numpy as np
 import pytest
 
-
 from maxlm import config as config_lib, model
-from maxlm.errors import ConfigError
-from maxlm.model import expert_parallel
-from maxlm.train import mesh as mesh_lib
-from tests.helpers import (ROOT, command_env, load_config, metrics_rows, packed_batch, saved_state, synthetic_batch,
-                           train_metrics, train_rows, with_overrides)
+from maxlm.model.moe import expert_parallel
+from maxlm.runtime.errors import ConfigError
+from maxlm.sharding import mesh as mesh_lib
+from tests.helpers import (
+    ROOT,
+    command_env,
+    load_config,
+    metrics_rows,
+    packed_batch,
+    saved_state,
+    synthetic_batch,
+    train_metrics,
+    train_rows,
+    with_overrides,
+)
 from tests.test_moe import assert_the_layer_on_a_mesh_equals
 
 STEPS = 20

@@ -1,4 +1,4 @@
-"""An MoE model in the pipeline (`mesh.stage` > 1, maxlm/model/pipeline.py): the dense first layers
+"""An MoE model in the pipeline (`mesh.stage` > 1, maxlm/model/parallel/pipeline.py): the dense first layers
 and the MoE layers each split over the stages give the unpipelined loss, gradients and router
 statistics (each microbatch's combined into the whole batch's) and the balancing bias's update,
 with expert parallelism and multi-token prediction too; the shapes the pipeline cannot split are
@@ -14,10 +14,20 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, model
-from maxlm.errors import ConfigError
-from maxlm.model import balance
-from maxlm.train import mesh as mesh_lib, router_metrics
-from tests.helpers import ROOT, command_env, load_config, packed_batch, random_params, saved_state, train_rows, with_overrides
+from maxlm.model.moe import router_bias
+from maxlm.observe import router_metrics
+from maxlm.runtime.errors import ConfigError
+from maxlm.sharding import mesh as mesh_lib
+from tests.helpers import (
+    ROOT,
+    command_env,
+    load_config,
+    packed_batch,
+    random_params,
+    saved_state,
+    train_rows,
+    with_overrides,
+)
 
 # 2 dense layers then 2 MoE layers: one of each a stage with mesh.stage=2
 MOE = {"model.num_experts": 4, "model.experts_per_token": 2, "model.first_dense_layers": 2, "model.num_layers": 4,
@@ -103,9 +113,9 @@ def test_pipelined_moe_equals_unpipelined(mesh, knobs):
     assert float(want_aux["router"]["aux_loss"]) > 1.01
     if cfg.model.capacity_factor:
         assert float(want_aux["router"]["dropped"]) > 0
-    if balance.enabled(cfg.model):  # the training step's update of the biases, from the step's load
+    if router_bias.enabled(cfg.model):  # the training step's update of the biases, from the step's load
         step_load = lambda a: a["router"]["layers"]["load_E"]  # noqa: E731
-        rebalanced = [balance.layer_biases(cfg.model, balance.rebalanced(cfg.model, params, params, step_load(a)))
+        rebalanced = [router_bias.layer_biases(cfg.model, router_bias.rebalanced(cfg.model, params, params, step_load(a)))
                       for a in (aux, want_aux)]
         assert not np.array_equal(rebalanced[1], params["layers"]["mlp"]["router_bias"])
         np.testing.assert_array_equal(*rebalanced)

@@ -1,4 +1,4 @@
-"""The guides' ranges, watched (maxlm/train/monitor.py): warnings and markers after `patience`
+"""The guides' ranges, watched (maxlm/observe/monitor.py): warnings and markers after `patience`
 logged rows out of range, once per excursion, and the line when a quantity is back; the clipping
 metrics; the guides' units (`batch_tokens`, `optim.warmup_fraction`) resolved to the keys the run
 reads; the start-up budget line."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.train import monitor, step_logger
+from maxlm.observe import monitor, step_logger
 from tests.helpers import ROOT, command_env, load_config, packed_batch, train_metrics, with_overrides
 
 GRAD = monitor.marker("grad_norm")
@@ -140,7 +140,9 @@ def test_the_step_reports_the_clipped_norm_and_whether_it_clipped():
         assert float(row["clipped_grad_norm"]) == pytest.approx(min(norm, 0.575))
     assert {int(row["clipped"]) for row in rows} == {0, 1}, [float(r["grad_norm"]) for r in rows]
     no_clip = config_lib.resolve(with_overrides(load_config("tiny"), {"optim.clip_norm": 0.0}), 1)
-    from maxlm.train import optim, state as state_lib, step as step_lib
+    from maxlm.optim import optimizers as optim
+    from maxlm.sharding import state as state_lib
+    from maxlm.train import step as step_lib
 
     tx = optim.make_optimizer(no_clip)
     state = jax.eval_shape(lambda: state_lib.init_state(no_clip, tx, jax.random.key(0)))

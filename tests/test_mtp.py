@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, model
-from maxlm.errors import ConfigError
+from maxlm.eval import during_training
 from maxlm.model import attention, mtp
-from maxlm.train import evaluate, flops, loop, metrics
+from maxlm.observe import flops, metrics
+from maxlm.runtime.errors import ConfigError
+from maxlm.train import loop
 from tests.helpers import load_config, losses, packed_batch, random_params, train_rows, with_overrides
 
 
@@ -123,7 +125,7 @@ def test_the_main_model_and_its_eval_are_unchanged_by_the_modules():
     params = random_params(with_mtp, seed=4)
     main = {k: v for k, v in params.items() if not k.startswith("mtp_")}
     batch = packed_batch(2, 32, plain.vocab_size)
-    eval_of = lambda cfg, p: jax.device_get(jax.jit(functools.partial(evaluate.eval_step, cfg))(p, batch))
+    eval_of = lambda cfg, p: jax.device_get(jax.jit(functools.partial(during_training.eval_step, cfg))(p, batch))
     assert eval_of(with_mtp, params) == eval_of(plain, main)
     loss_of = lambda cfg, p: jax.jit(functools.partial(model.loss_fn, cfg))(p, batch)
     (objective, aux), (plain_objective, plain_aux) = loss_of(with_mtp, params), loss_of(plain, main)

@@ -15,11 +15,22 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from maxlm import checkpoint as checkpoint_command, config as config_lib, model
-from maxlm.errors import ConfigError
-from maxlm.train import flops, loop, mesh as mesh_lib, muon, optim, state as state_lib
-from tests.helpers import (ROOT, TEST_PEAK_FLOPS_PER_SEC, command_env, load_config, saved_state, train_rows,
-                           with_overrides)
+from maxlm import config as config_lib, model
+from maxlm.checkpoint import __main__ as checkpoint_command
+from maxlm.observe import flops
+from maxlm.optim import muon, optimizers as optim
+from maxlm.runtime.errors import ConfigError
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import loop
+from tests.helpers import (
+    ROOT,
+    TEST_PEAK_FLOPS_PER_SEC,
+    command_env,
+    load_config,
+    saved_state,
+    train_rows,
+    with_overrides,
+)
 
 MUON = {"name": "muon", "warmup_steps": 0, "schedule": "constant", "lr": 1e-3}
 

@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, plot
-from maxlm.train import flops, loop, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib, step_logger
+from maxlm.observe import flops, metrics, profiler, step_logger
+from maxlm.optim import optimizers as optim
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import loop, step as step_lib
 from tests.helpers import ROOT, load_config, metrics_rows, packed_batch, with_overrides
 
 STEPS = 8
@@ -299,15 +302,15 @@ def test_eval_loss_by_position_is_each_spans_loss_in_jsonl_tensorboard_and_the_p
     each the mean loss of the validation tokens at those positions in their document, recomputed
     here from the step-8 checkpoint token by token; the same scalars in TensorBoard; the plot's."""
     from maxlm import model
+    from maxlm.checkpoint import saved_run
     from maxlm.data import make_dataset
-    from maxlm.train import runs
 
     last = [r for r in run.rows if "eval_loss" in r][-1]
     assert last["step"] == STEPS and run.cfg.eval.position_buckets == 8
     starts = list(range(0, 64, 8))
     got = {int(k.rsplit("/", 1)[1]): v for k, v in last.items() if k.startswith("eval/loss_by_position/")}
     assert sorted(got) == starts
-    loaded = runs.load_run(str(run.workdir))
+    loaded = saved_run.load_run(str(run.workdir))
     cfg, mesh, rules = loaded["config"], loaded["mesh"], loaded["rules"]
     dataset = make_dataset(cfg, "validation")
     token_losses = jax.jit(lambda p, b: model.token_losses(cfg.model, p, b))

@@ -12,8 +12,11 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec
 
-from maxlm import checkpoint as checkpoint_command, config as config_lib, model
-from maxlm.train import loop, mesh as mesh_lib, optim, state as state_lib
+from maxlm import config as config_lib, model
+from maxlm.checkpoint import __main__ as checkpoint_command
+from maxlm.optim import optimizers as optim
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import loop
 from tests.helpers import ROOT, command_env, load_config, saved_state, train_rows, with_overrides
 
 

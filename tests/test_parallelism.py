@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from maxlm import config as config_lib, model
-from maxlm.train import mesh as mesh_lib
+from maxlm.sharding import mesh as mesh_lib
 from tests.helpers import ROOT, command_env, load_config, metrics_rows, packed_batch, synthetic_losses
 
 STEPS = 3

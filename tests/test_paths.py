@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 from etils import epath
 
-from maxlm import checkpoint as checkpoint_command, config as config_lib, gcs, paths
-from maxlm.train import checkpoint, goodput, loop, metrics, profiler
+from maxlm import config as config_lib
+from maxlm.checkpoint import __main__ as checkpoint_command, store as checkpoint
+from maxlm.observe import goodput, metrics, profiler
+from maxlm.runtime import gcs, paths
+from maxlm.train import loop
 from tests.helpers import ROOT, load_config, losses, metrics_rows, saved_state, with_overrides
 
 
@@ -208,10 +211,11 @@ def test_a_task_a_tokenizer_and_a_hf_folder_are_read_from_gs(tmp_path, sp_model,
     for `checkpoint.init_from_hf`) at gs:// URLs, against the Cloud Storage stand-in of
     tests/gcs.py: each reads as its local copy does (the HF weights onto a sharded mesh, bit for bit,
     a block's rows read a few at a time), and a missing one is the local one's error."""
-    from maxlm.data import tokenizer as tokenizer_lib
+    from maxlm.data import tokenizers as tokenizer_lib
     from maxlm.data.errors import DataError
+    from maxlm.eval import tasks
     from maxlm.hf import files as hf
-    from maxlm.train import mesh as mesh_lib, state as state_lib, tasks
+    from maxlm.sharding import mesh as mesh_lib, state as state_lib
     from tests.gcs import BUCKET, fake_gcs
     from tests.helpers import random_params
 

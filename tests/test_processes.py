@@ -1,13 +1,13 @@
-"""maxlm/processes.py in one process: each function run as process 0 and then as process 1 of a
+"""maxlm/runtime/processes.py in one process: each function run as process 0 and then as process 1 of a
 two-process job, whose collectives are answered with what process 0 sent (the real collectives:
 tests/test_multihost.py)."""
 
 import numpy as np
 import pytest
 
-from maxlm import processes
 from maxlm.data.errors import DataError
-from maxlm.errors import UserError
+from maxlm.runtime import processes
+from maxlm.runtime.errors import UserError
 
 
 def as_two_processes(monkeypatch, fn):

@@ -1,6 +1,6 @@
-"""Progress lines for long work (maxlm/progress.py): the line's fields and ETA, the throttle, a
+"""Progress lines for long work (maxlm/runtime/progress.py): the line's fields and ETA, the throttle, a
 terminal's one rewritten line against a log's plain lines, the off switch; and the lines of a
-2-worker prepare (summed across the workers' files, maxlm/data/unit_progress.py) and of tokenizer
+2-worker prepare (summed across the workers' files, maxlm/data/prepare/unit_progress.py) and of tokenizer
 training. Times are a fake clock's, or only bounded below, so a loaded machine changes nothing."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import types
 
 import pytest
 
-from maxlm import progress
-from maxlm.data import build
+from maxlm.data.prepare import build
+from maxlm.runtime import progress
 from tests.test_data_prepare import _long_doc
 from tests.test_data_sources import make_config
 
 
 class Clock:
-    """`time.monotonic` for maxlm.progress, moved by hand."""
+    """`time.monotonic` for maxlm.runtime.progress, moved by hand."""
 
     def __init__(self):
         self.now = 1000.0

@@ -1,4 +1,4 @@
-"""The ragged all-to-all's CPU emulation (maxlm/model/ragged_exchange.py) computes what
+"""The ragged all-to-all's CPU emulation (maxlm/model/moe/ragged_exchange.py) computes what
 `jax.lax.ragged_all_to_all`'s documentation says the collective computes: its own example, and
 random ragged slices checked against the documentation's pseudocode run in numpy, with one slice
 per destination and with several (as the collective's vmap rule makes them)."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from maxlm.model.ragged_exchange import emulated
+from maxlm.model.moe.ragged_exchange import emulated
 
 
 def exchange(n, *args):

@@ -19,8 +19,12 @@ import pytest
 from ml_collections import ConfigDict
 
 from maxlm import config as config_lib
-from maxlm.errors import ConfigError
-from maxlm.train import checkpoint, checkpoint_fit, faults, loop, optim, state as state_lib
+from maxlm.checkpoint import compatibility, store as checkpoint
+from maxlm.optim import optimizers as optim
+from maxlm.resilience import faults
+from maxlm.runtime.errors import ConfigError
+from maxlm.sharding import state as state_lib
+from maxlm.train import loop
 from tests.helpers import ROOT, command_env, load_config, with_overrides
 
 pytestmark = pytest.mark.slow
@@ -135,7 +139,7 @@ def test_ctrl_c_saves_at_the_step_boundary_and_exits_130(tmp_path, data_dirs):
     line = re.search(r"maxlm: interrupted \(Ctrl-C\): checkpoint of step (\d+) committed in (\S+); rerun", err)
     assert line, err[-3000:]
     step = int(line.group(1))
-    assert step >= 3 and checkpoint_fit.verify_one(str(workdir / "checkpoints" / str(step))) is None
+    assert step >= 3 and compatibility.verify_one(str(workdir / "checkpoints" / str(step))) is None
     resumed = subprocess.run([*command[:-2], f"--config.steps={step + 1}"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and f"at step {step}" in resumed.stderr, resumed.stderr[-3000:]
@@ -207,7 +211,7 @@ def test_the_schedule_applied_after_skipped_steps_is_the_logged_one(tmp_path, da
     workdir = tmp_path / "run"
     loop.train_and_evaluate(tiny(data_dirs, **overrides), str(workdir))
     path = str(workdir / "checkpoints" / "6")
-    state, _ = checkpoint.restore_state(path, checkpoint_fit.expected_state(checkpoint.read_json(path, "config")))
+    state, _ = checkpoint.restore_state(path, compatibility.expected_state(checkpoint.read_json(path, "config")))
     skipped = int(state["skipped_steps"]) + int(state.get("overflow_steps", 0))
     assert skipped >= 2 and int(state["step"]) == 6
     assert schedule_counts(state["opt_state"]) == [6]
@@ -219,7 +223,7 @@ def test_the_schedule_applied_after_skipped_steps_is_the_logged_one(tmp_path, da
 def test_a_float16_overflow_step_is_not_a_sample_of_the_spike_detector():
     """The step reports `applied`; an overflow skip (bad_streak unchanged at 0) is not applied, so
     its loss, however large, is neither a spike nor a sample."""
-    from maxlm.train import anomaly
+    from maxlm.resilience import anomaly
 
     cfg = ConfigDict({"enabled": True, "warmup": 2, "ema": 0.9, "spike_sigma": 3.0, "max_spikes": 1,
                       "skip_batches": 1, "max_rollbacks": 1})
@@ -320,7 +324,7 @@ def test_a_preemption_agreed_around_a_restore_stops_at_a_committed_checkpoint(tm
                              "debug.nan_steps": 3, "checkpoint.max_bad_steps": 3})
     with pytest.raises(faults.Preempted) as stopped:
         loop.train_and_evaluate(cfg, str(tmp_path))
-    assert checkpoint_fit.verify_one(str(tmp_path / "checkpoints" / str(stopped.value.step))) is None
+    assert compatibility.verify_one(str(tmp_path / "checkpoints" / str(stopped.value.step))) is None
 
 
 def test_a_resume_with_another_batch_size_is_refused_naming_it_or_continues_after_the_rows_read(

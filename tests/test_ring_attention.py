@@ -9,9 +9,18 @@ import pytest
 
 from maxlm import config as config_lib, model
 from maxlm.bench import plan as plan_lib
-from maxlm.model import attention, attention_plan, ring_attention, ring_blocks, zigzag
-from maxlm.train import mesh as mesh_lib
-from tests.helpers import load_config, one_device_padded_losses, padded_losses, padded_packed_batch, random_qkv, ring_blocks_one_after_another, weighted_sum_of_squares
+from maxlm.model import attention, attention_plan
+from maxlm.model.parallel import ring_attention, ring_blocks, zigzag
+from maxlm.sharding import mesh as mesh_lib
+from tests.helpers import (
+    load_config,
+    one_device_padded_losses,
+    padded_losses,
+    padded_packed_batch,
+    random_qkv,
+    ring_blocks_one_after_another,
+    weighted_sum_of_squares,
+)
 
 
 def ring_config(data=2, fsdp=1, sequence=4, tensor=1, **overrides):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, model
-from maxlm.train import mesh as mesh_lib, optim, state as state_lib
+from maxlm.optim import optimizers as optim
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
 from tests.helpers import load_config, synthetic_losses
 
 MESHES = [(1, 8, 1), (2, 2, 2), (2, 1, 4)]  # against data=8: fsdp alone, all three, tensor 4 with data

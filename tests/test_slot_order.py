@@ -1,4 +1,4 @@
-"""The dropless MoE's slot permutations (maxlm/model/slot_order.py), with their gathered
+"""The dropless MoE's slot permutations (maxlm/model/moe/slot_order.py), with their gathered
 backwards (top-3 and more), give the plain gathers' values and JAX's own gradients
 (scatter-adds): all the slots, and a prefix of the sort as under expert parallelism."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxlm.model import slot_order
+from maxlm.model.moe import slot_order
 
 T, K, D = 12, 3, 5
 

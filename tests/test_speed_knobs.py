@@ -7,7 +7,8 @@ import pytest
 
 from maxlm import config as config_lib
 from maxlm.bench import plan as plan_lib
-from maxlm.train import loop, mesh as mesh_lib, state as state_lib, step as step_lib
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import loop, step as step_lib
 from tests.helpers import load_config, packed_batch, train_losses
 
 

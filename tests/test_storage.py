@@ -11,8 +11,8 @@ import pytest
 from etils import epath
 from ml_collections import ConfigDict
 
-from maxlm import paths
-from maxlm.train import checkpoint
+from maxlm.checkpoint import store as checkpoint
+from maxlm.runtime import paths
 from tests.helpers import ROOT, command_env
 
 # A tiny.py checkpoint takes about 1.2 MB: 1.7 MB holds step 10 and not step 20 beside it.

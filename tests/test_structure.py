@@ -17,25 +17,39 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "maxlm"
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 100
 
-# A module may import modules of its own group and of lower-ranked groups only; two groups of the
-# same rank (the model and the data) do not import each other.
-RANKS = {"config": 0, "model": 1, "data": 1, "hf": 2, "train": 3, "cli": 4, "commands": 5, "bench": 5}
-COMMANDS = {"maxlm.eval", "maxlm.generate", "maxlm.export", "maxlm.plot", "maxlm.checkpoint",
-            "maxlm.harness"}  # maxlm.eval --harness: lm-eval answered through maxlm.generate
+# The layers, bottom first. A module may import modules of its own group and of lower layers only;
+# two groups of one layer (the model and the data, say) do not import each other. One training step
+# goes down this list once: train → resilience → observe → sharding → optim → model → config → runtime.
+LAYERS = (
+    ("runtime",),  # errors, console, paths, processes, jax.distributed: what everything may use
+    ("config",),
+    ("model", "data"),
+    ("optim", "hf"),
+    ("sharding",),
+    ("observe",),
+    ("resilience",),  # reads the metrics back (data_position)
+    ("checkpoint",),
+    ("generate",),
+    ("eval",),
+    ("train",),
+    ("cli",),
+    ("commands", "bench"),  # `python -m maxlm.X`, and the tools that measure everything below
+)
+RANKS = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+COMMANDS = {"maxlm.export", "maxlm.plot"}  # the other commands are packages' __main__ modules
+MAX_PACKAGE_MODULES = 15
 
 
 def group(module: str) -> str:
-    """The layer a maxlm module belongs to."""
+    """The layer group a maxlm module belongs to: its package under maxlm/ (maxlm itself: runtime)."""
     if module == "maxlm.cli":
         return "cli"
     if module.startswith("maxlm.bench"):
         return "bench"
     if module in COMMANDS or module.endswith(".__main__"):
         return "commands"
-    for package in ("model", "data", "hf", "train", "bench"):
-        if module == f"maxlm.{package}" or module.startswith(f"maxlm.{package}."):
-            return package
-    return "config"  # maxlm, config, config_rules, axes, errors, console, paths, processes
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in RANKS else "runtime"
 
 
 @functools.cache  # parsed once: the size check alone asks for them once per module
@@ -123,18 +137,18 @@ def test_each_layer_imports_only_the_layers_below():
 
 
 def test_the_layer_check_finds_violations():
-    assert layer_violations({"maxlm.model.transformer": {"maxlm.train.mesh"}}) != []  # model → spine
-    assert layer_violations({"maxlm.data.pipeline": {"maxlm.model"}}) != []  # data ↔ model
+    assert layer_violations({"maxlm.model.transformer": {"maxlm.sharding.mesh"}}) != []  # model → spine
+    assert layer_violations({"maxlm.data.dataset": {"maxlm.model"}}) != []  # data ↔ model
     assert layer_violations({"maxlm.train.loop": {"maxlm.cli"}}) != []  # the core → the commands
     assert layer_violations({"maxlm.train.step": {"maxlm.bench.plan"}}) != []  # the spine → tools
     assert layer_violations({"maxlm.train.__main__": {"maxlm.train.loop", "maxlm.cli"}}) == []
 
 
 def test_the_data_package_is_entered_from_the_top():
-    """maxlm/data/pipeline.py (`make_dataset`) calls down through the steps' modules; none of them
+    """maxlm/data/dataset.py (`make_dataset`) calls down through the steps' modules; none of them
     imports it, or the package that re-exports it, back (the command `__main__` may)."""
     graph = import_graph()
-    top = {"maxlm.data", "maxlm.data.pipeline"}
+    top = {"maxlm.data", "maxlm.data.dataset"}
     importers = {name for name, deps in graph.items() if deps & top and name.startswith("maxlm.data.")}
     assert importers <= {"maxlm.data.__main__"}, importers
 
@@ -201,7 +215,7 @@ def test_config_defaults_are_not_restated():
     """A config read goes through config.from_recorded, so code never needs `cfg.get(key, default)`."""
     found = []
     for name, tree in modules().items():
-        if name == "maxlm.config":
+        if name == "maxlm.config" or name.startswith("maxlm.config."):
             continue
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
@@ -236,4 +250,46 @@ def test_only_commands_exit():
                 found.append(f"{name}:{node.lineno}")
             if isinstance(node, ast.Raise) and node.exc is not None and "SystemExit" in ast.unparse(node.exc):
                 found.append(f"{name}:{node.lineno}")
+    assert found == []
+
+
+def test_every_module_has_a_layer():
+    unknown = {name for name in modules() if name.count(".") >= 1 and name.split(".")[1] not in RANKS
+               and group(name) == "runtime" and not name.startswith("maxlm.runtime")}
+    assert unknown == set(), f"give these a layer in LAYERS: {sorted(unknown)}"
+
+
+def test_one_training_step_goes_down_the_tree():
+    """`python -m maxlm.train` → loop → step → model and optim: each module on the way imports only
+    what lies below it (or beside it in its own package), so the step never climbs back."""
+    graph = import_graph()
+    path = ["maxlm.train.__main__", "maxlm.train.loop", "maxlm.train.step", "maxlm.model.transformer",
+            "maxlm.optim.optimizers"]
+    for caller, callee in zip(path, path[1:-1]):
+        assert callee in graph[caller] or callee.rpartition(".")[0] in graph[caller], (caller, callee)
+    assert "maxlm.optim.optimizers" in graph["maxlm.train.step"] or "maxlm.optim" in graph["maxlm.train.step"]
+    for name in path:
+        climbs = [dep for dep in graph[name] if group(dep) != group(name) and RANKS[group(dep)] >= RANKS[group(name)]]
+        assert climbs == [], (name, climbs)
+
+
+@pytest.mark.parametrize("package", sorted({p.parent for p in PACKAGE.rglob("__init__.py")}))
+def test_no_package_holds_more_than_fifteen_modules(package):
+    own = [p for p in package.glob("*.py") if p.name != "__init__.py"]
+    assert len(own) <= MAX_PACKAGE_MODULES, f"{package.relative_to(PACKAGE.parent)} holds {len(own)} modules: group them by concern"
+
+
+def test_no_package_binds_a_submodule_name_to_something_else():
+    """`from .grouped_matmul import grouped_matmul` in a package's __init__ would make
+    `package.grouped_matmul` the function, not the module, for every later importer."""
+    found = []
+    for init in PACKAGE.rglob("__init__.py"):
+        submodules = ({p.stem for p in init.parent.glob("*.py")} - {"__init__"}
+                      | {p.name for p in init.parent.iterdir() if (p / "__init__.py").exists()})
+        package = ".".join(init.parent.relative_to(PACKAGE.parent).parts)
+        for node in ast.parse(init.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.module and node.module != package:
+                found += [f"{init}: {a.name}" for a in node.names if (a.asname or a.name) in submodules]
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in submodules:
+                found.append(f"{init}: def {node.name}")
     assert found == []

@@ -7,7 +7,6 @@ import pytest
 
 from maxlm.data import ByteTokenizer, SentencePieceTokenizer, load_tokenizer, pack_documents, packing_efficiency
 
-
 # ---------------------------------------------------------------------------------------------
 # Tokenizers
 

@@ -1,4 +1,4 @@
-"""Users' tokenizers beside bytes and sentencepiece (maxlm/data/bpe.py): a Hugging Face
+"""Users' tokenizers beside bytes and sentencepiece (maxlm/data/tokenizers/bpe.py): a Hugging Face
 tokenizer.json and a tiktoken BPE file, told apart by content; their ids bitwise those of
 transformers on Python's own source and Unicode text; bos/eos/pad by name or by key; the packed
 cache keyed by the file's content; byte-level BPE training (`python -m maxlm.data tokenizer`); the
@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.data import HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer, bpe, build, make_dataset
-from maxlm.data.tokenizer import checked_tokenizer, kind_of, load_tokenizer
+from maxlm.data import HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer, make_dataset
+from maxlm.data.prepare import build
+from maxlm.data.tokenizers import bpe, checked_tokenizer, kind_of, load_tokenizer
 from maxlm.hf import files as hf
 from maxlm.hf.tokenizer_files import bytes_to_unicode
-from maxlm.train import data_position
+from maxlm.resilience import data_position
 from tests.helpers import ROOT, load_config, random_params, with_overrides
 
 transformers = pytest.importorskip("transformers")

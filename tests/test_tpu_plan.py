@@ -16,7 +16,7 @@ import pytest
 from maxlm import config as config_lib, model
 from maxlm.bench import plan as plan_lib
 from maxlm.bench.targets import tpu
-from maxlm.train import flops
+from maxlm.observe import flops
 from tests.helpers import ROOT, command_env, load_config
 
 TARGET_COMPILERS = os.environ.get("MAXLM_TARGET_COMPILERS", "")
@@ -152,7 +152,7 @@ def test_the_128k_preset_fits_v5p64_with_the_ring_and_splash_per_block(tmp_path)
 @needs_libtpu
 def test_the_ring_compiles_splash_per_block_natively_for_a_v5p(tmp_path):
     """Ring attention over 4 chips in zig-zag order, each block through splash compiled by Mosaic,
-    its backward kernels fed the whole rows' residuals (maxlm/model/ring_blocks.py)."""
+    its backward kernels fed the whole rows' residuals (maxlm/model/parallel/ring_blocks.py)."""
     result = plan(tmp_path, "configs/tiny.py", "v5p-8", "--noestimate", "--config.seq_len=1024", "--config.batch_size=2",
                   "--config.mesh.sequence=4", "--config.mesh.fsdp=1", "--config.model.context_parallel=ring",
                   "--config.model.context_load_balance=True", "--config.model.dtype=bfloat16")

@@ -9,7 +9,8 @@ import jax
 import pytest
 
 from maxlm import cli, config as config_lib
-from maxlm.train import faults, loop
+from maxlm.resilience import faults
+from maxlm.train import loop
 from tests.helpers import ROOT, command_env, load_config, metrics_rows, train_rows, with_overrides
 
 pytestmark = pytest.mark.slow

@@ -11,9 +11,19 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, model
-from maxlm.model import attention, ulysses
-from maxlm.train import mesh as mesh_lib
-from tests.helpers import ROOT, command_env, load_config, one_device_padded_losses, padded_losses, padded_packed_batch, random_qkv, weighted_sum_of_squares
+from maxlm.model import attention
+from maxlm.model.parallel import ulysses
+from maxlm.sharding import mesh as mesh_lib
+from tests.helpers import (
+    ROOT,
+    command_env,
+    load_config,
+    one_device_padded_losses,
+    padded_losses,
+    padded_packed_batch,
+    random_qkv,
+    weighted_sum_of_squares,
+)
 
 
 def ulysses_config(data=2, fsdp=1, sequence=4, tensor=1, heads=4, kv_heads=2, **overrides):

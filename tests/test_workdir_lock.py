@@ -1,4 +1,4 @@
-"""One run per gs:// workdir: the lease object WORKDIR/.maxlm-lock (maxlm/train/workdir_lock.py),
+"""One run per gs:// workdir: the lease object WORKDIR/.maxlm-lock (maxlm/checkpoint/workdir_lock.py),
 against the Cloud Storage stand-in of tests/gcs.py, which checks generation preconditions as
 Cloud Storage does. (The local flock: tests/test_restart.py.)"""
 
@@ -13,9 +13,9 @@ import time
 import pytest
 from etils import epath
 
-from maxlm import gcs
-from maxlm.errors import ConfigError
-from maxlm.train import workdir_lock
+from maxlm.checkpoint import workdir_lock
+from maxlm.runtime import gcs
+from maxlm.runtime.errors import ConfigError
 from tests.helpers import ROOT, command_env
 
 

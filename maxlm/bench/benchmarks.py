@@ -19,7 +19,7 @@ then reads the shards back (rows/s, and a reader's peak memory).
 largest differences of outputs and gradients, and each one's forward+backward time.
 
 `grouped_matmul` times the dropless MoE's grouped matmul on each backend at the config's shapes
-(maxlm/bench/grouped_matmul.py).
+(maxlm/bench/grouped_matmul_timing.py).
 
 `compare --peer=maxtext` runs `train` and MaxText's trainer for the same model, batch and optimizer
 on the CPU, each in its own process, in interleaved pairs: each side's tokens/s and time to first
@@ -42,7 +42,11 @@ import numpy as np
 from maxlm import cli, config as config_lib, model
 from maxlm.bench import targets
 from maxlm.bench.plan import plan
-from maxlm.train import distributed, flops, mesh as mesh_lib, optim, state as state_lib, step as step_lib
+from maxlm.observe import flops
+from maxlm.optim import optimizers as optim
+from maxlm.runtime import distributed
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import step as step_lib
 
 
 class SyntheticData:
@@ -153,7 +157,7 @@ def bench_checkpoint(cfg, repeats: int = 3) -> dict:
     `cfg`'s train state, each the median of `repeats`."""
     import tempfile
 
-    from maxlm.train import checkpoint
+    from maxlm.checkpoint import store as checkpoint
 
     rules = mesh_lib.rules_of(cfg.mesh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -310,7 +314,7 @@ def run_benchmark(what: str, cfg) -> dict:
     if what == "attention":  # cuDNN against XLA: differences and times (GPU)
         return bench_attention(cfg, flags.FLAGS.steps)
     if what == "grouped_matmul":  # the MoE's grouped matmul on each backend against a dense one
-        from maxlm.bench.grouped_matmul import bench_grouped_matmul
+        from maxlm.bench.grouped_matmul_timing import bench_grouped_matmul
 
         if not cfg.model.num_experts:
             cli.config_error("bench grouped_matmul needs an MoE model: set model.num_experts > 0")

@@ -39,7 +39,7 @@ from typing import Callable
 
 from maxlm import cli, model
 from maxlm.bench import maxtext_peer as peer
-from maxlm.errors import ConfigError
+from maxlm.runtime.errors import ConfigError
 
 MAXLM_FIRST_STEP_LINE = re.compile(r"^bench: step 0 done")  # printed by maxlm.bench train
 FIGURES = ("tokens_per_sec", "step_sec_median", "first_step_sec")  # what a pair reports of each run

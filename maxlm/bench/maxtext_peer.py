@@ -19,8 +19,9 @@ import subprocess
 import sys
 
 from maxlm import config as config_lib, model
-from maxlm.errors import ConfigError
-from maxlm.model import attention_plan, grouped_matmul
+from maxlm.model import attention_plan
+from maxlm.model.moe import grouped_matmul
+from maxlm.runtime.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # maxlm/bench/ is two below
 LOCK = os.path.join(REPO, "launch", "peers", "maxtext.lock")

@@ -21,7 +21,10 @@ import numpy as np
 from maxlm import config as config_lib, model
 from maxlm.bench.targets import Target
 from maxlm.model import attention_plan, moe
-from maxlm.train import flops, mesh as mesh_lib, optim, state as state_lib, step as step_lib
+from maxlm.observe import flops
+from maxlm.optim import optimizers as optim
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import step as step_lib
 
 ESTIMATE_MODEL = ("step_sec = max(hardware FLOPs / peak FLOP/s, bytes accessed / memory bandwidth) per "
                   "device, a roofline lower bound (no communication, perfect overlap): hardware FLOPs "

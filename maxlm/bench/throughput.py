@@ -38,9 +38,10 @@ def measure(cfg, repeats: int = 5, read_batches: int = 20, sample_bytes: int = 4
 
     import sentencepiece as spm
 
-    from maxlm.data import filters, make_dataset
+    from maxlm.data import make_dataset
     from maxlm.data.packing import pack_documents, token_dtype
-    from maxlm.data.tokenizer import SentencePieceTokenizer, config_tokenizer
+    from maxlm.data.prepare import filters
+    from maxlm.data.tokenizers import SentencePieceTokenizer, config_tokenizer
 
     # (a) packed reading
     ds = make_dataset(cfg, "train")
@@ -178,8 +179,8 @@ def measure_prepare(cfg, corpus_mb: float, files: int, workers: list[int]) -> di
     import subprocess
     import sys
 
-    from maxlm.data import build
-    from maxlm.data.tokenizer import checked_tokenizer
+    from maxlm.data.prepare import build
+    from maxlm.data.tokenizers import checked_tokenizer
 
     with tempfile.TemporaryDirectory(dir=os.path.expanduser("~")) as tmp:
         corpus_info = write_corpus(os.path.join(tmp, "corpus"), corpus_mb, files)

@@ -6,11 +6,11 @@ steps' modules in that order.
 
 from maxlm.data.batches import TokenDataset
 from maxlm.data.corpus import ensure_corpus, load_split
+from maxlm.data.dataset import STREAM_KEYS, make_dataset
 from maxlm.data.errors import DataError
 from maxlm.data.packing import pack_documents, packing_efficiency
-from maxlm.data.pipeline import STREAM_KEYS, make_dataset
-from maxlm.data.bpe import HFTokenizer, TiktokenTokenizer
-from maxlm.data.tokenizer import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
+from maxlm.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
+from maxlm.data.tokenizers.bpe import HFTokenizer, TiktokenTokenizer
 
 __all__ = [
     "ByteTokenizer",

@@ -51,8 +51,8 @@ def train_tokenizer(cfg, out: str, special_tokens: Sequence[str] = ()) -> dict:
     ..., else the defaults), then `special_tokens`."""
     import numpy as np
 
-    from maxlm import progress
-    from maxlm.data import filters
+    from maxlm.data.prepare import filters
+    from maxlm.runtime import progress
 
     out = os.path.abspath(os.path.expanduser(out))
     if not out.endswith((".model", ".json")):
@@ -80,7 +80,7 @@ def train_tokenizer(cfg, out: str, special_tokens: Sequence[str] = ()) -> dict:
             _train_sentencepiece([texts[i] for i in pick], vocab, names, list(special_tokens), tmp, out)
         else:
             _train_bbpe([texts[i] for i in pick], vocab, specials, tmp, out)
-    from maxlm.data.tokenizer import load_tokenizer
+    from maxlm.data.tokenizers import load_tokenizer
 
     tok = load_tokenizer(out, **{f"{kind}_token": name for kind, name in names.items()})
     if tok.vocab_size > cfg.model.vocab_size:
@@ -124,7 +124,7 @@ def _train_bbpe(texts: list[str], vocab: int, specials: list[str], tmp: str, out
     256 bytes (every text encodes, with no unknown token); `specials` take the first ids."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from maxlm.data.bpe import LLAMA3_PATTERN
+    from maxlm.data.tokenizers.bpe import LLAMA3_PATTERN
 
     if vocab < 256 + len(specials):
         raise ValueError(f"a byte-level BPE needs a vocabulary of at least 256 bytes + {len(specials)} special "
@@ -146,7 +146,8 @@ def prepare(cfg, workers: int | None, beam_args: tuple[str, ...] | None = None) 
     its directory, shards, rows and the seconds it took."""
     import time
 
-    from maxlm.data import build, sources
+    from maxlm.data import sources
+    from maxlm.data.prepare import build
 
     if workers is not None and workers < 0:
         cli.config_error(f"--workers must be >= 0 (0 = one per core), got {workers}")
@@ -165,7 +166,8 @@ def prepare(cfg, workers: int | None, beam_args: tuple[str, ...] | None = None) 
 
 def stats(cfg, split: str) -> dict:
     """The split's statistics; with `data.mixture`, those of each source under its name."""
-    from maxlm.data import build, sources
+    from maxlm.data import sources
+    from maxlm.data.prepare import build
 
     if cfg.data.mixture:
         return {name: stats(sub, split) for name, _, sub in sources.resolve(cfg)}

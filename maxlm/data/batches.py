@@ -12,7 +12,7 @@ import numpy as np
 
 from maxlm.data.prefetch import Prefetcher, batch_parts_key
 from maxlm.data.shards import ShardedRows
-from maxlm.data.tokenizer import Tokenizer
+from maxlm.data.tokenizers import Tokenizer
 
 
 class TokenDataset:
@@ -67,39 +67,38 @@ class TokenDataset:
             epoch, step = epoch + 1, 0
         return epoch * self.steps_per_epoch + step
 
-    def row_ids(self, step: int, process_index=0, process_count: int = 1) -> np.ndarray:
+    def row_ids(self, step: int, parts=0, num_parts: int = 1) -> np.ndarray:
         """Ids of the rows `batch(step, ...)` returns, in order."""
-        step, parts, process_count = int(step), batch_parts_key(process_index), int(process_count)
+        step, parts, num_parts = int(step), batch_parts_key(parts), int(num_parts)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if process_count < 1 or self.batch_size % process_count:
+        if num_parts < 1 or self.batch_size % num_parts:
             raise ValueError(
-                f"batch_size={self.batch_size} must be divisible by the process count "
-                f"{process_count}"
+                f"batch_size={self.batch_size} must be divisible by the number of batch parts "
+                f"{num_parts}"
             )
         for part in parts:
-            if not 0 <= part < process_count:
-                raise ValueError(f"process_index={part} not in [0, {process_count})")
-        per_process = self.batch_size // process_count
+            if not 0 <= part < num_parts:
+                raise ValueError(f"batch part {part} not in [0, {num_parts})")
+        per_part = self.batch_size // num_parts
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
         start = epoch * self.num_rows + step_in_epoch * self.batch_size
-        firsts = [start + part * per_process for part in parts]
+        firsts = [start + part * per_part for part in parts]
         return np.fromiter(
-            (self.order[i] for first in firsts for i in range(first, first + per_process)),
-            np.int64, per_process * len(parts),
+            (self.order[i] for first in firsts for i in range(first, first + per_part)),
+            np.int64, per_part * len(parts),
         )
 
-    def batch(
-        self, step: int, process_index=0, process_count: int = 1
-    ) -> dict[str, np.ndarray]:
-        """This process's contiguous slice of global batch `step`.
+    def batch(self, step: int, parts=0, num_parts: int = 1) -> dict[str, np.ndarray]:
+        """Part `parts` of global batch `step` cut into `num_parts` equal parts.
 
-        Rows [p*B/P, (p+1)*B/P) of the global batch, as int32 arrays `[B/P, seq_len]` under
-        `inputs, targets, segment_ids, positions`. `process_index` may also be a tuple of such
-        parts p (ascending): a process whose devices hold several separate slices of the batch
-        (see `mesh.batch_parts`) gets them concatenated, `[len(parts)*B/P, seq_len]`.
+        Rows [p*B/P, (p+1)*B/P) of the global batch (P = num_parts), as int32 arrays `[B/P, seq_len]`
+        under `inputs, targets, segment_ids, positions`. `parts` may also be a tuple of parts p
+        (ascending): a process whose devices hold several separate slices of the batch (see
+        `mesh.batch_parts`) gets them concatenated, `[len(parts)*B/P, seq_len]`. The parts are the
+        batch's, not the processes': one process may read several.
         """
-        return self._rows.rows(self.row_ids(step, process_index, process_count))
+        return self._rows.rows(self.row_ids(step, parts, num_parts))
 
     def prefetch(self, depth: int = 2) -> Prefetcher:
         """This dataset, its `batch` served from a background thread reading `depth` steps ahead.

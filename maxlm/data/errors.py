@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from maxlm.errors import UserError
+from maxlm.runtime.errors import UserError
 
 
 class DataError(UserError):

@@ -91,15 +91,15 @@ class MixtureDataset:
         """The first batch position at or after row slot `row` (as `TokenDataset.position_at_row`)."""
         return -(-int(row) // self.batch_size)
 
-    def batch(self, step: int, process_index=0, process_count: int = 1) -> dict[str, np.ndarray]:
+    def batch(self, step: int, parts=0, num_parts: int = 1) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step` (as `TokenDataset.batch`)."""
-        step, parts, process_count = int(step), batch_parts_key(process_index), int(process_count)
+        step, parts, num_parts = int(step), batch_parts_key(parts), int(num_parts)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if process_count < 1 or self.batch_size % process_count:
-            raise ValueError(f"batch_size={self.batch_size} must be divisible by the process count {process_count}")
-        per_process = self.batch_size // process_count
-        slots = np.concatenate([np.arange(per_process) + step * self.batch_size + part * per_process
+        if num_parts < 1 or self.batch_size % num_parts:
+            raise ValueError(f"batch_size={self.batch_size} must be divisible by the number of batch parts {num_parts}")
+        per_part = self.batch_size // num_parts
+        slots = np.concatenate([np.arange(per_part) + step * self.batch_size + part * per_part
                                 for part in parts])
         source, sample = self.slot_sources(slots)
         out = None

@@ -30,7 +30,7 @@ class Prefetcher:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self.dataset, self.depth = weakref.proxy(dataset), depth
         self._ref = weakref.ref(dataset)
-        self._next = None  # (step, process_index, process_count) the queue's head is for
+        self._next = None  # (step, parts, num_parts) the queue's head is for
         self._queue = self._stop = self._thread = None
 
     def __getattr__(self, name):  # steps_per_epoch, row_ids, ... of the dataset
@@ -38,8 +38,8 @@ class Prefetcher:
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
-    def batch(self, step: int, process_index=0, process_count: int = 1) -> dict[str, np.ndarray]:
-        key = (int(step), batch_parts_key(process_index), int(process_count))
+    def batch(self, step: int, parts=0, num_parts: int = 1) -> dict[str, np.ndarray]:
+        key = (int(step), batch_parts_key(parts), int(num_parts))
         if key != self._next or self._thread is None:
             self._start(key)
         item = self._queue.get()
@@ -74,13 +74,13 @@ class Prefetcher:
 
 
 def _fill_queue(ref, key, out: queue.Queue, stop: threading.Event) -> None:
-    step, process_index, process_count = key
+    step, parts, num_parts = key
     while not stop.is_set():
         dataset = ref()  # no strong reference while waiting: the thread ends with the dataset
         if dataset is None:
             return
         try:
-            item = dataset.batch(step, process_index, process_count)
+            item = dataset.batch(step, parts, num_parts)
         except BaseException as e:  # raised in the caller's thread by `batch`
             item = e
         del dataset
@@ -96,8 +96,8 @@ def _fill_queue(ref, key, out: queue.Queue, stop: threading.Event) -> None:
 
 
 
-def batch_parts_key(process_index) -> tuple[int, ...]:
-    """`batch`'s process_index: one part p, or a tuple of parts."""
-    if isinstance(process_index, (int, np.integer)):
-        return (int(process_index),)
-    return tuple(int(p) for p in process_index)
+def batch_parts_key(parts) -> tuple[int, ...]:
+    """`batch`'s parts: one part p, or a tuple of parts."""
+    if isinstance(parts, (int, np.integer)):
+        return (int(parts),)
+    return tuple(int(p) for p in parts)

@@ -17,9 +17,24 @@ from __future__ import annotations
 import math
 
 from maxlm import config as config_lib
-from maxlm.hf.architectures import (ARCHITECTURES, DEEPSEEK_V3, EVERY_LAYER, GEMMA2, GEMMA3, GPT2, LLAMA, MISTRAL,
-                                    MIXTRAL, OLMO2, OLMO3, QWEN3, QWEN3_MOE, Arch, architecture)
-from maxlm.model import layer_pattern
+from maxlm.hf.architectures import (
+    ARCHITECTURES,
+    DEEPSEEK_V3,
+    EVERY_LAYER,
+    GEMMA2,
+    GEMMA3,
+    GPT2,
+    LLAMA,
+    MISTRAL,
+    MIXTRAL,
+    OLMO2,
+    OLMO3,
+    QWEN3,
+    QWEN3_MOE,
+    Arch,
+    architecture,
+)
+from maxlm.model import layer_stack
 
 # ----------------------------------------------------------------------------- export
 
@@ -139,8 +154,8 @@ def _deepseek_config(m) -> dict:
 
 def layer_types(m) -> list[str]:
     """transformers' `layer_types` of the model `m`'s layers: local ones "sliding_attention"."""
-    local = layer_pattern.LOCAL if m.layer_pattern else (layer_pattern.GLOBAL if m.sliding_window else "")
-    return ["sliding_attention" if kind == local else "full_attention" for kind in layer_pattern.kinds(m)]
+    local = layer_stack.LOCAL if m.layer_pattern else (layer_stack.GLOBAL if m.sliding_window else "")
+    return ["sliding_attention" if kind == local else "full_attention" for kind in layer_stack.kinds(m)]
 
 
 def _gpt2_config(m, tokenizer, dtype: str) -> dict:
@@ -274,7 +289,7 @@ def _layer_kinds(arch: Arch | None, hf: dict) -> str | None:
     if not types:
         every = {GEMMA2: 2, GEMMA3: hf.get("sliding_window_pattern", 6), OLMO3: 4}[arch]
         types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-    return "".join(layer_pattern.LOCAL if t == "sliding_attention" else layer_pattern.GLOBAL for t in types)
+    return "".join(layer_stack.LOCAL if t == "sliding_attention" else layer_stack.GLOBAL for t in types)
 
 
 def _window_keys(arch: Arch | None, hf: dict) -> tuple[dict, list[str]]:
@@ -287,14 +302,14 @@ def _window_keys(arch: Arch | None, hf: dict) -> tuple[dict, list[str]]:
                        f"{', '.join(a.name for a in ARCHITECTURES.values() if EVERY_LAYER in a.windows)})"] \
             if window and not (arch and EVERY_LAYER in arch.windows) else []
         return {"sliding_window": window, "layer_pattern": ""}, unsupported
-    if set(kinds) - {layer_pattern.LOCAL, layer_pattern.GLOBAL} or len(kinds) != hf["num_hidden_layers"]:
+    if set(kinds) - {layer_stack.LOCAL, layer_stack.GLOBAL} or len(kinds) != hf["num_hidden_layers"]:
         return {}, [f"layer_types={hf.get('layer_types')} (maxlm's layers are sliding_attention or full_attention, "
                     "one per layer)"]
-    if layer_pattern.LOCAL not in kinds or not window:
+    if layer_stack.LOCAL not in kinds or not window:
         return {"sliding_window": 0, "layer_pattern": ""}, []
-    if layer_pattern.GLOBAL not in kinds:
+    if layer_stack.GLOBAL not in kinds:
         return {"sliding_window": window, "layer_pattern": ""}, []
-    return {"sliding_window": window, "layer_pattern": kinds[:layer_pattern.period(kinds)]}, []
+    return {"sliding_window": window, "layer_pattern": kinds[:layer_stack.period(kinds)]}, []
 
 
 # RoPE bases of a class's layer types when its config.json is silent: (full_attention's, sliding's)

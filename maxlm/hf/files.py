@@ -34,11 +34,12 @@ import ml_dtypes
 import numpy as np
 from etils import epath
 
-from maxlm import config as config_lib, console, paths, processes
+from maxlm import config as config_lib
 from maxlm.hf.architectures import architecture
 from maxlm.hf.config_json import check_config, hf_config
 from maxlm.hf.mapping import hf_index, hf_tensors, read_block, sources, to_hf
 from maxlm.hf.tokenizer_files import write_json, write_tokenizer
+from maxlm.runtime import console, paths, processes
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -336,7 +337,7 @@ def export(params, cfg, out: str, dtype: str = "float32",
     `params` into `out` (a local directory, created; it must not already hold an export): config.json,
     generation_config.json, the safetensors weights in `dtype` and the tokenizer files. Every
     process calls it; process 0 checks `out` and writes. Returns the files' names."""
-    from maxlm.data.tokenizer import config_tokenizer
+    from maxlm.data.tokenizers import config_tokenizer
 
     if dtype not in DTYPES:
         raise config_lib.ConfigError(f"--dtype={dtype!r}: expected one of {', '.join(DTYPES)}")

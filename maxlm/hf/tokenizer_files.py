@@ -80,7 +80,7 @@ def _write_fast(tokenizer, out: str) -> tuple[list[str], dict, dict]:
     """tokenizer.json of a tokenizer.json or tiktoken run, and its config."""
     from tokenizers import Tokenizer
 
-    from maxlm.data.bpe import HFTokenizer
+    from maxlm.data.tokenizers.bpe import HFTokenizer
 
     if isinstance(tokenizer, HFTokenizer):
         tok = Tokenizer.from_str(tokenizer.data.decode("utf-8"))
@@ -103,8 +103,8 @@ def write_tokenizer(tokenizer, out: str, seq_len: int) -> list[str]:
     (byte b = id b + 3) and whose special tokens are renamed to maxlm's pad 0, bos 1, eos 2 (see
     docs/huggingface.md for what it does differently: it appends eos instead of prepending bos).
     """
-    from maxlm.data.bpe import HFTokenizer, TiktokenTokenizer
-    from maxlm.data.tokenizer import ByteTokenizer
+    from maxlm.data.tokenizers import ByteTokenizer
+    from maxlm.data.tokenizers.bpe import HFTokenizer, TiktokenTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
         pieces = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "unk": "<unk>"}

@@ -16,16 +16,16 @@ layers' backward order.
 Nothing here knows about meshes, optimizers or data files.
 """
 
-from maxlm.model.counts import active_params, count_params
 from maxlm.model.moe import MoE
 from maxlm.model.norms import LayerNorm, RMSNorm, block_norm, norms_around, placed_norms, qk_norm, residual
-from maxlm.model.pipeline import bubble_fraction, pipeline_stages
+from maxlm.model.parallel.pipeline import bubble_fraction, pipeline_stages
+from maxlm.model.param_counts import active_params, count_params
 from maxlm.model.transformer import (
+    MLP,
     REMAT_POLICIES,
     Attention,
     Batch,
     Block,
-    MLP,
     Transformer,
     apply,
     compute_dtype,

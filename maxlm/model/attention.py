@@ -49,10 +49,14 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel, splash_attention_mask as splash_mask
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as splash_kernel,
+    splash_attention_mask as splash_mask,
+)
 from jax.sharding import PartitionSpec
 
-from maxlm.model import cudnn, pipeline
+from maxlm.model.kernels import cudnn
+from maxlm.model.parallel import pipeline
 
 LANES = 128  # a splash block is a multiple of this
 BLOCK_SIZES = (512, 256, 128)  # tried largest first; 512 is MaxText's default on v5e/v5p
@@ -274,7 +278,7 @@ def document_bias(segment_ids_BL, dtype, segment_ids_BS=None):
 def cudnn_attention(q_BLHDh, k_BSKDh, v_BSKDh, bias_B1LS, window: int = 0):
     """cuDNN's fused flash attention in causal mode (within a sliding `window` of tokens when > 0),
     documents from `document_bias`; grouped-query heads are native. In a pipeline, whose stages
-    run under vmap, the same kernel through maxlm/model/cudnn.py: JAX's own batching rule cannot
+    run under vmap, the same kernel through maxlm/model/kernels/cudnn.py: JAX's own batching rule cannot
     batch a bias shared by the heads."""
     if pipeline.pipeline_stages() > 1:
         return cudnn.attention(q_BLHDh, k_BSKDh, v_BSKDh, bias_B1LS, window)

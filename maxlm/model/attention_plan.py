@@ -10,7 +10,8 @@ Ulysses), or for each block of the ring (`ring_attention.block_backend`: splash 
 
 from __future__ import annotations
 
-from maxlm.model import attention, ring_attention, ring_blocks
+from maxlm.model import attention
+from maxlm.model.parallel import ring_attention, ring_blocks
 from maxlm.model.transformer import compute_dtype
 
 

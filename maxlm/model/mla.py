@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxlm.model import attention, positions
-from maxlm.model.layers import attend_heads, compute_dtype, constrain, normal, param, weight_matmul
 from maxlm.model.norms import RMSNorm
+from maxlm.model.weights import attend_heads, compute_dtype, constrain, normal, param, weight_matmul
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm and kv_a_layernorm (whatever rms_norm_eps is)
 

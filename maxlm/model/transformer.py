@@ -14,7 +14,7 @@ so attention never crosses documents and every encoding sees per-document positi
 
 Shape suffixes: B batch, L length (queries), S length (keys), D d_model, H heads, K kv heads,
 G heads per kv head (H = K·G), Dh head dim, F mlp hidden, V vocab, P max positions.
-Every parameter carries logical axis names (see maxlm/train/mesh.py); activations are constrained with
+Every parameter carries logical axis names (see maxlm/sharding/mesh.py); activations are constrained with
 the same names, which only bind while a mesh and rules are active.
 """
 
@@ -31,11 +31,18 @@ import ml_collections
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from maxlm.model import (attention, backward_order, head, layer_pattern, mla, moe, mtp, pipeline, positions,
-                         ring_attention, ulysses, zigzag)
-from maxlm.model.layers import attend_heads, compute_dtype, weight_matmul
-from maxlm.model.layers import bias as _bias, constrain as _constrain, normal as _normal, param as _param
+from maxlm.model import attention, backward_order, layer_stack, mla, moe, mtp, output_projection, positions
 from maxlm.model.norms import block_norm, placed_norms, qk_norm, residual
+from maxlm.model.parallel import pipeline, ring_attention, ulysses, zigzag
+from maxlm.model.weights import (
+    attend_heads,
+    bias as _bias,
+    compute_dtype,
+    constrain as _constrain,
+    normal as _normal,
+    param as _param,
+    weight_matmul,
+)
 
 Batch = dict[str, jax.Array]
 
@@ -145,7 +152,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One layer; `experts`: its MLP is the mixture of experts (maxlm/model/moe.py), whose router
+    """One layer; `experts`: its MLP is the mixture of experts (maxlm/model/moe/), whose router
     statistics it returns as the scan's per-layer output."""
     cfg: Any
     experts: bool = False
@@ -185,8 +192,8 @@ def layer_groups(model_cfg) -> list[tuple[str, int, bool]]:
 def _document_masks(cfg, segment_ids_BL, dtype) -> dict:
     """{layer kind: `_document_mask` of that kind's layers} for the kinds the model has (one,
     GLOBAL, without a `model.layer_pattern`) and GLOBAL, the multi-token prediction modules' kind."""
-    return {kind: _document_mask(layer_pattern.kind_config(cfg, kind), segment_ids_BL, dtype)
-            for kind in sorted(set(layer_pattern.kinds(cfg)) | {layer_pattern.GLOBAL})}
+    return {kind: _document_mask(layer_stack.kind_config(cfg, kind), segment_ids_BL, dtype)
+            for kind in sorted(set(layer_stack.kinds(cfg)) | {layer_stack.GLOBAL})}
 
 
 def _document_mask(cfg, segment_ids_BL, dtype):
@@ -215,26 +222,26 @@ class Transformer(nn.Module):
                               ("positions", "embed")) if cfg.positions == "learned" else None
         x_BLD = positions.add_positions(cfg, embed(cfg, embed_VD, tokens_BL), positions_BL, pos_embed_PD)
         # Init only needs the parameters' shapes (see Attention): the plain path's mask then.
-        masks = {kind: attention.attention_mask(segment_ids_BL) for kind in layer_pattern.kinds(cfg) + layer_pattern.GLOBAL} \
+        masks = {kind: attention.attention_mask(segment_ids_BL) for kind in layer_stack.kinds(cfg) + layer_stack.GLOBAL} \
             if self.is_initializing() else _document_masks(cfg, segment_ids_BL, dtype)
         block = _block_class(cfg)
         router_stats = []  # per MoE layer
         if cfg.scan_layers:  # one compiled layer body per group whatever the depth; params get a `layers` axis
             first = 0
             for name, length, experts in layer_groups(cfg):
-                group_kinds, first = layer_pattern.kinds(cfg, first, length), first + length
-                if layer_pattern.period(group_kinds) > 1 and not self.is_initializing():
-                    # local and global layers: a scan over groups of the pattern (maxlm/model/layer_pattern.py)
+                group_kinds, first = layer_stack.kinds(cfg, first, length), first + length
+                if layer_stack.period(group_kinds) > 1 and not self.is_initializing():
+                    # local and global layers: a scan over groups of the pattern (maxlm/model/layer_stack.py)
                     def step(kind, x_BLD, layer_params, experts=experts):
-                        return Block(layer_pattern.kind_config(cfg, kind), experts, parent=None).apply(
+                        return Block(layer_stack.kind_config(cfg, kind), experts, parent=None).apply(
                             {"params": layer_params}, x_BLD, positions_BL, masks[kind], segment_ids_BL)
-                    x_BLD, stats = layer_pattern.run(step, x_BLD, self.variables["params"][name], group_kinds,
+                    x_BLD, stats = layer_stack.run(step, x_BLD, self.variables["params"][name], group_kinds,
                                                      REMAT_POLICIES[cfg.remat])
                     if experts:
                         router_stats.append(stats)
                     continue
                 mask_B1LS = masks[group_kinds[0]]
-                layer_cfg = layer_pattern.kind_config(cfg, group_kinds[0])
+                layer_cfg = layer_stack.kind_config(cfg, group_kinds[0])
                 layers = nn.scan(
                     block,
                     variable_axes={"params": 0},
@@ -247,8 +254,8 @@ class Transformer(nn.Module):
                 if experts:  # stacked over the group's layers by the scan
                     router_stats.append(stats)
         else:
-            for i, kind in enumerate(layer_pattern.kinds(cfg)):
-                layer = block(layer_pattern.kind_config(cfg, kind), i >= moe.dense_layers(cfg), name=f"layer_{i}")
+            for i, kind in enumerate(layer_stack.kinds(cfg)):
+                layer = block(layer_stack.kind_config(cfg, kind), i >= moe.dense_layers(cfg), name=f"layer_{i}")
                 x_BLD, stats = backward_order.call_in_order(layer, x_BLD, positions_BL, masks[kind], segment_ids_BL)
                 if stats is not None:
                     router_stats.append(jax.tree.map(lambda a: a[None], stats))
@@ -258,10 +265,10 @@ class Transformer(nn.Module):
             _param(self, "head", _normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
         final_norm = block_norm(cfg)(cfg.norm_eps, dtype, name="final_norm")  # shared by the MTP modules' heads
         if targets_BL is not None:  # the modules attend as global layers
-            mtp_cfg = layer_pattern.kind_config(cfg, layer_pattern.GLOBAL)
+            mtp_cfg = layer_stack.kind_config(cfg, layer_stack.GLOBAL)
             depths = [mtp.Depth(mtp_cfg, block, block_norm(cfg), name=f"mtp_{k}") for k in range(cfg.mtp_depth)]
             for state_BLD in _mtp_states(cfg, depths, final_norm, embed_VD, x_BLD, targets_BL, positions_BL,
-                                         masks[layer_pattern.GLOBAL], segment_ids_BL):
+                                         masks[layer_stack.GLOBAL], segment_ids_BL):
                 self.sow("intermediates", "mtp", state_BLD)
         return final_norm(x_BLD)
 
@@ -325,7 +332,7 @@ def param_logical_specs(model_cfg):
 
 def forward(model_cfg, params, batch: Batch) -> tuple[jax.Array, dict | None]:
     """(the final-normed hidden states [B, L, D] (compute dtype) of a packed batch, the router
-    statistics of an MoE model stacked over its MoE layers (maxlm/model/moe.py), else None);
+    statistics of an MoE model stacked over its MoE layers (maxlm/model/moe/), else None);
     pipelined over the mesh's `stage` axis when it has one of size > 1 (same numbers)."""
     x_BLD, sown = forward_intermediates(model_cfg, params, batch, with_mtp=False)
     return x_BLD, sown.get("router_stats")
@@ -361,7 +368,7 @@ def hidden_states(model_cfg, params, batch: Batch) -> jax.Array:
 def pipelined_forward(model_cfg, params, batch: Batch, stages: int, with_mtp: bool) -> tuple[jax.Array, dict]:
     """`forward_intermediates` with each layer group (`layer_groups`: an MoE model's dense layers,
     then its MoE layers) split over `stages` pipeline stages, one GPipe pass each (circular with
-    `model.pipeline_repeats` > 1: maxlm/model/pipeline.py), on `model.pipeline_microbatches` strided microbatches
+    `model.pipeline_repeats` > 1: maxlm/model/parallel/pipeline.py), on `model.pipeline_microbatches` strided microbatches
     (`microbatches`). The same numbers: the router statistics are each microbatch's, combined
     into the whole batch's (`moe.whole_batch_stats`); the embedding, the final norm and the
     multi-token prediction modules run outside the pipeline, on the whole batch."""
@@ -382,15 +389,15 @@ def pipelined_forward(model_cfg, params, batch: Batch, stages: int, with_mtp: bo
     specs = param_logical_specs(cfg)
     sown, first = {}, 0
     for name, length, experts in layer_groups(cfg):
-        group_kinds, first = layer_pattern.kinds(cfg, first, length), first + length
+        group_kinds, first = layer_stack.kinds(cfg, first, length), first + length
         # one pipelined unit: a layer, or with local and global layers a group of the pattern
         # (config.resolve checks that whole groups fill each stage's chunks)
-        p = layer_pattern.period(group_kinds)
+        p = layer_stack.period(group_kinds)
 
         def layer_of(kind, experts=experts):
             def layer(x_bLD, layer_params, positions_bL, segment_ids_bL, *masks_b1LS):
                 mask_b1LS = dict(zip(masks, masks_b1LS)).get(kind)
-                return Block(layer_pattern.kind_config(cfg, kind), experts).apply(
+                return Block(layer_stack.kind_config(cfg, kind), experts).apply(
                     {"params": layer_params}, x_bLD, positions_bL, mask_b1LS, segment_ids_bL)
             return layer if REMAT_POLICIES[cfg.remat] is None else jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
 
@@ -413,11 +420,11 @@ def pipelined_forward(model_cfg, params, batch: Batch, stages: int, with_mtp: bo
     x_BLD = _constrain(x_MbLD.swapaxes(0, 1).reshape(B, L, cfg.d_model), ("batch", "length", "act_embed"))
     final_norm = functools.partial(block_norm(cfg)(cfg.norm_eps, dtype).apply, {"params": params["final_norm"]})
     if with_mtp and cfg.mtp_depth:
-        mtp_cfg = layer_pattern.kind_config(cfg, layer_pattern.GLOBAL)
+        mtp_cfg = layer_stack.kind_config(cfg, layer_stack.GLOBAL)
         depths = [functools.partial(mtp.Depth(mtp_cfg, _block_class(cfg), block_norm(cfg)).apply,
                                     {"params": params[f"mtp_{k}"]}) for k in range(cfg.mtp_depth)]
         sown["mtp"] = _mtp_states(cfg, depths, final_norm, params["embed"], x_BLD, batch["targets"],
-                                  positions_BL, masks.get(layer_pattern.GLOBAL), segment_ids_BL)
+                                  positions_BL, masks.get(layer_stack.GLOBAL), segment_ids_BL)
     return final_norm(x_BLD), sown
 
 
@@ -429,7 +436,7 @@ def head_weights(model_cfg, params) -> jax.Array:
 def output_logits(model_cfg, x_BLD, w_head):
     """Float32 logits [B, L, V] of final hidden states (`w_head` from `head_weights`), soft-capped
     at ±`model.final_logit_softcap` when it is set (every loss, eval and generation reads them here)."""
-    logits_BLV = head.project("vd" if model_cfg.tie_embeddings else "dv", x_BLD, w_head.astype(x_BLD.dtype))
+    logits_BLV = output_projection.project("vd" if model_cfg.tie_embeddings else "dv", x_BLD, w_head.astype(x_BLD.dtype))
     logits_BLV = logits_BLV.astype(jnp.float32)
     logits_BLV = attention.soft_cap(logits_BLV, model_cfg.final_logit_softcap)
     return _constrain(logits_BLV, ("batch", "length", "vocab"))

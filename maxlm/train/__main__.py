@@ -14,8 +14,12 @@ import sys
 import jax
 from absl import flags
 
-from maxlm import cli, paths
-from maxlm.train import checkpoint, distributed, faults, goodput, loop, workdir_lock
+from maxlm import cli
+from maxlm.checkpoint import store as checkpoint, workdir_lock
+from maxlm.observe import goodput
+from maxlm.resilience import faults
+from maxlm.runtime import distributed, paths
+from maxlm.train import loop
 
 
 def main(argv) -> None:
@@ -44,7 +48,7 @@ def train(f, stopwatch: goodput.Stopwatch | None = None) -> None:
         cli.config_error(str(e))
     try:
         last = loop.train_and_evaluate(cfg, f.workdir, data, stopwatch)
-    except faults.NonFiniteLossError as e:
+    except faults.TrainingDiverged as e:  # non-finite steps or loss spikes past their restores
         print(f"maxlm: {e}", file=sys.stderr)
         sys.exit(3)
     except checkpoint.StorageError as e:  # a full disk, no permission, a bucket that refused

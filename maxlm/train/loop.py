@@ -16,23 +16,31 @@ import os
 import jax
 import numpy as np
 
-from maxlm import config as config_lib, console, model, paths
+from maxlm import config as config_lib, model
+from maxlm.checkpoint import compatibility, store as checkpoint
 from maxlm.data import make_dataset
-from maxlm.errors import ConfigError
+from maxlm.eval import during_training
 from maxlm.hf import files as hf
-from maxlm.model import attention_plan, fp8, moe
-from maxlm.train import anomaly, checkpoint, checkpoint_fit, data_position, evaluate, faults, flops, loss_scale, mesh as mesh_lib, metrics, optim, profiler, state as state_lib, step as step_lib
-from maxlm.train.goodput import Goodput, Stopwatch, TimedCheckpointer
-from maxlm.train.monitor import Monitor
-from maxlm.train.step_logger import StepLogger, budget_line
+from maxlm.model import attention_plan, moe
+from maxlm.model.kernels import fp8
+from maxlm.observe import flops, metrics, profiler
+from maxlm.observe.goodput import Goodput, Stopwatch, TimedCheckpointer
+from maxlm.observe.monitor import Monitor
+from maxlm.observe.step_logger import StepLogger, budget_line
+from maxlm.optim import loss_scale, optimizers as optim
+from maxlm.resilience import anomaly, data_position, faults
+from maxlm.runtime import console, paths
+from maxlm.runtime.errors import ConfigError
+from maxlm.sharding import mesh as mesh_lib, state as state_lib
+from maxlm.train import step as step_lib
 
 log = logging.getLogger("maxlm")
 
 
 def load_data(cfg):
-    """(train dataset, evaluate.EvalData); raises ValueError on bad data, before anything compiles."""
+    """(train dataset, during_training.EvalData); raises ValueError on bad data, before anything compiles."""
     train_data = make_dataset(cfg, "train")
-    eval_data = evaluate.load_eval_data(cfg) if cfg.eval.every_steps else None
+    eval_data = during_training.load_eval_data(cfg) if cfg.eval.every_steps else None
     return train_data, eval_data
 
 
@@ -45,7 +53,7 @@ def train_and_evaluate(cfg, workdir: str, data=None, stopwatch: Stopwatch | None
     """
     train_data, eval_data = data if data is not None else load_data(cfg)
     mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
-    out = paths.workdir_path(workdir)  # a local directory or gs://... alike: see maxlm/paths.py
+    out = paths.workdir_path(workdir)  # a local directory or gs://... alike: see maxlm/runtime/paths.py
     out.mkdir(parents=True, exist_ok=True)
     gp = Goodput(stopwatch or Stopwatch(), workdir, jax.process_index() == 0)  # where the wall time goes
     if jax.process_index() == 0:
@@ -69,7 +77,7 @@ def train_and_evaluate(cfg, workdir: str, data=None, stopwatch: Stopwatch | None
     writer.write_hparams(metrics.flatten_config(cfg.to_dict()))
     trace = profiler.StepProfiler(cfg.profile, workdir, enabled=jax.process_index() == 0)
     step = int(state["step"])
-    logger = step_logger(cfg, writer, step, lambda: {**anomalies.counters(), **gp.counters()})
+    logger = make_step_logger(cfg, writer, step, lambda: {**anomalies.counters(), **gp.counters()})
     iteration = 0  # the preemption sync point's id: every iteration, only increasing (restores go back)
     try:
         with mesh_lib.activate(mesh, rules), faults.PreemptionWatcher() as preemption:
@@ -101,7 +109,7 @@ def train_and_evaluate(cfg, workdir: str, data=None, stopwatch: Stopwatch | None
                     continue
                 if bad_step is None and eval_due(cfg, done):
                     logger.flush()
-                    logger.eval_done(done, gp.timed("eval", evaluate.eval_row)(cfg, state["params"], eval_data, mesh, rules))
+                    logger.eval_done(done, gp.timed("eval", during_training.eval_row)(cfg, state["params"], eval_data, mesh, rules))
                 preempted = bad_step is None and stop
                 kind = policy.save_kind(done, preempted) if bad_step is None else None
                 if kind:
@@ -174,7 +182,7 @@ def check_start(cfg, workdir: str) -> None:
         hf.check_init_from_hf(cfg)
     start = own[-1][1] if own else source
     full_state = bool(own) or not ckpt_cfg.restore_params_only
-    if start and (problem := checkpoint_fit.start_problem(start, cfg, full_state)):
+    if start and (problem := compatibility.start_problem(start, cfg, full_state)):
         raise ConfigError(problem)
     if start and full_state:  # the step goes on, and with it the data position
         saved = config_lib.from_recorded(checkpoint.read_json(start, "config")).to_dict()
@@ -236,7 +244,7 @@ def recover(cfg, ckpt, policy: faults.FaultPolicy, abstract, fresh_state, state,
 def roll_back(cfg, ckpt, anomalies: anomaly.Anomalies, abstract, fresh_state, state, last_spike: int):
     """After `anomaly.max_spikes` consecutive loss spikes ending at `last_spike`: the state of the
     newest good checkpoint from before the first spike (or `fresh_state()`'s), with the checkpoints
-    written since removed and the batches from there on skipped (maxlm/train/anomaly.py)."""
+    written since removed and the batches from there on skipped (maxlm/resilience/anomaly.py)."""
     first = anomalies.detector.stats.first
     threshold = anomalies.detector.threshold()
     anomalies.check_rollback(last_spike)  # raises past max_rollbacks, before anything changes
@@ -283,7 +291,7 @@ def moe_kernels(cfg) -> str:
     return f"{compute}; tokens to the {cfg.mesh.expert} devices of mesh.expert by {exchange}"
 
 
-def step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
+def make_step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
     """The run's StepLogger; logs what the run is (model size, FLOPs, peak, kernels, parallelism)."""
     per_token = flops.flops_per_token(cfg.model, cfg.seq_len)
     peak = flops.peak_flops(jax.devices(), cfg.model.dtype)

@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import optax
 
 from maxlm import model
-from maxlm.model import balance
-from maxlm.train import loss_scale, mesh as mesh_lib, optim, router_metrics
-from maxlm.train.state import State
+from maxlm.model.moe import router_bias
+from maxlm.observe import router_metrics
+from maxlm.optim import loss_scale, optimizers as optim
+from maxlm.sharding import mesh as mesh_lib
+from maxlm.sharding.state import State
 
 # model.loss_fn's aux entries that are per-token means: with gradient accumulation, each
 # microbatch's is weighted by its tokens, as its loss is
@@ -38,7 +40,7 @@ def loss_and_grads(cfg, params, batch, scale=None):
     and the multi-token prediction's terms, means over their own counts, are weighted alike: the
     large-batch values where those counts split as the tokens do, close to them otherwise.)
 
-    With a loss `scale` (float16 compute, see maxlm/train/loss_scale.py) each microbatch's objective is
+    With a loss `scale` (float16 compute, see maxlm/optim/loss_scale.py) each microbatch's objective is
     multiplied by it before differentiating and the summed gradients divided by it in float32: the
     loss and gradients returned are unscaled (non-finite where the float16 backward overflowed).
     """
@@ -91,7 +93,7 @@ def train_step(cfg, tx, schedule, state: State, batch, lr_scale, inject_nan=None
     `inject_nan` (a bool scalar; fault injection, see `faults.with_nan_injection`) makes this
     step's gradients NaN.
 
-    With float16 compute the state carries a dynamic loss scale (maxlm/train/loss_scale.py): non-finite
+    With float16 compute the state carries a dynamic loss scale (maxlm/optim/loss_scale.py): non-finite
     gradients while the scale can still halve are an overflow, skipped and counted in
     `overflow_steps` but not a bad step (`bad_streak` neither grows nor resets).
     """
@@ -103,8 +105,8 @@ def train_step(cfg, tx, schedule, state: State, batch, lr_scale, inject_nan=None
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     updates = jax.tree.map(lambda u: (u * lr_scale).astype(u.dtype), updates)
     params = optax.apply_updates(state["params"], updates)
-    if balance.enabled(cfg.model):  # the selection bias moves by the step's load, not by the optimizer
-        params = balance.rebalanced(cfg.model, params, state["params"], aux["router"]["layers"]["load_E"])
+    if router_bias.enabled(cfg.model):  # the selection bias moves by the step's load, not by the optimizer
+        params = router_bias.rebalanced(cfg.model, params, state["params"], aux["router"]["layers"]["load_E"])
     # how far this step moved the weights, relative to their size (about 4-12 x lr with AdamW:
     # docs/observability.md#the-updateparameter-ratio-which-one); the
     # optimizer's update only: a balancing bias's move is not in it (moe/layer_NN/bias_spread shows it)

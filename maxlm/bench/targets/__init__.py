@@ -35,7 +35,7 @@ def load(name: str, num_slices: int = 1) -> Target:
     if name.startswith("v"):
         return tpu.load(name, num_slices)
     if num_slices != 1:
-        from maxlm.errors import ConfigError
+        from maxlm.runtime.errors import ConfigError
 
         raise ConfigError(f"--num_slices is for TPU targets; {name} is one GPU target (GPUxN sizes it)")
     return gpu.load(name)

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from maxlm.bench.targets.target import Target
-from maxlm.errors import ConfigError
+from maxlm.runtime.errors import ConfigError
 
 # GPU -> XLA's description of it. A target is GPUxN: N GPUs on hosts of 8 (the HGX/DGX boards), so
 # h100x8 is one host and h100x16 two, each host a process of its own as on a real cluster.

@@ -14,7 +14,7 @@ import os
 import re
 
 from maxlm.bench.targets.target import Target
-from maxlm.errors import ConfigError
+from maxlm.runtime.errors import ConfigError
 
 GiB = 2**30
 # generation -> (topology prefix, chip config, TensorCores per chip, HBM per chip, HBM bytes/s).
