@@ -10,12 +10,10 @@ raises, and warns through maxlm/runtime/console.py.
 
 Before a command runs, `run` sets one XLA flag for the *CPU* backend (accelerators ignore `xla_cpu_*`
 flags; XLA reads XLA_FLAGS when the first backend starts, so importing JAX before is fine): matmuls
-and reductions run as YNNPACK fusions (`--xla_cpu_experimental_ynn_fusion_type=dot,reduce`),
-measured 8-12% faster than XLA:CPU's own code on the tiny and 50M configs on jaxlib 0.10, about
-1.25x on 0.12 and 1.55x at 125M (docs/performance.md). Elementwise fusions (`eltwise`) are left out:
-XLA emits YNN elementwise fusions for operands with non-default layouts, which it then rejects at
-run time ("Instruction with unsupported layout in YNN fusion"), as the sequence-parallel eval step
-did; they were also slower. `MAXLM_XLA_CPU_DEFAULTS=0` turns the flag off; a value already in
+and reductions run as YNNPACK fusions (`--xla_cpu_experimental_ynn_fusion_type=dot,reduce`), faster
+than XLA:CPU's own code (the figures: docs/performance.md#the-cpu-xla-flag). Elementwise fusions
+(`eltwise`) are left out: XLA emits YNN elementwise fusions for operands with non-default layouts,
+which it then rejects at run time ("Instruction with unsupported layout in YNN fusion"). `MAXLM_XLA_CPU_DEFAULTS=0` turns the flag off; a value already in
 XLA_FLAGS wins; other jaxlib series don't get it (XLA aborts on flags it does not know). Importing
 maxlm changes no environment variable.
 """
@@ -37,7 +35,7 @@ USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 CPU_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 CPU_DEFAULT = f"{CPU_FLAG}=dot,reduce"
 # XLA aborts on a flag it does not know, and experimental flags come and go: only for the jaxlib
-# series this was measured with (0.10, and 0.12 of requirements.lock; docs/performance.md).
+# series it was measured with (docs/performance.md#the-cpu-xla-flag).
 TESTED_JAXLIB = ("0.10.", "0.12.")
 
 
@@ -157,7 +155,7 @@ def use_compile_cache(cfg) -> None:
     """JAX's persistent compilation cache in `cfg.compile_cache_dir`, when set, for every program
     however quick to compile (a restart should compile nothing it compiled before).
 
-    Off on several CPU devices, whoever asked for it: XLA:CPU (jaxlib 0.12) deserializes a while
+    Off on several CPU devices, whoever asked for it: XLA:CPU deserializes a while
     loop's body (the scanned layers) with a collective-ordering resource of its own, so an
     executable loaded from the cache no longer orders the loop's collectives against the ones
     outside it; the devices then enter them in different orders and wait until XLA aborts the

@@ -8,6 +8,7 @@ import ast
 import functools
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -293,3 +294,76 @@ def test_no_package_binds_a_submodule_name_to_something_else():
             elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in submodules:
                 found.append(f"{init}: def {node.name}")
     assert found == []
+
+
+# ----------------------------------------------------------------------------- the module map
+
+ARCHITECTURE_DOC = PACKAGE.parent / "docs" / "architecture.md"
+MAP_START = "<!-- module map: written by `python tests/test_structure.py` from the modules' docstrings -->"
+MAP_END = "<!-- end of the module map -->"
+
+
+def first_sentence(doc: str) -> str:
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    match = re.search(r"\.(\s|$)", paragraph)
+    return paragraph[: match.start() + 1] if match else paragraph
+
+
+def module_map() -> str:
+    """docs/architecture.md's module map: the layers bottom first, each package's modules with the
+    first sentence of their docstring (so the map changes when the code does)."""
+    by_group: dict[str, list[str]] = {}
+    for name, tree in modules().items():
+        path = PACKAGE.parent / (name.replace(".", "/") + ".py")
+        if not path.exists():
+            path = PACKAGE.parent / name.replace(".", "/") / "__init__.py"
+        by_group.setdefault(group(name), []).append(
+            f"- `{path.relative_to(PACKAGE.parent)}`: {first_sentence(ast.get_docstring(tree) or '')}")
+    lines = [MAP_START, ""]
+    for rank, names in enumerate(LAYERS):
+        for name in names:
+            if name in by_group:
+                lines += [f"**{name}** (layer {rank})", "", *sorted(by_group[name]), ""]
+    return "\n".join(lines + [MAP_END])
+
+
+def test_the_module_map_is_current():
+    text = ARCHITECTURE_DOC.read_text()
+    found = text[text.index(MAP_START): text.index(MAP_END) + len(MAP_END)]
+    assert found == module_map(), "docs/architecture.md's module map is stale: run `python tests/test_structure.py`"
+
+
+def test_every_module_says_what_it_is():
+    assert [name for name, tree in modules().items() if not ast.get_docstring(tree)] == []
+
+
+if __name__ == "__main__":
+    text = ARCHITECTURE_DOC.read_text()
+    start, end = text.index(MAP_START), text.index(MAP_END) + len(MAP_END)
+    ARCHITECTURE_DOC.write_text(text[:start] + module_map() + text[end:])
+
+
+# What goes stale with every upgrade or machine: dates, library versions and speed figures. They
+# belong in docs/ (performance.md, testing.md), measured with a command; a docstring states the contract.
+STALE = re.compile(r"20\d\d-\d\d-\d\d|\b(?:jax|jaxlib|orbax|flax|optax|grain|libtpu|tensorflow-datasets|transformers"
+                   r"|pytest|xdist)\s+\d+\.\d+|\b\d+(?:\.\d+)?x (?:faster|slower)|~ ?\d+(?:\.\d+)? ?(?:ms|s)\b"
+                   r"|\b\d+(?:\.\d+)? ?(?:GFLOP/s|GB/s)")
+
+
+def stale_docstrings(trees: dict[str, ast.Module]) -> list[str]:
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                found += [f"{name}.{getattr(node, 'name', '')}: {m.group(0)!r}"
+                          for m in STALE.finditer(ast.get_docstring(node) or "")]
+    return found
+
+
+def test_docstrings_state_contracts_not_measurements():
+    assert stale_docstrings(modules()) == []
+
+
+def test_the_stale_docstring_check_finds_measurements():
+    tree = ast.parse('"""Fast: ~44 ms a batch (measured 2026-11-29 on jax 0.12), 1.4x faster."""')
+    assert len(stale_docstrings({"m": tree})) == 4

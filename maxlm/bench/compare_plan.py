@@ -15,7 +15,7 @@ compiled step's cost and memory analyses. Of each, per device:
 - temp (activations and scratch), arguments, outputs and aliased (donated) bytes, and from them
   peak = arguments + outputs - aliased + temp, the same formula on both sides (memory analysis);
 - an estimated step time, max(flops / peak FLOP/s, bytes accessed / HBM bandwidth), from the
-  chip's datasheet (maxlm/observe/flops.py, maxlm/targets/tpu.py).
+  chip's datasheet (maxlm/observe/flops.py, maxlm/bench/targets/tpu.py).
 
 The config's logits chunks map to MaxText's vocabulary tiling of the same size
 (`num_vocab_tiling` = seq_len / model.logits_chunk_size); the mesh's data, fsdp and tensor axes

@@ -1,7 +1,7 @@
 """MaxText as the peer of `python -m maxlm.bench compare` (maxlm/bench/compare.py): a maxlm config in
 MaxText's terms, what MaxText's log says, and the venv MaxText runs in.
 
-The mapping is to MaxText 0.2.5's keys (its configs/base.yml; `check_keys` verifies them against
+The mapping is to MaxText 0.2.5's keys (its MaxText/configs/base.yml; `check_keys` verifies them against
 the installed copy). The venv is made from launch/peers/maxtext.lock, a full freeze of
 `maxtext[tpu]==0.2.5`'s environment, which needs Python 3.12 or newer.
 """
@@ -274,8 +274,7 @@ def check_keys(overrides: list[str], base_yml: str) -> None:
 
 
 def peer_base_python(named: str) -> str:
-    """The Python the peer venv is made from: `named` (--peer_python), else the one maxlm runs on
-    (3.12+ for both since maxlm moved to jax 0.12)."""
+    """The Python the peer venv is made from: `named` (--peer_python), else the one maxlm runs on."""
     if not named:
         return sys._base_executable  # the interpreter behind maxlm's own venv
     try:

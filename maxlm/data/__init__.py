@@ -1,6 +1,6 @@
 """Data: config → source(s) → cleaned, tokenized, packed shards → step-indexed batches.
 
-`make_dataset(config, split)` (`pipeline.py`) is the entry point; it reads down through the
+`make_dataset(config, split)` (`dataset.py`) is the entry point; it reads down through the
 steps' modules in that order.
 """
 

@@ -4,7 +4,7 @@ Every `.py` file of the running Python's standard library (minus `site-packages`
 with features `text` and `path` (relative, `/`-separated). About 2% of files, chosen by a stable
 hash of the path, form the `validation` split. The dataset is written in ArrayRecord format, so
 `tfds.data_source("python_stdlib", data_dir=..., split=...)` gives random access without
-TensorFlow (tensorflow-datasets 4.9.10 builds and reads ArrayRecord with TensorFlow absent).
+TensorFlow (tensorflow-datasets builds and reads ArrayRecord with TensorFlow absent).
 
 `ensure_corpus` builds it once per `data_dir`, atomically: into a temporary sibling directory,
 then one `os.rename` into place, under a file lock so concurrent processes build it only once.

@@ -1,7 +1,7 @@
 """Background reading of a dataset's batches: `TokenDataset.prefetch()`.
 
 The training loop reads batch `step` on its own thread between dispatching steps; on a fast
-accelerator that read (~44 ms for 256 x 2048 on one CPU core) would be a visible share of the step.
+accelerator that read would be a visible share of the step (docs/performance.md#data-and-checkpoints).
 A `Prefetcher` computes the next steps' batches on one background thread instead, each exactly
 `dataset.batch(step, ...)`, so the stream is unchanged.
 """

@@ -58,7 +58,7 @@ def evaluate_harness(workdir: str, task_names, include: str | None = None, shots
     """The objects `--harness` prints: one per task (and group) lm-eval reports, with its metrics,
     the number of examples and shots, the step and checkpoint. Raises RunError on a bad flag, an
     unknown task, or a workdir that cannot be used. `builtin_tasks=False` indexes the tasks in
-    `include` alone (lm-eval reads its 14,000 built-in task YAMLs in about 7 s)."""
+    `include` alone."""
     lm_eval = _lm_eval()
     from lm_eval.tasks import TaskManager
 

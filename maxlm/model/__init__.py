@@ -4,16 +4,17 @@
     params = model.init_params(cfg.model, rng)
     loss, aux = model.loss_fn(cfg.model, params, batch)
 
-`transformer.py` is the network (blocks, the pipelined forward, the losses), `pipeline.py` its
-GPipe and circular schedules over the mesh's `stage` axis; `moe.py` the mixture-of-experts MLP, `balance.py`
-its selection biases across the layers; `mtp.py` the multi-token prediction modules;
-`norms.py` RMSNorm and where blocks put it; `attention.py` the attention backends and packed mask,
-`cudnn.py` cuDNN's calls batched under vmap, `ring_attention.py`, `ring_blocks.py`,
-`zigzag.py` and `ulysses.py` the context-parallel strategies, `attention_plan.py` which kernels
-run, `positions.py` the position encodings,
-`counts.py` the parameter counts, `head.py` the output projection, `fp8.py` float8 matmuls, `backward_order.py` the unrolled
-layers' backward order.
-Nothing here knows about meshes, optimizers or data files.
+`transformer.py` is the network (blocks, the pipelined forward, the losses); `weights.py` what
+every layer module uses (parameters, weight matmuls); `attention.py` the attention backends and
+packed mask, `attention_plan.py` which kernels run, `mla.py` latent attention, `positions.py` the
+position encodings, `norms.py` the norms and where blocks put them, `layer_stack.py` local and
+global layers, `mtp.py` multi-token prediction, `output_projection.py` the logits with their
+backward, `param_counts.py` the parameter counts, `backward_order.py` the unrolled layers'
+backward order. Concerns of their own: `moe/` (the mixture-of-experts MLP, its grouped matmuls,
+expert parallelism, the router bias), `parallel/` (ring attention, Ulysses, the pipeline
+schedules over `stage`) and `kernels/` (cuDNN, fp8, the tiled matmul). The model sees the mesh
+only through the logical axis names it annotates and the context-parallel strategy it is given;
+it knows nothing of optimizers or data files.
 """
 
 from maxlm.model.moe import MoE

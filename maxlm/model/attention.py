@@ -21,7 +21,7 @@ grouped-query heads, softmax in float32. Splash ("sparse flash") attention
 (`jax.experimental.pallas.ops.tpu.splash_attention`) never writes the [L, S] scores to HBM and
 skips the key blocks the causal mask hides entirely (about half of them).
 
-What the kernel does and does not do (read from its source, jax 0.10):
+What the kernel does and does not do (read from its source):
 - it does not scale the scores: q is multiplied by 1/sqrt(Dh) here, before the kernel;
 - its layout is [heads, length, head_dim] for one sequence: we transpose and vmap over batch;
 - grouped-query attention is native: the "MHA" kernel takes k/v with K heads and reads kv head
@@ -196,7 +196,7 @@ def target_platform() -> str:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
-# The widest head JAX's cuDNN binding takes on every GPU (jax 0.12: 128; 256 on Hopper and later,
+# The widest head JAX's cuDNN binding takes on every GPU (128; 256 on Hopper and later,
 # which it asks of the local GPU, so a compile for an absent H100 cannot use it).
 CUDNN_HEAD_DIM = 128
 

@@ -261,9 +261,8 @@ def measure_matmul_flops_per_sec(device, dtype_name: str = "float32") -> float:
     """Achieved FLOP/s of a square matmul on one device; cached per process.
 
     The matrix grows until one call takes >= 50 ms, so timer resolution and
-    dispatch overhead stay small next to the work (on a 2-core x86_64 CPU that is
-    2048^2: 271-282 GFLOP/s, against 261-264 at 4096^2, whose probe took 4.5 s
-    of every start instead of 0.6 s; measured 2026-11-30). Runs at JAX's default
+    dispatch overhead stay small next to the work, and no larger, since the probe
+    runs at every start (docs/performance.md#flops-and-mfu). Runs at JAX's default
     matmul precision in `dtype_name`, i.e. what the training step gets.
     """
     return matmul_flops_per_sec(device, dtype_name, repeats=5)

@@ -1,4 +1,4 @@
-"""NVIDIA GPU hosts as compile targets: `--target=h100x8` (maxlm/targets/__init__.py).
+"""NVIDIA GPU hosts as compile targets: `--target=h100x8` (maxlm/bench/targets/__init__.py).
 
 JAX's CUDA plugin compiles for an NVIDIA GPU that is not there, from XLA's description of it (a
 `GpuTargetConfigProto`: the .txtpb files here, see README.md): `jax.experimental.topologies` turns
@@ -27,7 +27,7 @@ LAUNCHER_MEMORY_FRACTION = 0.90
 
 
 def spec_text(filename: str) -> str:
-    """The vendored description, less `collective_memory_granularity`: jaxlib 0.10's proto predates
+    """The vendored description, less `collective_memory_granularity`: older jaxlibs' protos predate
     that field (it only tunes collective buffers) and rejects the whole description for it."""
     text = (Path(__file__).parent / filename).read_text()
     return "\n".join(line for line in text.splitlines() if "collective_memory_granularity" not in line)

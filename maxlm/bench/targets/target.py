@@ -1,4 +1,4 @@
-"""What a plan needs to know of hardware it compiles for (maxlm/targets/__init__.py)."""
+"""What a plan needs to know of hardware it compiles for (maxlm/bench/targets/__init__.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cloud TPU slices as compile targets: `--target=v5p-64` (maxlm/targets/__init__.py).
+"""Cloud TPU slices as compile targets: `--target=v5p-64` (maxlm/bench/targets/__init__.py).
 
 libtpu (`pip install libtpu`, what `jax[tpu]` brings; `make test` keeps a copy in
 .venv/target-compilers) describes any TPU topology on a machine without TPUs:

@@ -13,7 +13,7 @@ outside pipelines:
 - the ring merges its blocks' outputs, and its backward pass must hand each block the whole rows'
   output and log-sum-exp, which the public VJP recomputes instead (maxlm/model/parallel/ring_blocks.py);
 - the pipeline runs its stages under `vmap`, and JAX's batching rule for the cuDNN primitive
-  (jax 0.12) reshapes a batched bias to [B, heads, L, S]: it fails for a bias shared by the heads.
+  reshapes a batched bias to [B, heads, L, S]: it fails for a bias shared by the heads.
   `_batch_folded` gives these calls their own rule: the mapped axes go into the batch axis, which
   the kernel is built for (and which GSPMD splits over `stage` and the batch axes alike).
 

@@ -5,9 +5,8 @@
 The same contract as `jax.lax.ragged_dot` (rows sorted by group; sizes_E rows per group), and the
 same algorithm as the megablox kernel, written with XLA's own ops so that it runs on any backend.
 Why: XLA:CPU lowers ragged_dot to a dense product over every group and masks the result, so its
-cost grows with the number of experts (`bench grouped_matmul` on 2 cores, bfloat16 forward and
-backward: 9.6x a dense matmul of the same rows with 8 experts, 46x with 64; this loop 2.0x and
-2.8x). Here each tile is one group's rows, so a tile costs one [tile, D] x [D, F] matmul whatever
+cost grows with the number of experts (`bench grouped_matmul`'s figures: docs/moe.md#compute).
+Here each tile is one group's rows, so a tile costs one [tile, D] x [D, F] matmul whatever
 the number of groups.
 
 Layout: group e's rows move to a run of ceil(sizes_E[e] / tile) tiles; tiles left over at the end
@@ -144,16 +143,15 @@ STEP_WEIGHT_BYTES = 128 << 20  # at most this much of the experts' weights gathe
 
 def default_tile(rows: int, num_groups: int) -> int:
     """Rows per tile: 256 when the groups average at least 512 rows (the padding, half a tile per
-    group on average, is then at most a quarter of the rows), else 128. On an H200 at Qwen3-30B-A3B's
-    shapes, 256-row tiles ran 1.4x faster than 128-row ones (docs/moe.md)."""
+    group on average, is then at most a quarter of the rows), else 128 (the measured choice:
+    docs/moe.md#compute)."""
     return 256 if rows >= 2 * 256 * num_groups else 128
 
 
 def default_tiles_per_step(rows: int, w_EDF, tile: int) -> int:
     """Tiles per loop step: a power of two, as many as keep the gathered weights (one [D, F] matrix
     per tile) within STEP_WEIGHT_BYTES, and no more than the tiles there are. Fewer, fuller steps
-    matter most on GPUs, where each step costs kernel launches: one tile per step ran 5x slower
-    than 32 per step on an H200 at Qwen3-30B-A3B's shapes (docs/moe.md)."""
+    matter most on GPUs, where each step costs kernel launches (docs/moe.md#compute)."""
     E, D, F = w_EDF.shape
     fit = max(1, STEP_WEIGHT_BYTES // (D * F * jnp.dtype(w_EDF.dtype).itemsize))
     most = min(fit, -(-rows // tile) + E)

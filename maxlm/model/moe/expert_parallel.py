@@ -10,34 +10,14 @@ The dropless layer runs here also when no axis splits the experts but the tokens
 fsdp, sequence): each device then sorts and computes its own tokens' slots, with all the experts'
 weights, where GSPMD's global sort would gather every device's token-slots.
 
-moe.py's layer calls these with its own functions for the local compute (this module imports
-nothing of moe.py's), so a change to the single-device compute reaches both paths.
-
-The routing (router matmul, top-k, the aux and z statistics, the capacity queue positions) stays
-in the layer's ordinary GSPMD code, so its statistics are global: the 1-device numbers. Only the
-expert compute runs in `jax.shard_map`, each device on its own tokens (its share of batch and
-length: the `batch` rule includes `expert`) and its own experts:
-
-- dropless (capacity 0), `model.expert_dispatch`:
-  ragged_all_to_all (MaxText's exchange; "auto" on GPUs and TPUs): each device sorts its own
-  slots by expert and sends each expert's run to that expert's device only
-  (`jax.lax.ragged_all_to_all`, emulated on CPUs: maxlm/model/moe/ragged_exchange.py); the receiver
-  puts them in its local experts' order, runs `moe.sorted_experts`, and the outputs return the same way.
-  all_gather (Megatron-LM's "allgather" dispatcher; "auto" on CPUs): the tokens of the n devices
-  along `expert` are all-gathered, each device sorts the slots routed to its experts and runs
-  `moe.sorted_experts` on them, and a reduce-scatter sums the n partial outputs back onto the
-  tokens' devices. Both have static shapes and are exact.
-- capacity: GShard. Each device fills its tokens' [B, E, C, D] expert buffers (C per sequence:
-  `moe.capacity`), an all-to-all over `expert` sends each expert's buffers to its device
-  ([n·B, E/n, C, D] there), the experts run, and a second all-to-all brings the outputs back.
-  Under sequence parallelism a row's buffers are filled by several devices: a reduce-scatter over
-  the `length` axes joins them (each then holds C/s of the slots) and an all-gather splits them
-  again after the return trip.
-
-Weights: the experts dim split over `expert`; the D dim enters whole (jit all-gathers an fsdp
-split at the boundary and reduce-scatters the gradients); a `tensor`-split F stays split, each
-device computing its slice of the hidden units, and the down projection's partial sums are
-psum'd over `tensor`.
+The MoE layer calls these with its own functions for the local compute (this module imports
+nothing of the layer's), so a change to the single-device compute reaches both paths. The routing
+stays in the layer's ordinary GSPMD code, so its statistics are global (the 1-device numbers);
+only the expert compute runs in `jax.shard_map`, each device on its own tokens (the `batch` rule
+includes `expert`) and its own experts: dropless through the ragged all-to-all or the all-gather
+exchange (`model.expert_dispatch`), capacity through GShard's two all-to-alls. Both dropless
+exchanges have static shapes and are exact. How each exchange moves the tokens and the weights'
+splits: docs/moe.md#parallelism.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ are unspecified and its caller zeroes them). Three backends, the same numbers:
              MaxText's `megablox=True`), with its own VJP: `gmm` for x's gradient and `tgmm` for
              the weights'. "auto" on TPUs.
 
-What the kernel needs (read from its source, jax 0.12): float32 or bfloat16 operands, int32 group
+What the kernel needs (read from its source): float32 or bfloat16 operands, int32 group
 sizes, and a row count divisible by the row tile. Rows are padded to the tile here and the padded
 rows cut from the output: they belong to no group, so the kernel never writes them (their values
 are whatever the memory held) and its weight gradient masks them out. Tiles (rows, contraction,

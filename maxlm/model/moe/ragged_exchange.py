@@ -1,5 +1,5 @@
 """`jax.lax.ragged_all_to_all`, and the same exchange built from all-gathers for XLA:CPU, which
-cannot run the collective (jax 0.12: "HLO opcode ragged-all-to-all is not supported").
+cannot run the collective ("HLO opcode ragged-all-to-all is not supported").
 
     result = ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                                recv_sizes, axis_name, platform)

@@ -12,7 +12,7 @@ running max and sum, float32), so per-device memory is O(L/n), not O(L).
 The mask is `attention.attention_mask`'s (causal, within a document; padding, segment 0, attends
 to earlier padding) computed from what travels with each block: its segment ids and its tokens'
 indices in the original sequence (`token_index_L`: arange(L), or the zig-zag order of
-maxlm/model/load_balance.py). A block wholly in a row block's future (or in other documents) is
+maxlm/model/parallel/zigzag.py). A block wholly in a row block's future (or in other documents) is
 skipped (`lax.cond`). Each device's first block is its own, which holds every row's diagonal, so
 no row's running max stays at -inf and no softmax row is ever empty.
 

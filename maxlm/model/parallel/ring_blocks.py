@@ -21,7 +21,7 @@ The forward kernels return each part's normalised output and log-sum-exp (splash
 the *whole* row's output and log-sum-exp (flash attention's backward: P = exp(S − lse),
 dS = P ∘ (dP − rowsum(dO ∘ O))), which neither kernel's public VJP takes, as each recomputes its
 own part's. So `backward` calls the kernels' backward rules with those residuals: splash's
-`splash_attention_kernel._splash_attention_bwd` (private, jax 0.12) and `cudnn.backward`.
+`splash_attention_kernel._splash_attention_bwd` (private) and `cudnn.backward`.
 Splash is checked against `xla_attention` by tests/test_ring_attention.py in the Pallas
 interpreter; cuDNN is compiled for H100s in CI and checked against `xla_attention` only on a GPU
 (tests/test_cudnn.py).
