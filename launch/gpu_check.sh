@@ -41,7 +41,7 @@ check() {  # check NAME LIMIT_SECONDS COMMAND...: stdout to NAME.json, stderr to
 
 check devices 60 "$PY" -c '
 import json, jax
-from maxlm.train import flops
+from maxlm.observe import flops
 print(json.dumps({"jax": jax.__version__, "platform_version": jax.devices()[0].client.platform_version,
                   "backend": jax.default_backend(), "devices": [d.device_kind for d in jax.devices()],
                   "compute_capability": getattr(jax.devices()[0], "compute_capability", None),

@@ -18,6 +18,8 @@ os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # whatever the caller's en
 
 import pytest  # noqa: E402  (after XLA_FLAGS, which must be set before JAX is imported)
 
+pytest_plugins = ["pytester"]  # tests/test_budget.py runs the suite's own hooks in a pytest of its own
+
 from maxlm import cli  # noqa: E402
 
 cli.set_xla_cpu_defaults()  # as every command does: tests run the CPU code the commands run
@@ -79,3 +81,31 @@ def pytest_collection_modifyitems(config, items):
                         for m in item.iter_markers("xdist_group")})
         if names and "@" not in item.nodeid:
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
+# The budget of one test in each tier (docs/testing.md#tiers-and-their-cost). The tiers stay inside
+# their minutes only if no single test grows unnoticed; the budgets leave room for a loaded CI
+# machine (about 2.5x slower than a quiet one), so a test past one has grown, not been unlucky.
+# MAXLM_TEST_BUDGET_SCALE scales them for a machine known to be slower.
+BUDGET_SEC = {"make test": 300, "ci": 900}
+BUDGET_SCALE = float(os.environ.get("MAXLM_TEST_BUDGET_SCALE", "1"))  # read once, as the run starts
+
+
+def over_budget(seconds: float, tier: str) -> str | None:
+    """The failure message for a test phase that took `seconds` in `tier`, or None within budget."""
+    budget = BUDGET_SEC[tier] * BUDGET_SCALE
+    if seconds <= budget:
+        return None
+    return (f"took {seconds:.1f} s, past the {budget:g} s budget of a `{tier}` test "
+            "(docs/testing.md#tiers-and-their-cost): make it cheaper, or move it to the ci tier")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A passing test's setup or call past its tier's budget is reported as failed."""
+    report = (yield).get_result()
+    if call.when in ("setup", "call") and report.passed:
+        message = over_budget(call.duration, "ci" if item.get_closest_marker("ci") else "make test")
+        if message:
+            report.outcome = "failed"
+            report.longrepr = f"{item.nodeid} ({call.when}) {message}"

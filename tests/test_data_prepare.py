@@ -88,7 +88,7 @@ def test_chunked_prepare_is_bitwise_the_in_memory_one(tmp_path, monkeypatch, tok
 _RSS_SCRIPT = """
 import json, resource, sys
 from maxlm import config as config_lib
-from maxlm.data import build
+from maxlm.data.prepare import build
 from maxlm.data.tokenizers import checked_tokenizer
 c = config_lib.defaults()
 c.seq_len, c.batch_size = 2048, 8

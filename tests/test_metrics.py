@@ -284,7 +284,7 @@ def test_tensorboard_writer_leaves_torch_unimported_and_importable(tmp_path):
     """tensorboardX imports torch when installed (seconds of every run's start); the writer hides
     it during that import, and a later `import torch` still works."""
     pytest.importorskip("torch")
-    code = ("import sys; from maxlm.train import metrics; metrics.TensorBoardWriter(sys.argv[1]).close(); "
+    code = ("import sys; from maxlm.observe import metrics; metrics.TensorBoardWriter(sys.argv[1]).close(); "
             "print('torch' in sys.modules); import torch; print(torch.ones(1).item())")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "1.0"], out.stderr[-2000:]

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 # stale or broken view of the shared filesystem would).
 TRAIN_WITH_A_BLIND_PROCESS = """
 import os, sys
-from maxlm.train import __main__ as train_command, checkpoint
+from maxlm.train import __main__ as train_command
+from maxlm.checkpoint import store as checkpoint
 from maxlm import cli
 blind = os.environ.get("MAXLM_TEST_BLIND_STEP")
 if blind and os.environ["JAX_PROCESS_ID"] == "1":
@@ -44,7 +45,7 @@ cli.run(train_command.main, train_command.define_flags)
 # error, as gcsfs or a Beam runner raises them).
 TRAIN_WITH_A_FAILING_BUILD = """
 import os, sys
-from maxlm.data import build
+from maxlm.data.prepare import build
 from maxlm.train import __main__ as train_command
 from maxlm import cli
 if os.environ["JAX_PROCESS_ID"] == "0":

@@ -142,7 +142,7 @@ def test_a_lease_taken_by_another_run_is_reported_lost_and_left_to_it(workdir):
 
 HOLDING = """
 import sys
-from maxlm.train import workdir_lock
+from maxlm.checkpoint import workdir_lock
 from maxlm.train.__main__ import stop_on_lost_lease
 workdir_lock.LEASE_SECONDS = float(sys.argv[2])
 workdir_lock.hold(sys.argv[1], on_lost=stop_on_lost_lease)  # as maxlm.train does
