@@ -16,7 +16,7 @@ LOCAL, GLOBAL = "L", "G"
 def kinds(model_cfg, first: int = 0, count: int | None = None) -> str:
     """The kinds of layers first .. first + count - 1 (default: all), bottom first. Without a
     pattern every layer is of the one kind GLOBAL, which runs the model's own config (with its
-    `model.sliding_window` on every layer, if set: Mistral; layer_pattern.kind_config)."""
+    `model.sliding_window` on every layer, if set: Mistral; layer_stack.kind_config)."""
     pattern = model_cfg.layer_pattern or GLOBAL
     count = model_cfg.num_layers - first if count is None else count
     return "".join(pattern[i % len(pattern)] for i in range(first, first + count))

@@ -444,7 +444,7 @@ def check_eval(c):
 
 def check_context_parallel(c) -> None:
     """`model.context_parallel` and `model.context_load_balance` against the resolved mesh (run
-    after `axes.check_mesh`). With mesh.sequence=1 both are no-ops: there is nothing to split."""
+    after `mesh_axes.check_mesh`). With mesh.sequence=1 both are no-ops: there is nothing to split."""
     m, sequence = c.model, c.mesh.sequence
     if m.context_load_balance and m.context_parallel != "ring":
         raise ConfigError(f"model.context_load_balance=True needs model.context_parallel='ring', got "

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from maxlm.config.layer_kinds import GLOBAL, LOCAL, kinds, period  # noqa: F401  (layer_pattern.kinds etc.)
+from maxlm.config.layer_kinds import GLOBAL, LOCAL, kinds, period  # noqa: F401  (layer_stack.kinds etc.)
 
 
 def kind_config(model_cfg, kind: str):

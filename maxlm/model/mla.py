@@ -10,7 +10,7 @@ goes on a few separate dimensions, so that what a KV cache must hold is the late
 
 with N = `qk_nope_head_dim`, R = `qk_rope_head_dim`, V = `v_head_dim`, C = `kv_lora_rank`, the
 query bottleneck `q_lora_rank` (transformers' names). Training expands the latent into H keys and
-values and attends as any layer does (`layers.attend_heads`, values of their own width).
+values and attends as any layer does (`weights.attend_heads`, values of their own width).
 Generation caches c and RoPE(k_r), [S, C + R] per layer instead of [S, 2·K·Dh] (DeepSeek-V3:
 576 numbers a token against 32,768 for its 128 heads), and folds W_kvb into the query and the
 output (`decode_attention`): q_n · k_n = (W_kvb_k^T q_n) · c, and the values' sum is W_kvb_v

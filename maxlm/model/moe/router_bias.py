@@ -1,6 +1,6 @@
 """DeepSeek-V3's auxiliary-loss-free load balancing over a whole model (`model.load_balance=bias`).
 
-    params = balance.rebalanced(model_cfg, params, before, load_ME)   # in the training step
+    params = router_bias.rebalanced(model_cfg, params, before, load_ME)   # in the training step
 
 Each MoE layer selects its experts with the param `mlp/router_bias` [E] added to the router's
 scores (maxlm/model/moe/). Scanned, the MoE layers are the `layers` group (an MoE model's dense
