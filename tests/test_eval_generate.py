@@ -301,6 +301,17 @@ def test_generate_cli(run):
     assert result["distinct_2"] == gen.distinct_n([content, content], 2)
 
 
+def test_generate_past_the_runs_seq_len_warns_and_generates(run):
+    """Positions past seq_len were never trained: one warning on stderr, then the tokens (issue 54:
+    the warning called a function that does not exist and the command crashed)."""
+    cfg, workdir, _ = run
+    done = _cli("maxlm.generate", f"--workdir={workdir}", "--prompt=x", f"--max_new_tokens={cfg.seq_len}",
+                "--temperature=0", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"longer than the run's seq_len={cfg.seq_len}: positions past it were never trained" in done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["num_tokens"] >= 1
+
+
 def test_distinct_n_on_a_hand_made_case():
     """Distinct n-grams over all n-grams of every sample; an n-gram never spans two samples."""
     samples = [[1, 2, 3, 1, 2], [1, 2]]
