@@ -61,6 +61,22 @@ def test_make_install_takes_the_accelerators_lock(tmp_path, accel):
     assert f"echo {accel} > {venv}/.accel" in dry.stdout  # later make commands keep it
 
 
+@pytest.mark.parametrize("target, packages", [("install-tensorboard", ["tensorboard"]),
+                                              ("install-hf", ["torch", "transformers"])])
+def test_the_optional_pieces_install_at_the_tested_versions(tmp_path, target, packages):
+    """The docs' `make install-tensorboard` and `make install-hf` (issue 54: they said
+    requirements.lock pinned what only the tests installed): each installs its packages under the
+    test lock's pins, which pin every one of them, so the venv gets what CI ran."""
+    venv = tmp_path / "venv"
+    dry = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    line = [line for line in dry.stdout.splitlines() if "pip install" in line][-1]  # after the venv's own
+    assert line.endswith("-c requirements.lock -c requirements-test.lock " + " ".join(packages))
+    assert set(packages) <= set(pins("requirements-test.lock"))
+    for package in packages:  # and what the test tier installed is those pins
+        assert importlib.metadata.version(package) == pins("requirements-test.lock")[package]
+
+
 def test_make_install_refuses_an_unknown_accelerator_before_touching_anything(tmp_path):
     venv = tmp_path / "venv"
     result = subprocess.run(["make", "install", "ACCEL=rocm", f"VENV={venv}"], cwd=ROOT,
