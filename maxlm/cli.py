@@ -92,6 +92,7 @@ def run(main: Callable[[list[str]], None], define_flags: Callable[[], None],
     from absl import app
 
     set_xla_cpu_defaults()
+    skip_absent_accelerators()
 
     def guarded(argv):
         try:
@@ -108,6 +109,19 @@ def run(main: Callable[[list[str]], None], define_flags: Callable[[], None],
         config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
     define_flags()
     app.run(guarded, flags_parser=parse_flags)
+
+
+def skip_absent_accelerators() -> None:
+    """JAX_PLATFORMS=cpu where no accelerator can be present (maxlm/runtime/platforms.py), so an
+    installed libtpu or CUDA plugin prints none of its errors off its hardware. A JAX_PLATFORMS
+    the user set wins."""
+    from maxlm.runtime import platforms
+
+    if "JAX_PLATFORMS" not in os.environ and platforms.cpu_only():
+        os.environ["JAX_PLATFORMS"] = "cpu"  # for the processes a command starts
+        import jax  # JAX reads the variable when it is imported, maybe already
+
+        jax.config.update("jax_platforms", "cpu")
 
 
 def start(argv: list[str], required: tuple[str, ...] = ()):
