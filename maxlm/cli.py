@@ -135,6 +135,11 @@ def start(argv: list[str], required: tuple[str, ...] = ()):
     missing = [f"--{name}" for name in required if not flags.FLAGS[name].value]
     if missing:
         config_error(" and ".join(missing) + (" is" if len(missing) == 1 else " are") + " required")
+    workdir = flags.FLAGS["workdir"].value if "workdir" in flags.FLAGS else None
+    if workdir and str(workdir).startswith("gs://"):
+        from maxlm.runtime import gcs
+
+        gcs.check_reachable(str(workdir))  # a UserError: exit 2, one line
     return flags.FLAGS
 
 

@@ -257,3 +257,29 @@ def test_a_task_a_tokenizer_and_a_hf_folder_are_read_from_gs(tmp_path, sp_model,
         assert got.sharding == target.sharding
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not (tmp_path / "gs:").exists()
+
+
+@pytest.mark.parametrize("emulator, where", [("http://127.0.0.1:9", ("127.0.0.1", 9)), ("localhost:4443", ("localhost", 4443)),
+                                             ("https://gcs.example", ("gcs.example", 443)), ("", ("storage.googleapis.com", 443))])
+def test_the_endpoint_is_the_one_gcsfs_uses(monkeypatch, emulator, where):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator)
+    assert gcs.endpoint() == where
+
+
+def test_a_gs_workdir_that_cannot_be_reached_is_one_line_and_exit_2_in_seconds(tmp_path):
+    """Issue 54: with no network, gcsfs retried for 53 s and the command printed a 186-line
+    traceback with exit 1. Here the endpoint is a closed port on this machine."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import command_env, free_port
+
+    env = command_env(tmp_path, devices=None, STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{free_port()}")
+    for command in (["maxlm.train", "--config=configs/tiny.py"], ["maxlm.eval"]):
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", *command, "--workdir=gs://bucket/run"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and time.monotonic() - start < 15 + 30  # + a loaded machine's start-up
+        [line] = done.stderr.strip().splitlines()
+        assert "gs://bucket/run: Cloud Storage (127.0.0.1:" in line and "cannot be reached" in line, line

@@ -14,13 +14,42 @@ dropped from gcsfs's listing cache so epath, which shares the filesystem, reads 
 
 from __future__ import annotations
 
+import os
+import socket
+import urllib.parse
 import uuid
+
+from maxlm.runtime.errors import UserError
 
 SEGMENT_PREFIX = ".maxlm-append-"  # a name no reader matches (TensorBoard looks for "tfevents")
 
 
 class GenerationChanged(Exception):
     """A precondition failed (HTTP 412): the object is not at the generation given."""
+
+
+REACH_TIMEOUT_SEC = 5.0  # one TCP connect; gcsfs itself retries a dead endpoint for most of a minute
+
+
+def endpoint() -> tuple[str, int]:
+    """The host and port gcsfs sends its requests to: STORAGE_EMULATOR_HOST's, or Cloud Storage's."""
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if emulator and emulator != "default":
+        parsed = urllib.parse.urlsplit(emulator if "://" in emulator else f"http://{emulator}")
+        return parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+    return "storage.googleapis.com", 443
+
+
+def check_reachable(url: str) -> None:
+    """UserError (one line) when Cloud Storage's endpoint cannot be reached from here (no network,
+    no DNS, a firewall), found in seconds, before gcsfs's minute of retries and tracebacks."""
+    host, port = endpoint()
+    try:
+        socket.create_connection((host, port), timeout=REACH_TIMEOUT_SEC).close()
+    except OSError as e:
+        reason = e.strerror or str(e) or type(e).__name__
+        raise UserError(f"{url}: Cloud Storage ({host}:{port}) cannot be reached from this machine ({reason}): "
+                        "no network, or a firewall or proxy in the way") from None
 
 
 def filesystem():
