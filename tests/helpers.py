@@ -59,6 +59,28 @@ def with_overrides(cfg, overrides: dict):
     return config_lib.apply_overrides(cfg, overrides)
 
 
+def tiny(*overrides: dict, mesh: tuple[int, int, int] | None = None, devices: int | None = None, **keys):
+    """configs/tiny.py, resolved: the tests' one small config.
+
+    `overrides` (dicts) and then the keyword args `keys` are set in the order given, each a dotted
+    key (`steps=3`, `**{"optim.lr": 1e-3}`), or a section's name with a dict of its keys
+    (`model=dict(d_model=32)`, as `cfg.model.update(...)`). `mesh`: (data, fsdp, tensor), the
+    other axes left at 1; resolved for as many devices as it holds. `devices`: resolved for that
+    many (default: the mesh's, else all of JAX's)."""
+    cfg = load_config("tiny")
+    for group in (*overrides, keys):
+        for key, value in group.items():
+            if isinstance(value, dict) and isinstance(cfg.get(key), config_lib.ml_collections.ConfigDict):
+                cfg[key].update(value)
+            else:
+                with_overrides(cfg, {key: value})
+    if mesh is not None:
+        cfg.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
+    if devices is None:
+        devices = int(np.prod(mesh)) if mesh is not None else jax.device_count()
+    return config_lib.resolve(cfg, devices)
+
+
 def train_metrics(cfg, steps: int, batch_for_step, devices=None):
     """The metrics ({name: number}) of `steps` jitted train steps on `batch_for_step(step)`, on
     `devices` (default: all; `cfg` resolved for as many), and the final state."""

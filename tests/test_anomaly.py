@@ -15,7 +15,7 @@ from maxlm import config as config_lib
 from maxlm.resilience import anomaly
 from maxlm.runtime.errors import ConfigError
 from maxlm.train import loop
-from tests.helpers import load_config, metrics_rows, saved_meta, saved_state, train_rows, with_overrides
+from tests.helpers import metrics_rows, saved_meta, saved_state, tiny, train_rows
 
 SPIKE = {"eval.every_steps": 0, "log_every_steps": 1, "metrics.tensorboard": False,
          "checkpoint.every_steps": 5, "anomaly.enabled": True, "anomaly.warmup": 8, "anomaly.ema": 0.9,
@@ -80,18 +80,13 @@ def test_meta_round_trips_the_skips_statistics_and_the_unread_loss():
 ])
 def test_bad_anomaly_keys_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        config_lib.resolve(with_overrides(load_config("tiny"), overrides), 8)
-
-
-def tiny(data_dirs, **overrides):
-    cfg = with_overrides(load_config("tiny"), {**data_dirs, **SPIKE, **overrides})
-    return config_lib.resolve(cfg, jax.device_count())
+        tiny(overrides, devices=8)
 
 
 @pytest.fixture(scope="module")
 def spike_run(tmp_path_factory, data_dirs):
     workdir = tmp_path_factory.mktemp("spike")
-    loop.train_and_evaluate(tiny(data_dirs), str(workdir))
+    loop.train_and_evaluate(tiny(data_dirs, SPIKE), str(workdir))
     return workdir
 
 
@@ -125,7 +120,7 @@ def test_resume_before_and_after_the_rollback_is_bitwise_exact(spike_run, tmp_pa
         if step > keep:
             shutil.rmtree(run / "checkpoints" / str(step))
     (run / "metrics.jsonl").write_text("")
-    loop.train_and_evaluate(tiny(data_dirs), str(run))
+    loop.train_and_evaluate(tiny(data_dirs, SPIKE), str(run))
     resumed, clean = train_rows(run), train_rows(spike_run)
     assert [resumed[s]["loss"] for s in range(keep + 1, 21)] == [clean[s]["loss"] for s in range(keep + 1, 21)]
     assert resumed[20]["rollbacks"] == 1 and resumed[20]["spikes"] == 2
@@ -135,7 +130,7 @@ def test_resume_before_and_after_the_rollback_is_bitwise_exact(spike_run, tmp_pa
 
 @pytest.mark.ci
 def test_off_by_default_the_spike_stays(data_dirs, tmp_path):
-    cfg = tiny(data_dirs, **{"anomaly.enabled": False, "steps": 16})
+    cfg = tiny(data_dirs, SPIKE, **{"anomaly.enabled": False, "steps": 16})
     loop.train_and_evaluate(cfg, str(tmp_path))
     r = train_rows(tmp_path)
     # the spike stays: worse than the untrained model's first step and over twice step 14's loss

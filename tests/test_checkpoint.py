@@ -16,15 +16,10 @@ from maxlm import config as config_lib
 from maxlm.checkpoint import __main__ as checkpoint_command, compatibility, store as checkpoint
 from maxlm.resilience import faults
 from maxlm.train import loop
-from tests.helpers import load_config, saved_meta, saved_state, train_rows, with_overrides
+from tests.helpers import saved_meta, saved_state, tiny, train_rows
 
 BASE = {"eval.every_steps": 0, "log_every_steps": 1, "metrics.tensorboard": False,
         "checkpoint.every_steps": 5}
-
-
-def tiny(data_dirs, **overrides):
-    cfg = with_overrides(load_config("tiny"), {**data_dirs, **BASE, **overrides})
-    return config_lib.resolve(cfg, jax.device_count())
 
 
 def steps_in(workdir):
@@ -34,7 +29,7 @@ def steps_in(workdir):
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory, data_dirs):
     workdir = tmp_path_factory.mktemp("clean")
-    loop.train_and_evaluate(tiny(data_dirs), str(workdir))
+    loop.train_and_evaluate(tiny(data_dirs, BASE), str(workdir))
     return workdir
 
 
@@ -57,7 +52,7 @@ def test_nan_step_skipped_counted_never_saved(tmp_path, data_dirs, clean_run, ca
     and a log row every step, process 0's clock says a save is due at every step; it is read one
     step late and a save restarts it: temporary saves fall on 12, 14, 17, 19.)"""
     caplog.set_level(logging.INFO, logger="maxlm")
-    cfg = tiny(data_dirs, **{"debug.nan_at_step": 13, "checkpoint.every_minutes": 1e-5})
+    cfg = tiny(data_dirs, BASE, **{"debug.nan_at_step": 13, "checkpoint.every_minutes": 1e-5})
     last = loop.train_and_evaluate(cfg, str(tmp_path))
     rows = train_rows(tmp_path)
     assert not math.isfinite(float(rows[14]["grad_norm"])) and rows[14]["skipped_steps"] == 1
@@ -74,7 +69,7 @@ def test_nan_step_skipped_counted_never_saved(tmp_path, data_dirs, clean_run, ca
 
 def test_bad_streak_restores_last_good_checkpoint(tmp_path, data_dirs, clean_run, capsys):
     """3 consecutive NaN steps (a transient fault) → back to step 10, replay: the clean losses."""
-    cfg = tiny(data_dirs, **{"debug.nan_at_step": 11, "debug.nan_steps": 3,
+    cfg = tiny(data_dirs, BASE, **{"debug.nan_at_step": 11, "debug.nan_steps": 3,
                              "checkpoint.restore_lr_scale": 0.5})
     last = loop.train_and_evaluate(cfg, str(tmp_path))
     err = capsys.readouterr().err
@@ -90,7 +85,7 @@ def test_bad_streak_restores_last_good_checkpoint(tmp_path, data_dirs, clean_run
 
 @pytest.mark.ci
 def test_persistent_nan_stops_and_keeps_last_good(tmp_path, data_dirs):
-    cfg = tiny(data_dirs, **{"debug.nan_at_step": 11, "debug.nan_steps": 3,
+    cfg = tiny(data_dirs, BASE, **{"debug.nan_at_step": 11, "debug.nan_steps": 3,
                              "debug.nan_transient": False, "checkpoint.max_to_keep": 1})
     with pytest.raises(faults.NonFiniteLossError, match=r"still after 2 restore\(s\).*step 10"):
         loop.train_and_evaluate(cfg, str(tmp_path))
@@ -112,7 +107,7 @@ def test_damaged_and_incomplete_checkpoints_are_skipped(tmp_path, clean_run, dat
     assert "unreadable _CHECKPOINT_METADATA" in out and "does not restore" in out
     (run / "metrics.jsonl").write_text("")
 
-    last = loop.train_and_evaluate(tiny(data_dirs, steps=20), str(run))
+    last = loop.train_and_evaluate(tiny(data_dirs, BASE, steps=20), str(run))
     err = capsys.readouterr().err
     assert f"ignoring incomplete checkpoint {ckpts / '25.orbax-checkpoint-tmp'}" in err
     assert f"skipping damaged checkpoint {ckpts / '15'}: unreadable _CHECKPOINT_METADATA" in err
@@ -147,14 +142,14 @@ def test_keep_policies(tmp_path):
 
 def test_restore_from_another_run(tmp_path, clean_run, data_dirs):
     full = tmp_path / "full"
-    cfg = tiny(data_dirs, **{"checkpoint.restore_from": str(clean_run / "checkpoints" / "10")})
+    cfg = tiny(data_dirs, BASE, **{"checkpoint.restore_from": str(clean_run / "checkpoints" / "10")})
     loop.train_and_evaluate(cfg, str(full))
     rows, clean = train_rows(full), train_rows(clean_run)
     assert sorted(rows) == list(range(11, 21))  # the full state: step, optimizer, data position
     assert all(rows[s]["loss"] == clean[s]["loss"] for s in rows)
 
     params_only = tmp_path / "params"
-    cfg = tiny(data_dirs, steps=3, **{"checkpoint.restore_from": str(clean_run), "optim.warmup_steps": 1,
+    cfg = tiny(data_dirs, BASE, steps=3, **{"checkpoint.restore_from": str(clean_run), "optim.warmup_steps": 1,
                                       "checkpoint.restore_params_only": True})
     loop.train_and_evaluate(cfg, str(params_only))
     rows = train_rows(params_only)
@@ -178,12 +173,11 @@ def test_expected_state_holds_a_learned_position_table():
     """verify and restore build the state from the recorded config: a learned-positions run's
     holds its table (and its Adam moments); a config recorded before `model.positions` existed
     is a RoPE model's, without one."""
-    learned = with_overrides(load_config("tiny"), {"model.positions": "learned"})
-    recorded = json.loads(config_lib.to_json(config_lib.resolve(learned, jax.device_count())))
+    recorded = json.loads(config_lib.to_json(tiny({"model.positions": "learned"})))
     expected = compatibility.expected_state(recorded)
     assert expected["params"]["pos_embed"].shape == (64, 64)  # [seq_len, d_model]
     assert len([leaf for leaf in jax.tree.leaves(expected["opt_state"]) if leaf.shape == (64, 64)]) == 2
-    older = json.loads(config_lib.to_json(config_lib.resolve(load_config("tiny"), jax.device_count())))
+    older = json.loads(config_lib.to_json(tiny()))
     del older["model"]["positions"], older["model"]["max_positions"]
     assert "pos_embed" not in compatibility.expected_state(older)["params"]
 
@@ -191,12 +185,12 @@ def test_expected_state_holds_a_learned_position_table():
 def test_another_position_encoding_does_not_resume(clean_run, data_dirs, tmp_path):
     """Resuming (or restore_from) with another model.positions is one clear error before anything
     compiles, not every checkpoint set aside as damaged."""
-    loop.check_start(tiny(data_dirs), str(clean_run))  # the same encoding resumes
-    learned = tiny(data_dirs, **{"model.positions": "learned"})
+    loop.check_start(tiny(data_dirs, BASE), str(clean_run))  # the same encoding resumes
+    learned = tiny(data_dirs, BASE, **{"model.positions": "learned"})
     with pytest.raises(ValueError, match=r"^model.positions='learned', model.max_positions=64, but the "
                        r"checkpoint .*/20 was written with model.positions='rope': its parameters do not fit"):
         loop.check_start(learned, str(clean_run))
-    from_run = tiny(data_dirs, **{"model.positions": "sinusoidal", "checkpoint.restore_from": str(clean_run),
+    from_run = tiny(data_dirs, BASE, **{"model.positions": "sinusoidal", "checkpoint.restore_from": str(clean_run),
                                   "checkpoint.restore_params_only": True})
     with pytest.raises(ValueError, match="was written with model.positions='rope'"):
         loop.check_start(from_run, str(tmp_path))

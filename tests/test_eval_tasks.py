@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxlm import config as config_lib, generate as gen, model
+from maxlm import generate as gen, model
 from maxlm.checkpoint import saved_run
 from maxlm.data import sources
 from maxlm.data.errors import DataError
@@ -24,13 +24,9 @@ from maxlm.data.tokenizers import ByteTokenizer
 from maxlm.eval import during_training, tasks
 from maxlm.sharding import mesh as mesh_lib, state as state_lib
 from maxlm.train import loop
-from tests.helpers import ROOT, command_env, load_config, metrics_rows, with_overrides
+from tests.helpers import ROOT, command_env, metrics_rows, tiny
 
 STEPS, CHANCE = 100, 0.25
-
-
-def tiny(**overrides):
-    return config_lib.resolve(with_overrides(load_config("tiny"), overrides), jax.device_count())
 
 
 def continuation_task(docs, path, n=400, width=2, num_choices=4, seed=0):

@@ -15,7 +15,7 @@ from maxlm.model.kernels import fp8
 from maxlm.optim import optimizers as optim
 from maxlm.sharding import mesh as mesh_lib, state as state_lib
 from maxlm.train import step as step_lib
-from tests.helpers import load_config, packed_batch, padded_packed_batch
+from tests.helpers import load_config, packed_batch, padded_packed_batch, tiny
 
 
 def assert_close(actual, expected, tol, what=""):
@@ -169,9 +169,7 @@ def test_splash_sharded_over_mesh_matches_xla():
     """Under a data=2 x fsdp=2 x tensor=2 mesh: one shard_map, batch split 4 ways, the 4 heads and
     2 kv heads 2 ways (each device: 2 query heads on their 1 kv head); same numbers as unsharded.
     Then with heads replicated (a rule mapping them to no axis): still the same numbers."""
-    cfg = load_config("tiny")
-    cfg.mesh.update(data=2, fsdp=2, tensor=2)
-    cfg = config_lib.resolve(cfg, jax.device_count())
+    cfg = tiny(mesh=(2, 2, 2))
     mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
     q, k, v, cotangent = _qkv(2, batch=4)
     segment_ids = jnp.asarray(np.concatenate([SEGMENT_IDS, SEGMENT_IDS[::-1]]))
@@ -185,9 +183,9 @@ def test_splash_sharded_over_mesh_matches_xla():
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny_state():
     """configs/tiny.py resolved for one device, and its initial train state (shared: init is slow)."""
-    cfg = config_lib.resolve(load_config("tiny"), 1)
+    cfg = tiny(devices=1)
     init = functools.partial(state_lib.init_state, cfg, optim.make_optimizer(cfg))
     return cfg, jax.jit(init)(jax.random.key(cfg.seed))
 
@@ -196,11 +194,11 @@ def _copy(cfg):
     return config_lib.ml_collections.ConfigDict(cfg.to_dict())
 
 
-def test_model_with_splash_matches_xla(tiny):
+def test_model_with_splash_matches_xla(tiny_state):
     """The whole model (tiny: GQA, scanned layers; one device: the mesh path and the gradients are
     tested above) computes the same loss on 128-token rows with the splash path (interpreted) as
     with the XLA path. Init traces the plain path (its 1 x 8 dummy batch suits no kernel tile)."""
-    cfg, state = tiny
+    cfg, state = tiny_state
     batch = packed_batch(2, 128, cfg.model.vocab_size, docs_per_row=4)
     batch["segment_ids"][0, 100:] = 0  # padding
     splash_cfg = _copy(cfg.model)
@@ -436,7 +434,7 @@ def test_fp8_keeps_remat_policies(capsys):
     """Each remat policy saves the same residuals (the `checkpoint_name` tags, the weight-matmul
     outputs) with model.fp8 on as off, and without remat the matmul operands are kept as float8
     (traced only; the training test below runs fp8 with remat)."""
-    base = config_lib.resolve(load_config("tiny"), 1).model
+    base = tiny(devices=1).model
     batch = packed_batch(2, 64, base.vocab_size)
 
     def model_cfg(fp8_on, remat):
@@ -473,11 +471,11 @@ def _train_losses_one_device(cfg, state, steps, batch):
     return np.array(losses)
 
 
-def test_fp8_training_tracks_float32(tiny):
+def test_fp8_training_tracks_float32(tiny_state):
     """configs/tiny.py on a fixed packed batch (so the loss must fall) for 8 steps from the same
     initial state: with model.fp8 (and remat save_dots: fp8's gradients under rematerialisation)
     the loss is finite, falls, and stays within 2% of float32's at every step."""
-    cfg, state = tiny
+    cfg, state = tiny_state
     batch = packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, seed=3)
     batch["segment_ids"][0, 40:] = 0
     losses32 = _train_losses_one_device(cfg, state, 8, batch)

@@ -18,15 +18,9 @@ from maxlm.model import attention
 from maxlm.optim import loss_scale, optimizers as optim
 from maxlm.sharding import mesh as mesh_lib, state as state_lib
 from maxlm.train import loop, step as step_lib
-from tests.helpers import load_config, metrics_rows, packed_batch, saved_state, train_losses, train_rows, with_overrides
+from tests.helpers import metrics_rows, packed_batch, saved_state, tiny, train_losses, train_rows
 
 FP16 = {"model.dtype": "float16"}
-
-
-def tiny(mesh=(1, 8, 1), **overrides):
-    cfg = with_overrides(load_config("tiny"), overrides)
-    cfg.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
-    return config_lib.resolve(cfg, jax.device_count() if math.prod(mesh) > 1 else 1)
 
 
 def host(tree):
@@ -64,7 +58,7 @@ def test_loss_scale_is_in_the_state_only_with_float16():
         cfg = tiny(**{"model.dtype": dtype})
         assert set(state_lib.abstract_state(cfg, optim.make_optimizer(cfg))) == {
             "step", "params", "opt_state", "skipped_steps", "bad_streak"}
-    cfg = tiny((2, 2, 2), **FP16)
+    cfg = tiny(mesh=(2, 2, 2), **FP16)
     tx = optim.make_optimizer(cfg)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     shapes = state_lib.abstract_state(cfg, tx)
@@ -84,7 +78,7 @@ def test_float16_forward_at_init_stays_in_range():
     """configs/tiny.py at init on a full 8 x 64 batch: the float16 hidden states (final-normed)
     stay far inside float16's range (|h| < 65504) and are finite; logits are float32. (The loss
     and the scaled gradients: test_scaling_keeps_float16_gradients_and_accumulation_matches.)"""
-    cfg = tiny((1, 1, 1), **FP16)
+    cfg = tiny(mesh=(1, 1, 1), **FP16)
     batch = {k: jnp.asarray(v) for k, v in packed_batch(8, 64, 264).items()}
     params = model.init_params(cfg.model, jax.random.key(0))
     h = jax.jit(lambda p, b: model.hidden_states(cfg.model, p, b))(params, batch)
@@ -116,8 +110,8 @@ def test_scaling_keeps_float16_gradients_and_accumulation_matches():
     ~0.05% per rounding). With 4 microbatches, each scaled, the gradients equal the 1-microbatch
     ones within 2e-3 (measured 5e-4: both float16 computations, summed in another order). At 2^30
     the float16 backward overflows: non-finite, for the step to skip."""
-    cfg32, cfg16 = tiny((1, 1, 1)), tiny((1, 1, 1), **FP16)
-    accum = tiny((1, 1, 1), **FP16, **{"optim.grad_accum_steps": 4})
+    cfg32, cfg16 = tiny(mesh=(1, 1, 1)), tiny(mesh=(1, 1, 1), **FP16)
+    accum = tiny(mesh=(1, 1, 1), **FP16, **{"optim.grad_accum_steps": 4})
     batch = {k: jnp.asarray(v) for k, v in packed_batch(8, 64, 264, seed=1).items()}
     params = model.init_params(cfg32.model, jax.random.key(0))
     (loss32, _), want = jax.jit(lambda p, b: step_lib.loss_and_grads(cfg32, p, b))(params, batch)
@@ -198,11 +192,11 @@ MESH = (2, 2, 2)
 @pytest.fixture(scope="module")
 def corpus_losses(data_dirs):
     """Losses of 8 steps on the built-in corpus (mesh 2x2x2) for float32, bfloat16, float16."""
-    cfg = tiny(MESH, **data_dirs)
+    cfg = tiny(mesh=MESH, **data_dirs)
     data = make_dataset(cfg, "train")
 
     def run(**overrides):
-        return train_losses(tiny(MESH, **data_dirs, **overrides), STEPS, lambda s: data.batch(s, 0, 1))
+        return train_losses(tiny(mesh=MESH, **data_dirs, **overrides), STEPS, lambda s: data.batch(s, 0, 1))
 
     return data, {dtype: run(**{"model.dtype": dtype}) for dtype in ("float32", "bfloat16", "float16")}
 
@@ -228,7 +222,7 @@ def test_float16_grad_accumulation_equals_the_large_batch_step(corpus_losses):
     """2 microbatches, each scaled, on the 2x2x2 mesh == one batch: losses within 1e-4 relative
     over 8 steps (measured: 1.2e-5 over 10), the same scale and counters."""
     data, runs = corpus_losses
-    losses, state = train_losses(tiny(MESH, **FP16, **{"optim.grad_accum_steps": 2}), STEPS,
+    losses, state = train_losses(tiny(mesh=MESH, **FP16, **{"optim.grad_accum_steps": 2}), STEPS,
                                  lambda s: data.batch(s, 0, 1))
     want, want_state = runs["float16"]
     np.testing.assert_allclose(losses, want, rtol=1e-4)

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec
 
 from maxlm import config as config_lib, model
 from maxlm.model import attention, backward_order, positions as positions_lib
-from tests.helpers import load_config, packed_batch, random_params
+from tests.helpers import load_config, packed_batch, random_params, tiny
 
 POSITIONS = pytest.mark.parametrize("positions", config_lib.POSITIONS)
 
@@ -27,19 +27,14 @@ PUBLISHED = {  # parameter counts of the architectures the configs claim
 }
 
 
-def tiny_model_cfg(**overrides):
-    cfg = load_config("tiny")
-    cfg.model.update(overrides)
-    return config_lib.resolve(cfg, 1).model
-
-
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("kv_heads, qk_norm, placement, kinds", [
     (1, "none", "pre", {}), (2, "none", "sandwich", {"norm": "layernorm", "mlp_activation": "gelu", "use_bias": True}),
     (4, "none", "pre", {"mlp_activation": "geglu", "qkv_bias": True}), (2, "per_head", "pre", {"mtp_depth": 1}),
     (1, "full", "post", {"norm": "layernorm", "use_bias": True, "mtp_depth": 1})])
 def test_param_count_matches_formula(tie, kv_heads, qk_norm, placement, kinds):
-    cfg = tiny_model_cfg(tie_embeddings=tie, num_kv_heads=kv_heads, qk_norm=qk_norm, norm_placement=placement, **kinds)
+    cfg = tiny(devices=1, model=dict(tie_embeddings=tie, num_kv_heads=kv_heads, qk_norm=qk_norm, norm_placement=placement,
+                                     **kinds)).model
     params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))  # shapes: nothing to compile
     assert sum(p.size for p in jax.tree.leaves(params)) == model.count_params(cfg)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
@@ -74,7 +69,7 @@ def single_doc_batch(tokens):
 
 def test_causality_through_gradients():
     """d logits[t] / d input[s] is exactly zero for every s > t and nonzero for s <= t."""
-    cfg = tiny_model_cfg(tie_embeddings=False)
+    cfg = tiny(devices=1, model=dict(tie_embeddings=False)).model
     params = model.init_params(cfg, jax.random.key(0))
     L, t = 16, 6
     tokens = jnp.arange(3, 3 + L, dtype=jnp.int32)[None]  # distinct: one embedding row per position
@@ -92,7 +87,7 @@ def test_causality_through_gradients():
 def test_packed_equals_separate_documents(positions):
     """A row packing two documents gives each the logits it gets alone, whatever the position
     encoding: each sees its own positions from 0."""
-    cfg = tiny_model_cfg(positions=positions)
+    cfg = tiny(devices=1, model=dict(positions=positions)).model
     params = model.init_params(cfg, jax.random.key(0))
     doc_a = jax.random.randint(jax.random.key(1), (1, 10), 3, cfg.vocab_size)
     doc_b = jax.random.randint(jax.random.key(2), (1, 6), 3, cfg.vocab_size)
@@ -110,7 +105,7 @@ def test_packed_equals_separate_documents(positions):
 
 
 def test_loss_ignores_padding():
-    cfg = tiny_model_cfg()
+    cfg = tiny(devices=1).model
     params = model.init_params(cfg, jax.random.key(0))
     batch = packed_batch(2, 16, cfg.vocab_size)
     padded = {k: np.concatenate([v, np.zeros_like(v[:, :4])], axis=1) for k, v in batch.items()}
@@ -121,7 +116,7 @@ def test_loss_ignores_padding():
 
 
 def test_initial_loss_is_near_uniform():
-    cfg = tiny_model_cfg()
+    cfg = tiny(devices=1).model
     params = model.init_params(cfg, jax.random.key(0))
     loss, _ = model.loss_fn(cfg, params, packed_batch(4, 32, cfg.vocab_size))
     assert abs(float(loss) - np.log(cfg.vocab_size)) < 0.1
@@ -238,7 +233,7 @@ def reference_case(positions="rope", **overrides):
     a non-default base and norm eps; the sinusoid tied; the learned table untied."""
     variant = {"rope": dict(tie_embeddings=False, head_dim=24, rope_theta=5e5, norm_eps=1e-6),
                "sinusoidal": dict(tie_embeddings=True), "learned": dict(tie_embeddings=False)}[positions]
-    cfg = tiny_model_cfg(positions=positions, **variant, **overrides)
+    cfg = tiny(devices=1, model=dict(positions=positions, **variant, **overrides)).model
     params = random_params(cfg, std=0.1)
     batch = packed_batch(2, 64, cfg.vocab_size)
     kinds = {k: cfg[k] for k in ("qk_norm", "norm_placement", "sliding_window", "norm", "mlp_activation", "use_bias",
@@ -246,7 +241,7 @@ def reference_case(positions="rope", **overrides):
                                  "rope_theta_local", "attn_logit_softcap", "num_layers", "attention_kind",
                                  "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                                  "num_kv_heads")}
-    reference_cfg = tiny_model_cfg(positions=positions, **variant, **kinds)
+    reference_cfg = tiny(devices=1, model=dict(positions=positions, **variant, **kinds)).model
     return cfg, params, batch, reference_logits(reference_cfg, params, batch)
 
 
@@ -316,7 +311,7 @@ def test_rope_is_relative():
 
 @POSITIONS
 def test_logical_specs_cover_every_param(positions):
-    cfg = tiny_model_cfg(positions=positions)
+    cfg = tiny(devices=1, model=dict(positions=positions)).model
     specs = model.param_logical_specs(cfg)
     params = model.init_params(cfg, jax.random.key(0))
     spec_leaves = jax.tree.leaves(specs, is_leaf=model.is_spec)
@@ -332,8 +327,8 @@ def test_remat_choices_match_the_policies():
 @pytest.mark.parametrize("remat", config_lib.REMAT)
 def test_scan_and_remat_equal_unrolled(remat):
     """Scanned (any remat policy) and unrolled layers: same loss, same gradients."""
-    assert_scanned_equals_unrolled(tiny_model_cfg(scan_layers=False, remat="none"),
-                                   tiny_model_cfg(scan_layers=True, remat=remat))
+    assert_scanned_equals_unrolled(tiny(devices=1, model=dict(scan_layers=False, remat="none")).model,
+                                   tiny(devices=1, model=dict(scan_layers=True, remat=remat)).model)
 
 
 @pytest.mark.parametrize("remat", ["none", pytest.param("full", marks=pytest.mark.ci)])  # full: ci, 13 s
@@ -342,8 +337,8 @@ def test_layer_pattern_scanned_equals_unrolled(remat):
     give the unrolled layers' loss and gradients, with and without remat (gradients of about 1e-3
     through 7 layers of sandwiched norms: 1e-6 absolute, float32's summation orders apart)."""
     gemma = {**GEMMA3_LIKE, "sliding_window": 7, "qk_norm": "per_head", "norm_placement": "sandwich"}
-    assert_scanned_equals_unrolled(tiny_model_cfg(scan_layers=False, remat="none", **gemma),
-                                   tiny_model_cfg(scan_layers=True, remat=remat, **gemma), atol=1e-6)
+    assert_scanned_equals_unrolled(tiny(devices=1, model=dict(scan_layers=False, remat="none", **gemma)).model,
+                                   tiny(devices=1, model=dict(scan_layers=True, remat=remat, **gemma)).model, atol=1e-6)
 
 
 def assert_scanned_equals_unrolled(unrolled, scanned, atol: float = 1e-7):
@@ -361,8 +356,8 @@ def assert_scanned_equals_unrolled(unrolled, scanned, atol: float = 1e-7):
 
 @pytest.mark.parametrize("extras", [{}, {"z_loss": 1e-3, "label_smoothing": 0.1}], ids=["plain", "extras"])
 def test_chunked_logits_equal_full(extras):
-    full = tiny_model_cfg(**extras)
-    chunked = tiny_model_cfg(logits_chunk_size=8, **extras)
+    full = tiny(devices=1, model=extras).model
+    chunked = tiny(devices=1, model=dict(logits_chunk_size=8, **extras)).model
     params = model.init_params(full, jax.random.key(0))
     batch = packed_batch(2, 32, full.vocab_size)
     (loss_f, aux_f), grads_f = jax.value_and_grad(lambda p: model.loss_fn(full, p, batch), has_aux=True)(params)
@@ -374,7 +369,7 @@ def test_chunked_logits_equal_full(extras):
 
 
 def test_z_loss_and_label_smoothing_match_their_definitions():
-    cfg = tiny_model_cfg(z_loss=1e-2, label_smoothing=0.2)
+    cfg = tiny(devices=1, model=dict(z_loss=1e-2, label_smoothing=0.2)).model
     params = model.init_params(cfg, jax.random.key(0))
     batch = packed_batch(2, 16, cfg.vocab_size)
     objective, aux = model.loss_fn(cfg, params, batch)
@@ -392,14 +387,14 @@ def test_z_loss_and_label_smoothing_match_their_definitions():
 def test_position_parameters_and_count(positions):
     """Only the learned encoding has parameters: a [max_positions, D] table (0 = seq_len), counted
     by count_params; RoPE's parameters (and numbers) are the same as before the choice existed."""
-    cfg = tiny_model_cfg(positions=positions)
+    cfg = tiny(devices=1, model=dict(positions=positions)).model
     params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))  # shapes: nothing to compile
     assert sum(p.size for p in jax.tree.leaves(params)) == model.count_params(cfg)
     assert ("pos_embed" in params) == (positions == "learned")
     if positions == "learned":
         assert params["pos_embed"].shape == (load_config("tiny").seq_len, cfg.d_model)
         assert model.param_logical_specs(cfg)["pos_embed"] == PartitionSpec("positions", "embed")
-        longer = tiny_model_cfg(positions=positions, max_positions=100)
+        longer = tiny(devices=1, model=dict(positions=positions, max_positions=100)).model
         assert model.count_params(longer) == model.count_params(cfg) + 36 * cfg.d_model
 
 
@@ -417,7 +412,7 @@ def test_absolute_encodings_see_absolute_positions(positions):
     """Shifting every position by the same amount changes nothing under RoPE (relative) and
     changes the logits under the encodings added to the embeddings (absolute): the model reads
     the batch's positions, not the token index."""
-    cfg = tiny_model_cfg(positions=positions, max_positions=64)
+    cfg = tiny(devices=1, model=dict(positions=positions, max_positions=64)).model
     params = model.init_params(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (1, 12), 3, cfg.vocab_size)
     batch = single_doc_batch(tokens)
@@ -432,8 +427,8 @@ def test_absolute_encodings_see_absolute_positions(positions):
 def test_learned_positions_scanned_equal_unrolled():
     """Both layer layouts, same loss and gradients, the table's included (the sinusoid takes the
     same path, `positions.add_positions`, without a parameter)."""
-    grads_s = assert_scanned_equals_unrolled(tiny_model_cfg(scan_layers=False, positions="learned"),
-                                             tiny_model_cfg(scan_layers=True, positions="learned"))
+    grads_s = assert_scanned_equals_unrolled(tiny(devices=1, model=dict(scan_layers=False, positions="learned")).model,
+                                             tiny(devices=1, model=dict(scan_layers=True, positions="learned")).model)
     assert float(jnp.abs(grads_s["pos_embed"]).max()) > 0  # the table trains
 
 
@@ -485,7 +480,7 @@ def test_unrolled_layers_release_their_input_gradient_only_with_their_weight_gra
     """Each unrolled layer's backward ends in one barrier over its weight gradients and its input
     gradient (so XLA cannot put weight gradients off to the end of the backward pass), and the
     gradients are bitwise those of the layers left free."""
-    cfg = tiny_model_cfg(scan_layers=False, remat="full")
+    cfg = tiny(devices=1, model=dict(scan_layers=False, remat="full")).model
     params = model.init_params(cfg, jax.random.key(0))
     batch = packed_batch(2, 32, cfg.vocab_size)
     loss = lambda p: model.loss_fn(cfg, p, batch)[0]

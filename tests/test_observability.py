@@ -23,13 +23,9 @@ from maxlm.observe import flops, metrics, profiler, step_logger
 from maxlm.optim import optimizers as optim
 from maxlm.sharding import mesh as mesh_lib, state as state_lib
 from maxlm.train import loop, step as step_lib
-from tests.helpers import ROOT, load_config, metrics_rows, packed_batch, with_overrides
+from tests.helpers import ROOT, load_config, metrics_rows, packed_batch, tiny
 
 STEPS = 8
-
-
-def tiny(**overrides):
-    return config_lib.resolve(with_overrides(load_config("tiny"), overrides), jax.device_count())
 
 
 class _Lines(logging.Handler):

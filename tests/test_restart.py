@@ -18,14 +18,13 @@ import optax
 import pytest
 from ml_collections import ConfigDict
 
-from maxlm import config as config_lib
 from maxlm.checkpoint import compatibility, store as checkpoint
 from maxlm.optim import optimizers as optim
 from maxlm.resilience import faults
 from maxlm.runtime.errors import ConfigError
 from maxlm.sharding import state as state_lib
 from maxlm.train import loop
-from tests.helpers import ROOT, command_env, load_config, with_overrides
+from tests.helpers import ROOT, command_env, tiny
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +32,10 @@ BASE = {"steps": 4, "eval.every_steps": 0, "log_every_steps": 1, "metrics.tensor
         "checkpoint.every_steps": 2, "optim.warmup_steps": 1}
 
 
-def tiny(data_dirs, **overrides):
-    return config_lib.resolve(with_overrides(load_config("tiny"), {**data_dirs, **BASE, **overrides}),
-                              jax.device_count())
-
-
 @pytest.fixture(scope="module")
 def two_layer_run(tmp_path_factory, data_dirs):
     workdir = tmp_path_factory.mktemp("two_layers")
-    loop.train_and_evaluate(tiny(data_dirs), str(workdir))
+    loop.train_and_evaluate(tiny(data_dirs, BASE), str(workdir))
     return workdir
 
 
@@ -73,16 +67,16 @@ def test_a_rerun_with_more_layers_exits_2_naming_the_key_and_touches_nothing(two
 
 
 def test_another_width_is_refused_before_anything_compiles(two_layer_run, data_dirs):
-    wider = tiny(data_dirs, **{"model.d_model": 128})
+    wider = tiny(data_dirs, BASE, **{"model.d_model": 128})
     with pytest.raises(ConfigError, match=r"model.d_model=128 \(checkpoint: 64\)"):
         loop.check_start(wider, str(two_layer_run))
-    loop.check_start(tiny(data_dirs, steps=8), str(two_layer_run))  # the same model resumes
+    loop.check_start(tiny(data_dirs, BASE, steps=8), str(two_layer_run))  # the same model resumes
 
 
 def test_restoring_a_checkpoint_that_does_not_fit_raises_and_sets_nothing_aside(two_layer_run, data_dirs):
     """The restore itself (reached when a start check is bypassed, or by a recovery) refuses a
     checkpoint of other shapes with a ConfigError; only unreadable data counts as damaged."""
-    cfg = tiny(data_dirs, **{"model.num_layers": 3})
+    cfg = tiny(data_dirs, BASE, **{"model.num_layers": 3})
     tx = optim.make_optimizer(cfg)
     abstract = state_lib.abstract_state(cfg, tx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     before = listing(two_layer_run)
@@ -96,10 +90,10 @@ def test_restoring_a_checkpoint_that_does_not_fit_raises_and_sets_nothing_aside(
 def test_restore_params_only_keeps_its_documented_use(two_layer_run, data_dirs, tmp_path):
     """Another optimizer from a run's parameters is the documented deliberate change; parameters of
     another shape are refused there too."""
-    other_optimizer = tiny(data_dirs, **{"optim.name": "lion", "checkpoint.restore_from": str(two_layer_run),
+    other_optimizer = tiny(data_dirs, BASE, **{"optim.name": "lion", "checkpoint.restore_from": str(two_layer_run),
                                          "checkpoint.restore_params_only": True})
     loop.check_start(other_optimizer, str(tmp_path / "new"))
-    bigger = tiny(data_dirs, **{"model.num_layers": 3, "checkpoint.restore_from": str(two_layer_run),
+    bigger = tiny(data_dirs, BASE, **{"model.num_layers": 3, "checkpoint.restore_from": str(two_layer_run),
                                 "checkpoint.restore_params_only": True})
     with pytest.raises(ConfigError, match=r"model.num_layers=3 \(checkpoint: 2\)"):
         loop.check_start(bigger, str(tmp_path / "new"))
@@ -209,7 +203,7 @@ def test_the_schedule_applied_after_skipped_steps_is_the_logged_one(tmp_path, da
     else:
         overrides.update({"model.dtype": "float16", "optim.loss_scale_init": 2.0**40})
     workdir = tmp_path / "run"
-    loop.train_and_evaluate(tiny(data_dirs, **overrides), str(workdir))
+    loop.train_and_evaluate(tiny(data_dirs, BASE, **overrides), str(workdir))
     path = str(workdir / "checkpoints" / "6")
     state, _ = checkpoint.restore_state(path, compatibility.expected_state(checkpoint.read_json(path, "config")))
     skipped = int(state["skipped_steps"]) + int(state.get("overflow_steps", 0))
@@ -238,7 +232,7 @@ def test_a_float16_overflow_step_is_not_a_sample_of_the_spike_detector():
 def test_a_restore_after_non_finite_steps_reuses_the_compiled_step(tmp_path, data_dirs, caplog, capsys):
     """The lowered learning rate after a restore is an argument of the step, not a new program:
     the run compiles its step once, restore included, and the rate logged after it is lowered."""
-    cfg = tiny(data_dirs, **{"steps": 8, "checkpoint.every_steps": 2, "debug.nan_at_step": 5,
+    cfg = tiny(data_dirs, BASE, **{"steps": 8, "checkpoint.every_steps": 2, "debug.nan_at_step": 5,
                              "debug.nan_steps": 3, "checkpoint.max_bad_steps": 3,
                              "checkpoint.restore_lr_scale": 0.5})
     with caplog.at_level(logging.INFO, logger="maxlm"):
@@ -260,9 +254,9 @@ def test_a_resume_never_initialises_a_second_state(two_layer_run, data_dirs, mon
     created = []
     real = state_lib.create_sharded_state
     monkeypatch.setattr(state_lib, "create_sharded_state", lambda *a, **k: created.append(1) or real(*a, **k))
-    loop.train_and_evaluate(tiny(data_dirs, steps=5), str(resumable))
+    loop.train_and_evaluate(tiny(data_dirs, BASE, steps=5), str(resumable))
     assert created == []
-    loop.train_and_evaluate(tiny(data_dirs, steps=1), str(tmp_path / "fresh"))
+    loop.train_and_evaluate(tiny(data_dirs, BASE, steps=1), str(tmp_path / "fresh"))
     assert created == [1]
 
 
@@ -302,7 +296,7 @@ def test_the_preemption_sync_point_is_asked_every_iteration_with_an_increasing_i
             return super().reached(step)
 
     monkeypatch.setattr(faults, "PreemptionWatcher", Recording)
-    cfg = tiny(data_dirs, **{"steps": 8, "checkpoint.every_steps": 2, "debug.nan_at_step": 5,
+    cfg = tiny(data_dirs, BASE, **{"steps": 8, "checkpoint.every_steps": 2, "debug.nan_at_step": 5,
                              "debug.nan_steps": 3, "checkpoint.max_bad_steps": 3})
     loop.train_and_evaluate(cfg, str(tmp_path))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -320,7 +314,7 @@ def test_a_preemption_agreed_around_a_restore_stops_at_a_committed_checkpoint(tm
             return step >= stop_at
 
     monkeypatch.setattr(faults, "PreemptionWatcher", StopAt)
-    cfg = tiny(data_dirs, **{"steps": 12, "checkpoint.every_steps": 2, "debug.nan_at_step": 5,
+    cfg = tiny(data_dirs, BASE, **{"steps": 12, "checkpoint.every_steps": 2, "debug.nan_at_step": 5,
                              "debug.nan_steps": 3, "checkpoint.max_bad_steps": 3})
     with pytest.raises(faults.Preempted) as stopped:
         loop.train_and_evaluate(cfg, str(tmp_path))
@@ -332,19 +326,19 @@ def test_a_resume_with_another_batch_size_is_refused_naming_it_or_continues_afte
     """The data position is a batch index: with another batch_size the same position holds other
     rows. Refused by default (exit 2 naming the key); data.resume_position=tokens continues after
     the rows already read (a batch ramp-up: exact), =start reads the new stream from its start."""
-    ramped = tiny(data_dirs, steps=6, batch_size=16)
+    ramped = tiny(data_dirs, BASE, steps=6, batch_size=16)
     with pytest.raises(ConfigError, match=r"batch_size=16 \(checkpoint: 8\).*data.resume_position=tokens"):
         loop.check_start(ramped, str(two_layer_run))
     assert checkpoint.read_json(str(two_layer_run / "checkpoints" / "4"), "meta")["data"]["rows"] == 4 * 8
 
     from maxlm.data import make_dataset
-    before, after = make_dataset(tiny(data_dirs), "train"), make_dataset(ramped, "train")
+    before, after = make_dataset(tiny(data_dirs, BASE), "train"), make_dataset(ramped, "train")
     read = [before.row_ids(s) for s in range(4)]  # steps 0-3 read rows 0..31 of the stream
     next_rows = np.concatenate([before.row_ids(4), before.row_ids(5)])  # what batch 8 would have read next
     for mode, position in (("tokens", 2), ("start", 0)):
         workdir = tmp_path / mode
         shutil.copytree(two_layer_run, workdir)
-        cfg = tiny(data_dirs, steps=6, batch_size=16, **{"data.resume_position": mode})
+        cfg = tiny(data_dirs, BASE, steps=6, batch_size=16, **{"data.resume_position": mode})
         loop.check_start(cfg, str(workdir))
         loop.train_and_evaluate(cfg, str(workdir))
         meta = checkpoint.read_json(str(workdir / "checkpoints" / "6"), "meta")
@@ -367,12 +361,12 @@ def test_seq_len_changes_on_resume_only_with_a_new_rope_and_rope_theta_may_chang
     for mode in ("same", "tokens", "start"):
         with pytest.raises(ConfigError, match=r"seq_len=128 but the checkpoint .* was trained at seq_len=64, with the "
                                               r"same position encoding .*model.rope_scaling='none'"):
-            loop.check_start(tiny(data_dirs, seq_len=128, **{"data.resume_position": mode}), str(two_layer_run))
+            loop.check_start(tiny(data_dirs, BASE, seq_len=128, **{"data.resume_position": mode}), str(two_layer_run))
     with pytest.raises(ConfigError, match=r"seq_len=128 \(checkpoint: 64\).*data.resume_position=tokens"):
-        loop.check_start(tiny(data_dirs, **EXTENDED), str(two_layer_run))
+        loop.check_start(tiny(data_dirs, BASE, **EXTENDED), str(two_layer_run))
     for extension in (EXTENDED, {"seq_len": 128, "model.rope_theta": 5e5}):
-        loop.check_start(tiny(data_dirs, **extension, **{"data.resume_position": "tokens"}), str(two_layer_run))
-    loop.check_start(tiny(data_dirs, steps=8, **{"model.rope_theta": 5e5}), str(two_layer_run))
+        loop.check_start(tiny(data_dirs, BASE, **extension, **{"data.resume_position": "tokens"}), str(two_layer_run))
+    loop.check_start(tiny(data_dirs, BASE, steps=8, **{"model.rope_theta": 5e5}), str(two_layer_run))
 
 
 @pytest.mark.ci  # make test keeps within its 12 minutes (CI runs it: make test-ci)
@@ -384,9 +378,9 @@ def test_a_context_extension_resumes_as_a_fresh_run_from_the_checkpoint_would_st
     extended = {**EXTENDED, "steps": 6, "data.resume_position": "tokens"}
     resumed = tmp_path / "resumed"
     shutil.copytree(two_layer_run, resumed)
-    loop.train_and_evaluate(tiny(data_dirs, **extended), str(resumed))
+    loop.train_and_evaluate(tiny(data_dirs, BASE, **extended), str(resumed))
     fresh = tmp_path / "fresh"
-    loop.train_and_evaluate(tiny(data_dirs, **extended, **{"checkpoint.restore_from": str(two_layer_run / "checkpoints" / "4")}),
+    loop.train_and_evaluate(tiny(data_dirs, BASE, **extended, **{"checkpoint.restore_from": str(two_layer_run / "checkpoints" / "4")}),
                             str(fresh))
 
     def losses(workdir):
@@ -398,7 +392,7 @@ def test_a_context_extension_resumes_as_a_fresh_run_from_the_checkpoint_would_st
     meta = checkpoint.read_json(str(resumed / "checkpoints" / "6"), "meta")
     assert meta["data_position"] == 2 + 2 and meta["data"]["keys"]["seq_len"] == 128
     assert meta["data"]["encoding"]["model.rope_scaling"] == "llama3"
-    cfg = tiny(data_dirs, **extended)
+    cfg = tiny(data_dirs, BASE, **extended)
     tx = optim.make_optimizer(cfg)
     abstract = state_lib.abstract_state(cfg, tx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     state, _ = checkpoint.restore_state(str(resumed / "checkpoints" / "6"), abstract)

@@ -9,14 +9,7 @@ from maxlm import config as config_lib
 from maxlm.bench import plan as plan_lib
 from maxlm.sharding import mesh as mesh_lib, state as state_lib
 from maxlm.train import loop, step as step_lib
-from tests.helpers import load_config, packed_batch, train_losses
-
-
-def tiny(mesh=(1, 8, 1), **optim_overrides):
-    cfg = load_config("tiny")
-    cfg.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
-    cfg.optim.update(optim_overrides)
-    return config_lib.resolve(cfg, jax.device_count())
+from tests.helpers import packed_batch, tiny, train_losses
 
 
 def padded_batch(cfg, seed=0):
@@ -39,7 +32,7 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def reference():
     """Plain float32 Adam, one big batch, on a (2,2,2) mesh: (losses, final state)."""
-    return run(tiny((2, 2, 2)), STEPS)
+    return run(tiny(mesh=(2, 2, 2)), STEPS)
 
 
 # ----------------------------------------------------------------------------- config
@@ -57,12 +50,8 @@ def reference():
     ],
 )
 def test_config_rejects(overrides, message):
-    cfg = load_config("tiny")
-    cfg.mesh.update(data=2, fsdp=2, tensor=2)
-    for key, value in overrides.items():
-        cfg.optim[key.split(".")[1]] = value
     with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(")):
-        config_lib.resolve(cfg, 8)
+        tiny(overrides, mesh=(2, 2, 2))
 
 
 # ----------------------------------------------------------------------------- gradient accumulation
@@ -71,10 +60,10 @@ def test_config_rejects(overrides, message):
 def test_grad_accum_equals_the_large_batch_step(reference):
     """2 microbatches on a (2,2,2) mesh == one big batch over 3 steps: losses, updated params and
     Adam moments within 1e-5 relative (float32), with padding spread unevenly over microbatches."""
-    batch = padded_batch(tiny((2, 2, 2)))
+    batch = padded_batch(tiny(mesh=(2, 2, 2)))
     counts = [(batch["segment_ids"][i::2] > 0).sum() for i in range(2)]
     assert counts[0] != counts[1]  # the microbatches really carry different token counts
-    losses, state = run(tiny((2, 2, 2), grad_accum_steps=2), STEPS)
+    losses, state = run(tiny(mesh=(2, 2, 2), optim=dict(grad_accum_steps=2)), STEPS)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
     # atol: Adam divides by sqrt(v), so a coordinate whose gradient is ~0 turns float32 rounding
     # differences of the summation order into update differences of up to ~lr·1e-4 (3e-7 here).
@@ -84,13 +73,7 @@ def test_grad_accum_equals_the_large_batch_step(reference):
 
 def test_grad_accum_gradients_directly():
     """`loss_and_grads` with 4 microbatches vs 1, unsharded: gradients within 1e-5 relative."""
-    def single_device(**optim_overrides):
-        cfg = load_config("tiny")
-        cfg.mesh.update(data=1, fsdp=1, tensor=1)
-        cfg.optim.update(optim_overrides)
-        return config_lib.resolve(cfg, 1)
-
-    cfg, accum = single_device(), single_device(grad_accum_steps=4)  # 2 rows per microbatch
+    cfg, accum = tiny(mesh=(1, 1, 1)), tiny(mesh=(1, 1, 1), optim=dict(grad_accum_steps=4))  # 2 rows per microbatch
     batch = {k: jnp.asarray(v) for k, v in padded_batch(cfg, seed=1).items()}
     params = loop.model.init_params(cfg.model, jax.random.key(0))
     (loss_a, aux_a), grads_a = jax.jit(lambda p, b: step_lib.loss_and_grads(cfg, p, b))(params, batch)
@@ -107,7 +90,7 @@ def test_grad_accum_gradients_directly():
 
 
 def test_zero1_shards_moments_over_data_and_keeps_the_numbers(reference):
-    losses, state = run(tiny((2, 2, 2), shard_state_over_data=True), STEPS)
+    losses, state = run(tiny(mesh=(2, 2, 2), optim=dict(shard_state_over_data=True)), STEPS)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
     specs = mesh_lib.describe(state)
     params = {k: v for k, v in specs.items() if k.startswith("['params']")}
@@ -139,7 +122,7 @@ def test_bfloat16_first_moment(reference):
     itself) changes each Adam update by at most about that fraction; over 3 small-lr steps the
     loss moves by ~1e-3 of itself, so the losses agree far inside 1e-4 relative (measured: ~1e-6).
     The parameters do differ (the knob is live); nu and the parameters stay float32."""
-    losses, state = run(tiny((2, 2, 2), mu_dtype="bfloat16"), STEPS)
+    losses, state = run(tiny(mesh=(2, 2, 2), optim=dict(mu_dtype="bfloat16")), STEPS)
     adam = state["opt_state"][1][0]
     assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {jnp.dtype(jnp.float32)}
@@ -156,17 +139,13 @@ def test_bfloat16_first_moment(reference):
 
 def test_plan_reports_memory():
     def plan(remat="none", mesh=(8, 1, 1), **optim_overrides):
-        cfg = load_config("tiny")
-        cfg.model.remat = remat
-        cfg.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
-        cfg.optim.update(optim_overrides)
-        return plan_lib.plan(config_lib.resolve(cfg, jax.device_count()))
+        return plan_lib.plan(tiny(mesh=mesh, model=dict(remat=remat), optim=optim_overrides))
 
     none, full, zero1 = plan("none"), plan("full"), plan("none", shard_state_over_data=True)
     assert {"params", "opt_state", "batch", "temp", "peak"} <= set(none["bytes_per_device"])
     assert {"remat", "mesh", "dtype", "fits", "device_memory_bytes"} <= set(none)
     assert none["remat"] == "none" and none["mesh"] == {"stage": 1, "data": 8, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
-    cfg = config_lib.resolve(load_config("tiny"), 8)
+    cfg = tiny(devices=8)
     n_params = loop.model.count_params(cfg.model)
     assert none["bytes_per_device"]["params"] == 4 * n_params  # replicated over data
     assert full["bytes_per_device"]["temp"] < none["bytes_per_device"]["temp"]

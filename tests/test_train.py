@@ -8,17 +8,12 @@ import sys
 import jax
 import pytest
 
-from maxlm import cli, config as config_lib
+from maxlm import cli
 from maxlm.resilience import faults
 from maxlm.train import loop
-from tests.helpers import ROOT, command_env, load_config, metrics_rows, train_rows, with_overrides
+from tests.helpers import ROOT, command_env, load_config, metrics_rows, tiny, train_rows, with_overrides
 
 pytestmark = pytest.mark.slow
-
-
-def tiny(data_dirs, **overrides):
-    cfg = with_overrides(load_config("tiny"), {**data_dirs, **overrides})
-    return config_lib.resolve(cfg, jax.device_count())
 
 
 @pytest.fixture(scope="module")
