@@ -2,6 +2,7 @@
 parameters, and reading back what a run left in its workdir (metrics.jsonl rows, checkpointed
 states)."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -233,6 +234,25 @@ def saved_state(workdir, step: int) -> dict:
 def saved_meta(workdir, step: int) -> dict:
     """The meta (step, data position, ...) saved with the checkpoint of `step` in `workdir`."""
     return checkpoint.read_json(_checkpoint_path(workdir, step), "meta")
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """What mesh building reads of a device: enough to lay out processes without starting them."""
+
+    id: int
+    process_index: int
+    platform: str = "cpu"
+    device_kind: str = "cpu"
+    slice_index: int = 0  # multi-process CPU/GPU devices report slice 0 everywhere
+
+
+def fake_devices(processes: int, per_process: int, **extra) -> list[FakeDevice]:
+    """`processes` x `per_process` FakeDevices, ids in process order (`extra`: their other fields)."""
+    return [FakeDevice(p * per_process + i, p, **extra) for p in range(processes) for i in range(per_process)]
 
 
 def ring_blocks_one_after_another(kernel, q_BLHDh, k_BSKDh, v_BSKDh, segment_ids_BL, n: int, dout_BLHDh):

@@ -1,7 +1,6 @@
 """Sequence (`mesh.sequence`) and pipeline (`mesh.stage`) parallelism: the same numbers as without
 them, activations really split along the length, and the config errors."""
 
-import dataclasses
 import math
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from jax.sharding import PartitionSpec
 
 from maxlm import config as config_lib, model
 from maxlm.sharding import mesh as mesh_lib
-from tests.helpers import ROOT, command_env, load_config, metrics_rows, packed_batch, synthetic_losses
+from tests.helpers import ROOT, command_env, fake_devices, load_config, metrics_rows, packed_batch, synthetic_losses
 
 STEPS = 3
 
@@ -186,16 +185,8 @@ def test_pipeline_config_errors():
     assert model.bubble_fraction(2, 2) == pytest.approx(1 / 3)
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeDevice:
-    id: int
-    process_index: int
-    platform: str = "cpu"
-    device_kind: str = "cpu"
-
-
 def test_sequence_axis_must_lie_within_a_process():
-    devices = np.array([FakeDevice(i, i // 4) for i in range(8)], dtype=object)
+    devices = np.array(fake_devices(2, 4), dtype=object)
     # (stage, data, fsdp, expert, sequence, tensor) = (1, 2, 1, 1, 4, 1): each process holds one data row, whole
     grid = devices.reshape(1, 2, 1, 1, 4, 1)
     mesh_lib.check_sequence_local(grid, config_lib.MESH_AXES)
@@ -213,7 +204,7 @@ def test_a_sequence_axis_the_topology_lays_across_processes_gets_each_process_a_
     """4 processes x 4 devices, fsdp 4 x sequence 4: `process_local_grid` splits fsdp over the
     processes and keeps each sequence group in one (make_mesh falls back to it when the physical
     layout put the sequence axis across hosts)."""
-    devices = [FakeDevice(i, i // 4) for i in range(16)]
+    devices = fake_devices(4, 4)
     grid = mesh_lib.process_local_grid((1, 1, 4, 1, 4, 1), devices)
     mesh_lib.check_sequence_local(grid, config_lib.MESH_AXES)
     assert sorted(d.id for d in grid.flat) == list(range(16))

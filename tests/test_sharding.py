@@ -1,6 +1,5 @@
 """Sharded training: the same numbers on every mesh, and state really sharded as the rules say."""
 
-import dataclasses
 import functools
 
 import jax
@@ -11,7 +10,7 @@ import pytest
 from maxlm import config as config_lib, model
 from maxlm.optim import optimizers as optim
 from maxlm.sharding import mesh as mesh_lib, state as state_lib
-from tests.helpers import load_config, synthetic_losses
+from tests.helpers import FakeDevice, fake_devices, load_config, synthetic_losses
 
 MESHES = [(1, 8, 1), (2, 2, 2), (2, 1, 4)]  # against data=8: fsdp alone, all three, tensor 4 with data
 STEPS = 10
@@ -145,21 +144,6 @@ def test_bitwise_deterministic():
 
 
 # ----------------------------------------------------------------------------- hybrid meshes
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeDevice:
-    """What mesh building reads of a device: enough to lay out processes without starting them."""
-
-    id: int
-    process_index: int
-    platform: str = "cpu"
-    device_kind: str = "cpu"
-    slice_index: int = 0  # multi-process CPU/GPU devices report slice 0 everywhere
-
-
-def fake_devices(processes, per_process, **extra):
-    return [FakeDevice(p * per_process + i, p, **extra) for p in range(processes) for i in range(per_process)]
 
 
 def hybrid(devices, **mesh):
