@@ -172,6 +172,27 @@ def one_device_padded_losses(steps: int):
     return padded_losses(config_lib.resolve(cfg, 1), steps, jax.devices()[:1])
 
 
+def assert_sharded_apply_equals_unsharded(cfg, batch=None, sharded_model_cfg=None, atol: float = 1e-5):
+    """`model.apply`'s logits on `batch` (default: `padded_packed_batch(2, cfg.seq_len, ..., seed=0)`)
+    under `cfg`'s mesh and rules are its logits on one device with no mesh, within `atol`; the
+    same initial parameters for both. `sharded_model_cfg`: the model config the sharded side runs
+    (default `cfg.model`; e.g. a kernel only a test can name). Returns the sharded side's
+    lowering, for a test's checks of what it runs."""
+    if batch is None:
+        batch = padded_packed_batch(2, cfg.seq_len, cfg.model.vocab_size, 0)
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    params = model.init_params(cfg.model, jax.random.key(0))
+    apply = lambda model_cfg: jax.jit(lambda p, b: model.apply(model_cfg, p, b))  # noqa: E731
+    expected = apply(cfg.model)(params, batch)
+    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
+    with mesh_lib.activate(mesh, rules):
+        sharded_batch = mesh_lib.global_batch(batch, mesh, rules)
+        lowered = apply(cfg.model if sharded_model_cfg is None else sharded_model_cfg).lower(params, sharded_batch)
+        logits = lowered.compile()(params, sharded_batch)
+    np.testing.assert_allclose(logits, expected, atol=atol)
+    return lowered
+
+
 def random_params(model_cfg, seed: int = 0, std: float = 0.05):
     """Random float32 parameters in init_params's layout (numpy draws: no init to compile): normal
     with `std`, the RMSNorm scales 1 + 0.2·normal (at their init, 1, a swapped norm would go

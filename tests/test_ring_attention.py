@@ -6,13 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ml_collections import ConfigDict
 
-from maxlm import config as config_lib, model
+from maxlm import config as config_lib
 from maxlm.bench import plan as plan_lib
 from maxlm.model import attention, attention_plan
 from maxlm.model.parallel import ring_attention, ring_blocks, zigzag
 from maxlm.sharding import mesh as mesh_lib
 from tests.helpers import (
+    assert_sharded_apply_equals_unsharded,
     load_config,
     one_device_padded_losses,
     padded_losses,
@@ -85,13 +87,7 @@ def test_the_model_runs_the_ring_for_local_layers_and_latent_attention(overrides
     (XLA's blocks, `block_backend`): the unsharded logits."""
     cfg = ring_config(**overrides, **{"model.context_load_balance": True})
     assert attention_plan.kernels(cfg)["context_parallel"] == "ring over 4 devices, zig-zag, xla per block"
-    params = model.init_params(cfg.model, jax.random.key(0))
-    batch = {k: jnp.asarray(v) for k, v in padded_packed_batch(2, cfg.seq_len, cfg.model.vocab_size, 0).items()}
-    expected = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, batch)
-    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
-    with mesh_lib.activate(mesh, rules):
-        logits = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, mesh_lib.global_batch(batch, mesh, rules))
-    np.testing.assert_allclose(logits, expected, atol=1e-5)
+    assert_sharded_apply_equals_unsharded(cfg)
 
 
 def test_ring_keeps_keys_split_and_passes_blocks():
@@ -168,14 +164,7 @@ def test_context_parallel_config_errors():
 
 def test_ring_logits_come_back_in_the_batch_order():
     """`apply` under zig-zag load balancing restores the order: the unsharded logits, per position."""
-    cfg = ring_config(**{"model.context_load_balance": True})
-    params = model.init_params(cfg.model, jax.random.key(0))
-    batch = {k: jnp.asarray(v) for k, v in padded_packed_batch(2, cfg.seq_len, cfg.model.vocab_size, 0).items()}
-    expected = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, batch)
-    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
-    with mesh_lib.activate(mesh, rules):
-        logits = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, mesh_lib.global_batch(batch, mesh, rules))
-    np.testing.assert_allclose(logits, expected, atol=1e-5)
+    assert_sharded_apply_equals_unsharded(ring_config(**{"model.context_load_balance": True}))
 
 
 @pytest.mark.parametrize("load_balance", [pytest.param(False, marks=pytest.mark.ci), True],  # in_order: ci
@@ -226,15 +215,11 @@ def test_the_model_runs_the_ring_with_splash_blocks():
     """The model under the ring with the (interpreted) splash kernel per block gives the
     unsharded logits: the transformer passes its config's kernel to the ring."""
     cfg = ring_config(seq_len=512, **{"model.num_layers": 1})
-    params = model.init_params(cfg.model, jax.random.key(0))
-    batch = {k: jnp.asarray(v) for k, v in padded_packed_batch(2, 512, cfg.model.vocab_size, seed=3).items()}
-    expected = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, batch)
-    cfg.model.attention = attention.SPLASH_INTERPRET  # tests only: resolve() knows no interpreter
-    mesh, rules = mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
-    with mesh_lib.activate(mesh, rules):
-        assert ring_attention.block_kernel(cfg.model, jnp.float32, 512) is not None
-        logits = jax.jit(lambda p, b: model.apply(cfg.model, p, b))(params, mesh_lib.global_batch(batch, mesh, rules))
-    np.testing.assert_allclose(logits, expected, atol=1e-5)
+    splash = ConfigDict(cfg.model.to_dict())
+    splash.attention = attention.SPLASH_INTERPRET  # tests only: resolve() knows no interpreter
+    with mesh_lib.activate(mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)):
+        assert ring_attention.block_kernel(splash, jnp.float32, 512) is not None
+    assert_sharded_apply_equals_unsharded(cfg, padded_packed_batch(2, 512, cfg.model.vocab_size, seed=3), splash)
 
 
 def test_the_ring_blocks_run_one_after_another_give_the_ring():
