@@ -171,6 +171,32 @@ def test_one_or_two_workers_write_the_same_shards_and_dedup_across_them(tmp_path
     assert meta["tokens"] == sum(len(ids) + 1 for ids in tok.encode_batch(serial))
 
 
+def test_mulmod_is_python_integer_arithmetic():
+    """`minhash.mulmod` against Python's exact integers, (a * b) % (2^61 - 1): every pair of edge
+    operands (0, 1, around the prime, around the 2^31 and 2^30 splits it works in, up to 2^64 - 1,
+    whose products overflow 64 bits unless reduced first) and random ones, below the prime (the
+    MinHash keys' own: shingle hashes and coefficients) and over all of uint64."""
+    from maxlm.data.prepare import minhash
+
+    p = (1 << 61) - 1
+    edges = sorted({0, 1, 2, 3, p - 2, p - 1, p, p + 1, 2 * p, 2 * p + 1, 1 << 61, (1 << 62) - 1, 1 << 62,
+                    1 << 63, (1 << 64) - 2, (1 << 64) - 1, (1 << 30) - 1, 1 << 30, (1 << 31) - 1, 1 << 31,
+                    (1 << 31) + 1, 1 << 32, (1 << 60) + 12345, p - (1 << 31), p - (1 << 30)})
+    rng = np.random.default_rng(0)
+    below_p = [int(x) for x in rng.integers(0, p, 2000, dtype=np.uint64)]
+    anything = [int(x) for x in rng.integers(0, np.iinfo(np.uint64).max, 2000, dtype=np.uint64, endpoint=True)]
+    pairs = [(a, b) for a in edges for b in edges] + list(zip(below_p, below_p[::-1])) \
+        + list(zip(anything, anything[::-1])) + list(zip(below_p, anything))
+    a, b = (np.array(column, np.uint64) for column in zip(*pairs))
+    got = minhash.mulmod(a, b)
+    assert got.dtype == np.uint64
+    wrong = [(x, y, int(g)) for x, y, g in zip(a.tolist(), b.tolist(), got.tolist()) if g != x * y % p]
+    assert wrong == [], wrong[:5]
+    # broadcast, as band_keys calls it: shingles [n, 1] against coefficients [1, m]
+    np.testing.assert_array_equal(minhash.mulmod(a[:7, None], b[None, :5]),
+                                  [[x * y % p for y in b[:5].tolist()] for x in a[:7].tolist()])
+
+
 def test_minhash_keys_find_near_duplicates_not_different_texts():
     from maxlm.data.prepare import minhash
 

@@ -29,8 +29,10 @@ def _coefficients(count: int) -> tuple[np.ndarray, np.ndarray]:
             rng.integers(0, int(_PRIME), count, dtype=np.uint64))
 
 
-def _mulmod(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """(a · b) mod 2^61-1 for values below 2^61, exactly, in 64-bit pieces."""
+def mulmod(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(a · b) mod 2^61-1 of uint64 arrays (broadcast), exactly, in 64-bit pieces: each operand is
+    first reduced below 2^61-1, so that none of the products below overflows 64 bits."""
+    a, b = np.asarray(a, np.uint64) % _PRIME, np.asarray(b, np.uint64) % _PRIME
     a_hi, a_lo = a >> np.uint64(31), a & np.uint64((1 << 31) - 1)
     b_hi, b_lo = b >> np.uint64(31), b & np.uint64((1 << 31) - 1)
     # a·b = a_hi·b_hi·2^62 + (a_hi·b_lo + a_lo·b_hi)·2^31 + a_lo·b_lo, and 2^61 ≡ 1
@@ -52,6 +54,6 @@ def band_keys(text: str, ngram: int, bands: int, rows: int) -> list[bytes]:
     """The document's `bands` LSH keys (16 bytes each; the band's index is part of the key)."""
     a, b = _coefficients(bands * rows)
     shingles = shingle_hashes(text, ngram)
-    signature = ((_mulmod(shingles[:, None], a[None, :]) + b[None, :]) % _PRIME).min(axis=0)
+    signature = ((mulmod(shingles[:, None], a[None, :]) + b[None, :]) % _PRIME).min(axis=0)
     return [hashlib.blake2b(signature[i * rows:(i + 1) * rows].tobytes(), digest_size=16,
                             salt=i.to_bytes(8, "little")).digest() for i in range(bands)]
