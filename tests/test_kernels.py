@@ -1,6 +1,7 @@
 """Speed kernels: splash attention (Pallas, TPU; interpreted here) and fp8 matmuls."""
 
 import functools
+import math
 import types
 
 import jax
@@ -321,7 +322,6 @@ def test_config_accepts_splash_and_fp8():
         load_config("tiny"), {"model.attention": "splash", "seq_len": 384, "model.fp8": True})
     resolved = config_lib.resolve(cfg, 8)
     assert (resolved.model.attention, resolved.model.fp8) == ("splash", True)
-    assert config_lib.defaults().model.fp8 is False
 
 
 # ----------------------------------------------------------------------------- fp8
@@ -471,10 +471,32 @@ def _train_losses_one_device(cfg, state, steps, batch):
     return np.array(losses)
 
 
+# e4m3 keeps 3 mantissa bits: rounding to nearest moves an operand by at most half an ulp, 2^-4 of
+# it (relative), and, the position within a binade being spread evenly, by 2^-4/sqrt(3) RMS. Both
+# operands of a product are rounded independently: the product's RMS relative error is sqrt(2) times
+# that, and a matmul's output keeps it (test_fp8_einsum_forward: the errors grow with the sum).
+E4M3_PRODUCT_RMS_ERROR = math.sqrt(2) * 2.0**-4 / math.sqrt(3)  # 5.1%
+
+
+def fp8_loss_tolerance(losses32, vocab_size):
+    """How far fp8's losses may be from float32's (`losses32`), at each step, to first order in the
+    rounding errors.
+
+    The cross-entropy of logits z is log V (V = `vocab_size`) at z = 0, and the logits' departure
+    from 0 is what moves it from there: z scaled by 1 + e moves it by e × (L - log V) to first order
+    (the logits are small: tiny's losses stay within about a nat of log V). Every logit comes through
+    fp8 matmuls, so e is at most their products' RMS relative error, E4M3_PRODUCT_RMS_ERROR. On top of
+    that, each update was computed through the same rounded matmuls: the loss's fall from step 0 is
+    made of updates off by the same relative error. Errors that do not line up with z (most of them)
+    move the loss less, so this bounds it; observed it is 10-50 times as large (2026-12-07)."""
+    losses32 = np.asarray(losses32, np.float64)
+    return E4M3_PRODUCT_RMS_ERROR * (np.abs(losses32 - math.log(vocab_size)) + (losses32[0] - losses32))
+
+
 def test_fp8_training_tracks_float32(tiny_state):
     """configs/tiny.py on a fixed packed batch (so the loss must fall) for 8 steps from the same
     initial state: with model.fp8 (and remat save_dots: fp8's gradients under rematerialisation)
-    the loss is finite, falls, and stays within 2% of float32's at every step."""
+    the loss is finite, falls, and stays within `fp8_loss_tolerance` of float32's at every step."""
     cfg, state = tiny_state
     batch = packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, seed=3)
     batch["segment_ids"][0, 40:] = 0
@@ -484,7 +506,27 @@ def test_fp8_training_tracks_float32(tiny_state):
     losses8 = _train_losses_one_device(cfg, state, 8, batch)
     assert np.isfinite(losses8).all()
     assert losses8[-1] < losses8[0] - 0.3, losses8
-    np.testing.assert_allclose(losses8, losses32, rtol=0.02)
+    tolerance = fp8_loss_tolerance(losses32, cfg.model.vocab_size)
+    assert (np.abs(losses8 - losses32) <= tolerance).all(), (losses8 - losses32, tolerance)
+
+
+def test_only_model_fp8_puts_float8_in_the_compiled_step(tiny_state):
+    """The default config's compiled train step holds no float8 value anywhere; with model.fp8
+    its matmuls' operands are e4m3 and the output gradients e5m2 (the matmuls themselves run on
+    the dequantized values here: XLA:CPU has no float8 GEMM)."""
+    cfg, state = tiny_state
+    batch = packed_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, seed=3)
+
+    def hlo(cfg):
+        tx = optim.make_optimizer(cfg)
+        step = jax.jit(functools.partial(step_lib.train_step, cfg, tx, optim.learning_rate_schedule(cfg)))
+        return step.lower(state, batch, 1.0).compile().as_text()
+
+    assert "f8" not in hlo(cfg)
+    fp8_cfg = _copy(cfg)
+    fp8_cfg.model.fp8 = True
+    text = hlo(fp8_cfg)
+    assert "f8e4m3fn[" in text and "f8e5m2[" in text
 
 
 def test_fp8_is_native():
