@@ -1,12 +1,15 @@
-"""The optimizers and schedules: lr values at known steps, batch scaling, the weight-decay mask,
-clipping, each optimizer's state and how it is sharded, and the config's rules for them."""
+"""The optimizers and schedules: lr values at known steps and each schedule's formula, batch
+scaling, the weight-decay mask, clipping, each optimizer's updates computed by hand and its state's
+sharding, and the config's rules for them."""
 
+import math
 import shutil
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -71,13 +74,45 @@ def test_no_warmup_starts_at_the_peak(schedule):
     assert lr_at(cfg, 0) == pytest.approx(1e-3, rel=1e-6)
 
 
-def test_cosine_is_optax_warmup_cosine_bit_for_bit():
-    """The default schedule keeps the numbers it had before optim.schedule existed."""
-    cfg = run_cfg()
-    before = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 100, 1000, 1e-4)
-    steps = jnp.arange(0, 1200, 7, dtype=jnp.int32)
-    np.testing.assert_array_equal(np.asarray(jax.vmap(optim.learning_rate_schedule(cfg))(steps)),
-                                  np.asarray(jax.vmap(before)(steps)))
+def closed_form_lr(schedule, step, decay_steps=1000, power=2.0, boundaries=(400, 800), decay_fraction=0.2):
+    """`run_cfg`'s schedules by their formulas, in float64: peak 1e-3 after a linear warmup from 0
+    over 100 steps, then down to the floor 1e-4 by `decay_steps` (the run's 1000 steps by default)."""
+    peak, floor, warmup = 1e-3, 1e-4, 100
+    if step < warmup:
+        return peak * step / warmup
+    done = min(step - warmup, decay_steps - warmup) / (decay_steps - warmup)  # of the decay, in [0, 1]
+    if schedule == "cosine":
+        return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * done))
+    if schedule == "linear":
+        return peak - (peak - floor) * done
+    if schedule == "polynomial":
+        return floor + (peak - floor) * (1 - done) ** power
+    if schedule == "step":
+        return peak * 0.1 ** sum(step >= b for b in boundaries)
+    if schedule == "wsd":  # stable, then linear over the last decay_fraction of decay_steps
+        start = decay_steps - decay_fraction * decay_steps
+        return peak - (peak - floor) * min(max(step - start, 0) / (decay_steps - start), 1)
+    if schedule == "constant":
+        return peak
+    assert schedule == "inverse_sqrt"
+    return peak * math.sqrt(warmup / step)
+
+
+@pytest.mark.parametrize("schedule, overrides", [
+    ("cosine", {}), ("cosine", {"decay_steps": 550}), ("linear", {}), ("polynomial", {"power": 2.0}),
+    ("step", {"boundaries": (400, 800), "decay_factor": 0.1}), ("wsd", {"decay_fraction": 0.2}), ("constant", {}),
+    ("inverse_sqrt", {}),
+], ids=["cosine", "cosine_decay_steps", "linear", "polynomial", "step", "wsd", "constant", "inverse_sqrt"])
+def test_each_schedule_is_its_formula_at_every_step(schedule, overrides):
+    """The jitted schedule, at every 7th step to 1400 and on each side of every phase's edges,
+    equals its formula computed here in float64 (to float32's rounding)."""
+    cfg = run_cfg(schedule=schedule, **overrides)
+    edges = [100, 325, 400, 550, 800, 1000]
+    steps = sorted({*range(0, 1400, 7), *(e + d for e in edges for d in (-1, 0, 1))})
+    got = np.asarray(jax.jit(jax.vmap(optim.learning_rate_schedule(cfg)))(jnp.asarray(steps, jnp.int32)))
+    decay = {"decay_steps": overrides["decay_steps"]} if "decay_steps" in overrides else {}
+    expected = [closed_form_lr(schedule, step, **decay) for step in steps]
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=1e-12)
 
 
 @pytest.mark.parametrize("scaling, factor", [("none", 1.0), ("sqrt", 2.0), ("linear", 4.0)])
@@ -173,18 +208,102 @@ def test_decay_is_decoupled_lr_scaled_and_skips_norm_scales(name):
     assert float(jnp.abs(updates["scale"]).sum()) == 0.0
 
 
-def test_each_optimizer_keeps_its_own_state():
-    params = {"w": jnp.ones((256, 128)), "small": jnp.ones((4, 8)), "scale": jnp.ones((128,))}
-    shapes = lambda name, **kw: jax.tree.map(  # noqa: E731
-        lambda x: (x.shape, x.dtype), optim.make_optimizer(run_cfg(name=name, **kw)).init(params)[1])
-    adam = shapes("adamw", mu_dtype="bfloat16")[0]
-    assert adam.mu["w"] == ((256, 128), jnp.bfloat16) and adam.nu["w"] == ((256, 128), jnp.float32)
-    lion = shapes("lion", mu_dtype="bfloat16")[0]  # one moment, in mu_dtype
-    assert lion.mu["w"] == ((256, 128), jnp.bfloat16) and not hasattr(lion, "nu")
-    factored = shapes("adafactor")[0]  # no first moment; the second factored where both dims >= 128
-    assert isinstance(factored, optax.FactoredState)
-    assert factored.v_row["w"][0] == (128,) and factored.v_col["w"][0] == (256,) and factored.v["w"][0] == (1,)
-    assert factored.v["small"][0] == (4, 8) and factored.v_row["small"][0] == (1,)
+def two_steps(name, params, grads, **overrides):
+    """maxlm's optimizer `name` (constant lr 1e-3, weight decay 0.1, no clipping: run_cfg) applied
+    to `grads[0]` then `grads[1]` from `params`: the two updates, as float64 arrays."""
+    cfg = run_cfg(name=name, warmup_steps=0, schedule="constant", clip_norm=0.0, weight_decay=0.1, **overrides)
+    tx = optim.make_optimizer(cfg, param_specs=SPECS)
+    params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+    state, updates = tx.init(params), []
+    for g in grads:
+        update, state = tx.update({k: jnp.asarray(v, jnp.float32) for k, v in g.items()}, state, params)
+        updates.append({k: np.asarray(v, np.float64) for k, v in update.items()})
+        params = optax.apply_updates(params, update)
+    return updates
+
+
+def small_problem(seed=0):
+    """A [8, 16] matrix (decayed) and a [16] norm scale (not), and two random gradients for them."""
+    rng = np.random.default_rng(seed)
+    params = {"w": rng.normal(size=(8, 16)).astype(np.float32), "scale": (1 + 0.1 * rng.normal(size=16)).astype(np.float32)}
+    grads = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()} for _ in range(2)]
+    return params, grads
+
+
+def as_float64(tree):
+    return {k: np.asarray(v, np.float64) for k, v in tree.items()}
+
+
+@pytest.mark.parametrize("mu_dtype", ["float32", "bfloat16"])
+def test_two_adamw_steps_are_the_hand_computed_updates(mu_dtype):
+    """Adam's rule by hand (b1 0.9, b2 0.95, eps 1e-8; bias-corrected moments), plus the decoupled
+    decay lr·0.1·w on the matrix only, times -lr; the second step from the updated parameters and
+    the first moment as stored: with optim.mu_dtype=bfloat16, rounded to bfloat16 (the update it
+    was computed in is made from the unrounded one), and its decay b1·m computed in bfloat16: b1
+    and the product rounded to it."""
+    params, grads = small_problem()
+    got = two_steps("adamw", params, grads, mu_dtype=mu_dtype, b1=0.9, b2=0.95, eps=1e-8)
+    lr, b1, b2, eps, wd = 1e-3, 0.9, 0.95, 1e-8, 0.1
+    bf16 = lambda x: np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
+    decayed = (lambda m: bf16(bf16(b1) * m)) if mu_dtype == "bfloat16" else (lambda m: b1 * m)
+    w, mu, nu = as_float64(params), {k: 0.0 for k in params}, {k: 0.0 for k in params}
+    for t, g in enumerate(map(as_float64, grads), start=1):
+        for k in params:
+            mu[k] = decayed(mu[k]) + (1 - b1) * g[k]
+            nu[k] = b2 * nu[k] + (1 - b2) * g[k] ** 2
+            update = -lr * ((mu[k] / (1 - b1**t)) / (np.sqrt(nu[k] / (1 - b2**t)) + eps) + (wd * w[k] if k == "w" else 0))
+            np.testing.assert_allclose(got[t - 1][k], update, rtol=2e-5, atol=1e-10, err_msg=f"step {t}, {k}")
+            w[k] = w[k] + update
+            if mu_dtype == "bfloat16":
+                mu[k] = bf16(mu[k])
+
+
+def test_two_lion_steps_are_the_hand_computed_updates():
+    """Lion by hand (b1 0.9, b2 0.99): the sign of (1 - b1)·g + b1·m, the moment m then moved to
+    g at b2, plus the decoupled decay on the matrix, times -lr (b1 and b2 swapped flip some of
+    the second step's signs)."""
+    params, grads = small_problem(1)
+    got = two_steps("lion", params, grads, b1=0.9, b2=0.99)
+    lr, b1, b2, wd = 1e-3, 0.9, 0.99, 0.1
+    w, m = as_float64(params), {k: 0.0 for k in params}
+    for t, g in enumerate(map(as_float64, grads), start=1):
+        for k in params:
+            update = -lr * (np.sign((1 - b1) * g[k] + b1 * m[k]) + (wd * w[k] if k == "w" else 0))
+            np.testing.assert_allclose(got[t - 1][k], update, rtol=1e-5, atol=1e-10, err_msg=f"step {t}, {k}")
+            m[k], w[k] = b2 * m[k] + (1 - b2) * g[k], w[k] + update
+
+
+def test_two_adafactor_steps_are_the_hand_computed_updates():
+    """Adafactor by hand: the second moment v of g² + 1e-30 decays at 1 - t^-0.8 (0 at the first
+    step); for a matrix whose two dims are both >= 128 it is kept as its row means R and column
+    means C, read back as R_i·C_j / mean(R) (a [4, 8] matrix and a vector keep it whole). The
+    update g / sqrt(v) is scaled down to RMS 1 where above, takes the decoupled decay on the
+    matrices, and is multiplied by -lr."""
+    rng = np.random.default_rng(2)
+    params = {"w": rng.normal(size=(256, 128)), "small": rng.normal(size=(4, 8)), "scale": 1 + 0.1 * rng.normal(size=128)}
+    grads = [{k: rng.normal(size=v.shape) * rng.uniform(0.1, 10, size=v.shape) for k, v in params.items()}
+             for _ in range(2)]
+    params, grads = {k: v.astype(np.float32) for k, v in params.items()}, [
+        {k: v.astype(np.float32) for k, v in g.items()} for g in grads]
+    got = two_steps("adafactor", params, grads)
+    lr, wd = 1e-3, 0.1
+    w = as_float64(params)
+    v = {"w": (0.0, 0.0), "small": 0.0, "scale": 0.0}
+    for t, g in enumerate(map(as_float64, grads), start=1):
+        beta = 1 - t**-0.8
+        for k in params:
+            g2 = g[k] ** 2 + 1e-30
+            if k == "w":
+                rows, cols = (beta * old + (1 - beta) * new for old, new in zip(v[k], (g2.mean(1), g2.mean(0))))
+                v[k] = (rows, cols)
+                second = rows[:, None] * cols[None, :] / rows.mean()
+            else:
+                v[k] = second = beta * v[k] + (1 - beta) * g2
+            update = g[k] / np.sqrt(second)
+            update = update / max(1.0, np.sqrt(np.mean(update**2)))
+            update = -lr * (update + (wd * w[k] if k != "scale" else 0))
+            np.testing.assert_allclose(got[t - 1][k], update, rtol=2e-5, atol=1e-10, err_msg=f"step {t}, {k}")
+            w[k] = w[k] + update
 
 
 @pytest.mark.parametrize("name", config_lib.OPTIMIZERS)
