@@ -225,7 +225,8 @@ def two_steps(name, params, grads, **overrides):
 def small_problem(seed=0):
     """A [8, 16] matrix (decayed) and a [16] norm scale (not), and two random gradients for them."""
     rng = np.random.default_rng(seed)
-    params = {"w": rng.normal(size=(8, 16)).astype(np.float32), "scale": (1 + 0.1 * rng.normal(size=16)).astype(np.float32)}
+    params = {"w": rng.normal(size=(8, 16)).astype(np.float32),
+              "scale": (1 + 0.1 * rng.normal(size=16)).astype(np.float32)}
     grads = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()} for _ in range(2)]
     return params, grads
 
@@ -251,7 +252,8 @@ def test_two_adamw_steps_are_the_hand_computed_updates(mu_dtype):
         for k in params:
             mu[k] = decayed(mu[k]) + (1 - b1) * g[k]
             nu[k] = b2 * nu[k] + (1 - b2) * g[k] ** 2
-            update = -lr * ((mu[k] / (1 - b1**t)) / (np.sqrt(nu[k] / (1 - b2**t)) + eps) + (wd * w[k] if k == "w" else 0))
+            adam = (mu[k] / (1 - b1**t)) / (np.sqrt(nu[k] / (1 - b2**t)) + eps)
+            update = -lr * (adam + (wd * w[k] if k == "w" else 0))
             np.testing.assert_allclose(got[t - 1][k], update, rtol=2e-5, atol=1e-10, err_msg=f"step {t}, {k}")
             w[k] = w[k] + update
             if mu_dtype == "bfloat16":
@@ -280,7 +282,8 @@ def test_two_adafactor_steps_are_the_hand_computed_updates():
     update g / sqrt(v) is scaled down to RMS 1 where above, takes the decoupled decay on the
     matrices, and is multiplied by -lr."""
     rng = np.random.default_rng(2)
-    params = {"w": rng.normal(size=(256, 128)), "small": rng.normal(size=(4, 8)), "scale": 1 + 0.1 * rng.normal(size=128)}
+    params = {"w": rng.normal(size=(256, 128)), "small": rng.normal(size=(4, 8)),
+              "scale": 1 + 0.1 * rng.normal(size=128)}
     grads = [{k: rng.normal(size=v.shape) * rng.uniform(0.1, 10, size=v.shape) for k, v in params.items()}
              for _ in range(2)]
     params, grads = {k: v.astype(np.float32) for k, v in params.items()}, [
