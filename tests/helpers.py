@@ -5,6 +5,7 @@ states)."""
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import socket
@@ -66,8 +67,9 @@ def tiny(*overrides: dict, mesh: tuple[int, int, int] | None = None, devices: in
     `overrides` (dicts) and then the keyword args `keys` are set in the order given, each a dotted
     key (`steps=3`, `**{"optim.lr": 1e-3}`), or a section's name with a dict of its keys
     (`model=dict(d_model=32)`, as `cfg.model.update(...)`). `mesh`: (data, fsdp, tensor), the
-    other axes left at 1; resolved for as many devices as it holds. `devices`: resolved for that
-    many (default: the mesh's, else all of JAX's)."""
+    other axes as the config has them (set them as dotted keys, `**{"mesh.sequence": 4}`).
+    `devices`: resolved for that many; by default, with `mesh`, for as many as the mesh's axes
+    hold (all of JAX's where one is -1), else for all of JAX's."""
     cfg = load_config("tiny")
     for group in (*overrides, keys):
         for key, value in group.items():
@@ -78,7 +80,8 @@ def tiny(*overrides: dict, mesh: tuple[int, int, int] | None = None, devices: in
     if mesh is not None:
         cfg.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
     if devices is None:
-        devices = int(np.prod(mesh)) if mesh is not None else jax.device_count()
+        size = math.prod(cfg.mesh[axis] for axis in config_lib.MESH_AXES)
+        devices = size if mesh is not None and size > 0 else jax.device_count()
     return config_lib.resolve(cfg, devices)
 
 

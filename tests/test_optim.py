@@ -20,16 +20,13 @@ from maxlm.checkpoint import __main__ as checkpoint_command
 from maxlm.optim import optimizers as optim
 from maxlm.sharding import mesh as mesh_lib, state as state_lib
 from maxlm.train import loop
-from tests.helpers import ROOT, command_env, load_config, saved_state, train_rows, with_overrides
+from tests.helpers import ROOT, command_env, load_config, saved_state, tiny, train_rows, with_overrides
 
 
 def run_cfg(num_devices=1, **optim_overrides):
     """tiny.py for 1000 steps, peak lr 1e-3 after 100 warmup steps, floor 1e-4; resolved."""
-    cfg = load_config("tiny")
-    cfg.steps = 1000
-    cfg.optim.update(dict(lr=1e-3, warmup_steps=100, min_lr_ratio=0.1, decay_steps=0))
-    cfg.optim.update(optim_overrides)
-    return config_lib.resolve(cfg, num_devices)
+    return tiny(steps=1000, devices=num_devices,
+                optim={"lr": 1e-3, "warmup_steps": 100, "min_lr_ratio": 0.1, "decay_steps": 0, **optim_overrides})
 
 
 def lr_at(cfg, step):
@@ -346,11 +343,8 @@ def sharded_state(name, data=1, zero1=False, create=False):
     """The optimizer state of a tiny model whose matrices Adafactor factors (d_model 128, mlp 256)
     on 8 devices (fsdp = 8 / data, tensor = 1): ({path: mesh PartitionSpec}, the state). The
     state's ShapeDtypeStructs, with their shardings; with `create`, the arrays themselves."""
-    cfg = load_config("tiny")
-    cfg.model.update(d_model=128, mlp_dim=256)
-    cfg.mesh.update(data=data, fsdp=-1, tensor=1)
-    cfg.optim.update(name=name, shard_state_over_data=zero1)
-    cfg = config_lib.resolve(cfg, jax.device_count())
+    cfg = tiny(model=dict(d_model=128, mlp_dim=256), optim=dict(name=name, shard_state_over_data=zero1),
+               **{"mesh.data": data, "mesh.fsdp": -1, "mesh.tensor": 1})
     tx, mesh, rules = optim.make_optimizer(cfg), mesh_lib.make_mesh(cfg.mesh), mesh_lib.rules_of(cfg.mesh)
     if create:
         state, _ = state_lib.create_sharded_state(cfg, tx, mesh, rules, jax.random.key(0))
