@@ -194,3 +194,23 @@ def test_another_position_encoding_does_not_resume(clean_run, data_dirs, tmp_pat
                                   "checkpoint.restore_params_only": True})
     with pytest.raises(ValueError, match="was written with model.positions='rope'"):
         loop.check_start(from_run, str(tmp_path))
+
+
+def test_the_command_takes_its_workdir_as_a_flag_or_alone(tmp_path):
+    """`--workdir=DIR` and `--workdir DIR` as every other command takes it, or DIR alone; any other
+    flag is a usage error (exit 2), not a directory of that name."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, command_env
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    run = str(tmp_path / "run")
+    for args in ([f"--workdir={run}"], ["--workdir", run], [run]):
+        done = subprocess.run([sys.executable, "-m", "maxlm.checkpoint", "list", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, env=command_env(tmp_path, devices=None))
+        assert done.returncode == 0, (args, done.stderr[-2000:])
+        assert done.stdout.splitlines() == [f"{run}/checkpoints: 0 checkpoint(s)"], args
+    done = subprocess.run([sys.executable, "-m", "maxlm.checkpoint", "list", f"--wrokdir={run}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=command_env(tmp_path, devices=None))
+    assert done.returncode == 2 and done.stderr.startswith("maxlm: config error: usage:"), done.stderr

@@ -1,5 +1,6 @@
-"""`python -m maxlm.checkpoint {list,verify} DIR` (DIR: a workdir or its `checkpoints/`): what is
-saved (step, status, size, time, kind), and with `verify` whether each one restores (exit 1 if not).
+"""`python -m maxlm.checkpoint {list,verify} --workdir=DIR` (or DIR alone; DIR: a workdir or its
+`checkpoints/`): what is saved (step, status, size, time, kind), and with `verify` whether each one
+restores (exit 1 if not).
 """
 
 from __future__ import annotations
@@ -29,12 +30,34 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+USAGE = "usage: python -m maxlm.checkpoint {list,verify} --workdir=DIR (or DIR alone)"
+
+
+def parse_args(argv: list[str]) -> tuple[str, str] | None:
+    """(command, DIR) of `{list,verify} --workdir=DIR`, `--workdir DIR` or `DIR`, in any order
+    after the command; None for anything else."""
+    if not argv or argv[0] not in ("list", "verify"):
+        return None
+    rest, found = list(argv[1:]), []
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--workdir" and rest:
+            found.append(rest.pop(0))
+        elif arg.startswith("--workdir="):
+            found.append(arg[len("--workdir="):])
+        elif arg.startswith("-"):  # another flag: not a directory named after it
+            return None
+        else:
+            found.append(arg)
+    return (argv[0], found[0]) if len(found) == 1 and found[0] else None
+
+
 def main(argv: list[str]) -> int:
-    usage = "usage: python -m maxlm.checkpoint {list,verify} DIR"
-    if len(argv) != 2 or argv[0] not in ("list", "verify"):
-        print(f"maxlm: config error: {usage}", file=sys.stderr)
+    parsed = parse_args(argv)
+    if parsed is None:
+        print(f"maxlm: config error: {USAGE}; got {argv}", file=sys.stderr)
         return 2
-    command, directory = argv[0], os.fspath(paths.workdir_path(argv[1]))  # orbax wants it absolute
+    command, directory = parsed[0], os.fspath(paths.workdir_path(parsed[1]))  # orbax wants it absolute
     if epath.Path(directory, "checkpoints").is_dir():
         directory = os.path.join(directory, "checkpoints")
     if not epath.Path(directory).is_dir():
