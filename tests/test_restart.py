@@ -397,3 +397,25 @@ def test_a_context_extension_resumes_as_a_fresh_run_from_the_checkpoint_would_st
     abstract = state_lib.abstract_state(cfg, tx, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     state, _ = checkpoint.restore_state(str(resumed / "checkpoints" / "6"), abstract)
     assert int(state["step"]) == 6 and schedule_counts(state["opt_state"]) == [6]
+
+
+def test_a_first_run_and_its_resume_print_no_line_that_reads_like_failure(tmp_path):
+    """A run that builds the corpus and prepares its cache, then its resume: no TFDS download
+    line where nothing is downloaded, a `prepared` line without its zero counts, and no orbax
+    `Metadata file does not exist` about the state item (which never has that file)."""
+    fresh = {"data.tfds_dir": str(tmp_path / "tfds"), "data.cache_dir": str(tmp_path / "packed")}
+    command = [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}",
+               *(f"--config.{k}={v}" for k, v in {**fresh, **BASE}.items())]
+    env = command_env(tmp_path, devices=None)
+    first = subprocess.run([*command, "--config.steps=2"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "built python_stdlib" in first.stderr
+    assert "ownload" not in first.stderr + first.stdout, first.stderr[-3000:]
+    prepared = [line for line in first.stderr.splitlines() if " prepared tfds:python_stdlib[train]" in line]
+    assert len(prepared) == 1 and ": 0" not in prepared[0] and "filtered" not in prepared[0], prepared
+    assert "skipped {'empty_documents': " in prepared[0]  # the stdlib has empty files: a nonzero count shows
+    resumed = subprocess.run([*command, "--config.steps=3"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env=env)
+    assert resumed.returncode == 0 and "at step 2" in resumed.stderr, resumed.stderr[-3000:]
+    assert "Metadata file does not exist" not in resumed.stderr, resumed.stderr[-3000:]

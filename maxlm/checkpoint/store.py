@@ -62,6 +62,23 @@ DAMAGED_SUFFIX = ".damaged"  # STEP.damaged: a file marking the directory STEP a
 finite_state = jax.jit(state_lib.all_finite)
 
 
+class _NoItemMetadataWarning(logging.Filter):
+    """Drops orbax's warning `Metadata file does not exist: STEP/ITEM/_CHECKPOINT_METADATA`.
+    Orbax writes that file for the step (`STEP/_CHECKPOINT_METADATA`, which `file_problem`
+    checks), never inside an item, yet a PyTreeCheckpointer reading the item `STEP/state` looks
+    for one there first and warns, 1 to 3 times a resume: a line that reads like damage where
+    nothing is wrong. The same warning about any other file still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "Metadata file does not exist: %s" or not record.args:
+            return True
+        path = epath.Path(str(record.args[0]))
+        return not (path.name == "_CHECKPOINT_METADATA" and path.parent.name in ITEMS)
+
+
+logging.getLogger("absl").addFilter(_NoItemMetadataWarning())  # orbax logs through absl's logger
+
+
 def checkpoint_dir(workdir: str) -> str:
     """WORKDIR/checkpoints: absolute for a local workdir, the URL itself for gs:// and the like."""
     return os.fspath(paths.workdir_path(workdir) / "checkpoints")

@@ -97,6 +97,15 @@ class PythonStdlib(tfds.core.GeneratorBasedBuilder):
     def code_path(cls) -> epath.Path:
         return epath.Path(__file__)
 
+    # TFDS prints "Downloading and preparing dataset Unknown size (download: ...)" before a build
+    # and "Dataset ... downloaded and prepared" after it, which read as a download where nothing
+    # is downloaded; `ensure_corpus` logs what it built instead.
+    def _log_download_bytes(self) -> None:
+        pass
+
+    def _log_download_done(self) -> None:
+        pass
+
     def _info(self) -> tfds.core.DatasetInfo:
         # DatasetInfo directly, not dataset_info_from_configs(): that looks for a package dir of
         # metadata files this module does not have.

@@ -265,11 +265,19 @@ def _build(final: Path, meta: dict, data_cfg, tokenizer: Tokenizer, runner: Runn
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     log.info(
-        "prepared %s[%s] with %s: %d units, %d docs (skipped %s, filtered %s), %d tokens in "
-        "%d rows x %d (efficiency %.4f), total %.1fs -> %s",
-        meta["source"], split, runner, len(units), stats["documents"], stats["skipped"],
-        stats["filtered"], tokens, rows, seq_len, stats["packing_efficiency"], time.perf_counter() - start, final,
+        "prepared %s[%s] with %s: %d units, %d docs%s, %d tokens in %d rows x %d (efficiency %.4f), "
+        "total %.1fs -> %s",
+        meta["source"], split, runner, len(units), stats["documents"], _nonzero_counts(stats), tokens, rows,
+        seq_len, stats["packing_efficiency"], time.perf_counter() - start, final,
     )  # fmt: skip
+
+
+def _nonzero_counts(stats: dict) -> str:
+    """` (skipped {...}, filtered {...})` with only the counts that are not zero, and only the
+    groups that have one: "" when nothing was skipped or filtered (the zeros are in meta.json)."""
+    groups = [f"{name} {nonzero}" for name in ("skipped", "filtered")
+              if (nonzero := {k: v for k, v in stats[name].items() if v})]
+    return f" ({', '.join(groups)})" if groups else ""
 
 
 @dataclasses.dataclass(frozen=True)
