@@ -313,7 +313,7 @@ def test_config_validation_of_data_keys():
 # The CLI (subprocesses)
 
 
-def _cli(tmp_path, *args, overrides=()):
+def _cli(tmp_path, *args, overrides=(), env=None):
     cfg_file = tmp_path / "cfg.py"
     cfg_file.write_text(
         "from maxlm import config\n"
@@ -327,7 +327,7 @@ def _cli(tmp_path, *args, overrides=()):
     )
     cmd = [sys.executable, "-m", "maxlm.data", *args, f"--config={cfg_file}", *overrides]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **(env or {})})
 
 
 @pytest.mark.slow
@@ -359,3 +359,44 @@ def test_cli_tokenizer_stats_peek_and_bad_data(folder, tmp_path):
     r = _cli(tmp_path, "stats", overrides=[src])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "records.jsonl:21: broken JSON line" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_cli_reads_gzip_and_zstd_by_their_magic_bytes(tmp_path):
+    """`stats` over gzip and zstd text, recognised by its first bytes whatever its name (a gzip
+    file named `.jsonl`, Dolma's `.json.gz`, a `.txt.zst` of two frames, a `.jsonl.gz` that is
+    plain); a file of lines that are not UTF-8 logs the first few and their sum, not one line
+    each; zstd without the zstandard package is exit 2 with the install line."""
+    import gzip
+
+    import zstandard
+
+    root = tmp_path / "src"
+    root.mkdir()
+    lines = "".join(json.dumps({"text": _doc(i)}) + "\n" for i in range(6)).encode()
+    (root / "named_plain.jsonl").write_bytes(gzip.compress(lines))
+    (root / "dolma.json.gz").write_bytes(gzip.compress(lines))
+    (root / "plain.jsonl.gz").write_bytes(lines)
+    zstd = zstandard.ZstdCompressor()
+    (root / "book.txt.zst").write_bytes(zstd.compress(_doc(50).encode()) + zstd.compress(b" and more"))
+    (root / "binary.jsonl").write_bytes(b"\xff\xfe\x00\x81\n" * 200)
+    overrides = [f"--config.data.source={root}", "--config.data.validation_percent=0"]
+    r = _cli(tmp_path, "stats", overrides=overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    stats = json.loads(r.stdout)
+    assert stats["documents"] == 3 * 6 + 1 and stats["files"] == 5, stats
+    assert stats["skipped"] == {"not_utf8": 200}
+    about_binary = [line for line in r.stderr.splitlines() if "binary.jsonl" in line]
+    assert len(about_binary) == sources.LOGGED_BAD_LINES + 1, about_binary
+    assert "skipped 200 lines that are not valid UTF-8" in about_binary[-1]
+
+    hidden = tmp_path / "no_zstandard"  # the package as if not installed: its import fails
+    hidden.mkdir()
+    (hidden / "zstandard.py").write_text("raise ImportError('not installed')\n")
+    (root / "binary.jsonl").unlink()
+    r = _cli(tmp_path, "stats", overrides=[*overrides, "--config.data.cache_dir=" + str(tmp_path / "other")],
+             env={"PYTHONPATH": str(hidden)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"maxlm: data error: {root / 'book.txt.zst'}: the file is zstd-compressed; reading it needs the "
+        "zstandard package: pip install zstandard (or decompress it: zstd -d)")

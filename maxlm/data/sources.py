@@ -11,6 +11,10 @@ of source:
   `.txt` — one document per file (`data.txt_documents="file"`) or per blank-line-separated block
   (`"paragraph"`); `.jsonl` — one JSON object per line, text under `data.text_key`;
   `.parquet` — the `data.text_key` column; `.array_record` — each record is one UTF-8 document.
+  A `.txt` or `.jsonl` file may be gzip or zstd compressed, and is read so by its first bytes
+  (its magic number), whatever its name; such a file may also be named `NAME.txt.gz`,
+  `NAME.jsonl.zst`, or `NAME.json.gz` (JSON Lines, as Dolma ships them). zstd needs the
+  `zstandard` package: without it such a file is a `DataError` saying how to install it.
   Local sources have no splits: a document goes to `validation` when a stable hash of
   `relative/path:line` falls under `data.validation_percent`, else to `train`.
 
@@ -23,7 +27,10 @@ counted as `bad_records`. A source that matches no file or yields no document is
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
+import gzip
+import io
 import hashlib
 import json
 import logging
@@ -39,6 +46,14 @@ from maxlm.data.errors import DataError
 log = logging.getLogger(__name__)
 
 EXTENSIONS = (".txt", ".jsonl", ".parquet", ".array_record")
+# Compressed text: `NAME.KIND.SUFFIX` is read as KIND (`.json`: JSON Lines, Dolma's name for them).
+COMPRESSED_SUFFIXES = (".gz", ".zst", ".zstd")
+COMPRESSED_KINDS = {".txt": ".txt", ".jsonl": ".jsonl", ".json": ".jsonl"}
+# What a file's first bytes say it is compressed with (RFC 1952's gzip, RFC 8878's zstd frame).
+MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd"}
+ZSTD_INSTALL = "pip install zstandard"
+# A file's lines that are not UTF-8 are each counted; only this many of them are logged.
+LOGGED_BAD_LINES = 3
 SPLITS = ("train", "validation")
 _PARAGRAPH = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")
 
@@ -166,6 +181,51 @@ def _tfds_documents(source, data_cfg, split, counts, first: int = 0, stop: int |
 # ---------------------------------------------------------------------------------- local files
 
 
+def file_kind(path: Path) -> str | None:
+    """The kind a file is read as, by its name: one of EXTENSIONS (`.txt`, `.jsonl` also for a
+    compressed `NAME.txt.gz`, `NAME.jsonl.zst`, `NAME.json.gz`, ...), or None when unsupported."""
+    if path.suffix in EXTENSIONS:
+        return path.suffix
+    if path.suffix in COMPRESSED_SUFFIXES:
+        return COMPRESSED_KINDS.get(Path(path.stem).suffix)
+    return None
+
+
+def compression(path: Path) -> str | None:
+    """"gzip" or "zstd" when the file's first bytes are that format's magic number, else None."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return next((name for magic, name in MAGIC.items() if head.startswith(magic)), None)
+
+
+@contextlib.contextmanager
+def open_text_file(path: Path):
+    """The bytes of a `.txt` or `.jsonl` file as a binary stream, decompressed when it is gzip or
+    zstd (`compression`), read as it comes. A zstd file without the `zstandard` package, and a
+    compressed stream that is corrupt or cut short, are a DataError naming the file."""
+    kind = compression(path)
+    if kind == "zstd":
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(f"the file is zstd-compressed; reading it needs the zstandard package: "
+                            f"{ZSTD_INSTALL} (or decompress it: zstd -d)", str(path)) from None
+        errors: tuple = (zstandard.ZstdError, EOFError)
+    else:
+        errors = (gzip.BadGzipFile, EOFError, zlib.error)
+    with open(path, "rb") as raw:
+        if kind == "gzip":
+            stream = gzip.GzipFile(fileobj=raw)
+        elif kind == "zstd":  # all frames: zstd -c a b > ab and pzstd write several
+            stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+        else:
+            stream = raw
+        try:
+            yield stream
+        except errors as e:
+            raise DataError(f"the {kind} stream is corrupt or cut short ({e or type(e).__name__})", str(path)) from None
+
+
 def list_files(spec: str) -> tuple[Path, list[Path]]:
     """(root, sorted files) for a file, a directory or a glob; root keys the split hash."""
     path = os.path.expanduser(spec)
@@ -175,7 +235,7 @@ def list_files(spec: str) -> tuple[Path, list[Path]]:
         root = root if root.is_dir() else root.parent
     elif os.path.isdir(path):
         root = Path(path)
-        files = [p for p in root.rglob("*") if p.is_file() and p.suffix in EXTENSIONS]
+        files = [p for p in root.rglob("*") if p.is_file() and file_kind(p)]
     elif os.path.isfile(path):
         root, files = Path(path).parent, [Path(path)]
     else:
@@ -186,8 +246,9 @@ def list_files(spec: str) -> tuple[Path, list[Path]]:
             f"data.source={spec!r} matches no {'/'.join(EXTENSIONS)} files (empty source)"
         )
     for f in files:
-        if f.suffix not in EXTENSIONS:
-            raise DataError(f"unsupported file type {f.suffix!r}; supported: {EXTENSIONS}", str(f))
+        if not file_kind(f):
+            raise DataError(f"unsupported file type {''.join(f.suffixes[-2:]) or f.name!r}; supported: "
+                            f"{EXTENSIONS}, .txt and .jsonl (or .json) also with {COMPRESSED_SUFFIXES}", str(f))
     return root, files
 
 
@@ -204,6 +265,41 @@ def _checked_text(value, counts, where: str) -> str | None:
         counts["empty_documents"] += 1
         return None
     return value
+
+
+def _read_jsonl(path: Path, rel: str, data_cfg, counts):
+    """`_read_file` of a JSON Lines file: one JSON object a line, its text under `text_key`."""
+    text_key = data_cfg.text_key
+    skip = data_cfg.bad_records == "skip"
+    not_utf8 = 0  # this file's: each is counted, the first LOGGED_BAD_LINES logged, then a sum
+    with open_text_file(path) as f:  # binary lines split on b"\n" only, as bytes.split did
+        for n, raw_line in enumerate(f, start=1):
+            if not raw_line.strip():
+                continue
+            try:
+                obj = json.loads(raw_line)
+            except UnicodeDecodeError:
+                counts["not_utf8"] += 1
+                not_utf8 += 1
+                if not_utf8 <= LOGGED_BAD_LINES:
+                    log.warning("%s:%d: skipped: not valid UTF-8", path, n)
+                continue
+            except json.JSONDecodeError as e:
+                _bad_record(f"broken JSON line ({e.msg}, column {e.colno})", str(path), n, counts, skip)
+                continue
+            if not isinstance(obj, dict):
+                _bad_record(f"expected a JSON object, got {type(obj).__name__}", str(path), n, counts, skip)
+            elif text_key not in obj:
+                _bad_record(f"no data.text_key={text_key!r} field (fields: {sorted(obj)[:8]})",
+                            str(path), n, counts, skip)
+            elif not isinstance(obj[text_key], str):
+                _bad_record(f"field {text_key!r} is {type(obj[text_key]).__name__}, not a string",
+                            str(path), n, counts, skip)
+            else:
+                yield from _doc(obj[text_key], counts, f"{rel}:{n}")
+    if not_utf8 > LOGGED_BAD_LINES:
+        log.warning("%s: skipped %d lines that are not valid UTF-8 (the first %d logged above)",
+                    path, not_utf8, LOGGED_BAD_LINES)
 
 
 def _bad_record(message, file, line, counts, skip):
@@ -225,15 +321,16 @@ _RECORDS_PER_READ = 1024
 
 def _read_file(path: Path, rel: str, data_cfg, counts):
     """Yields `(where, text)` from one file, streaming: a .jsonl line, a parquet batch or an
-    array_record range at a time (a .txt file is one document, or its paragraphs, read whole)."""
-    text_key = data_cfg.text_key
-    skip = data_cfg.bad_records == "skip"
+    array_record range at a time (a .txt file is one document, or its paragraphs, read whole);
+    compressed text decompressed as it is read (`open_text_file`)."""
+    kind, text_key, skip = file_kind(path), data_cfg.text_key, data_cfg.bad_records == "skip"
     if path.stat().st_size == 0:
         counts["empty_files"] += 1
         log.warning("%s: skipped: empty file", path)
         return
-    if path.suffix == ".txt":
-        raw = path.read_bytes()
+    if kind == ".txt":
+        with open_text_file(path) as f:
+            raw = f.read()
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -252,35 +349,9 @@ def _read_file(path: Path, rel: str, data_cfg, counts):
                     pos = m.end()
         else:
             yield from _doc(text, counts, f"{rel}:1")
-    elif path.suffix == ".jsonl":
-        with open(path, "rb") as f:  # binary lines split on b"\n" only, as bytes.split did
-            for n, raw_line in enumerate(f, start=1):
-                if not raw_line.strip():
-                    continue
-                try:
-                    obj = json.loads(raw_line)
-                except UnicodeDecodeError:
-                    counts["not_utf8"] += 1
-                    log.warning("%s:%d: skipped: not valid UTF-8", path, n)
-                    continue
-                except json.JSONDecodeError as e:
-                    _bad_record(f"broken JSON line ({e.msg}, column {e.colno})", str(path), n, counts, skip)
-                    continue
-                if not isinstance(obj, dict):
-                    _bad_record(f"expected a JSON object, got {type(obj).__name__}", str(path), n, counts, skip)
-                elif text_key not in obj:
-                    _bad_record(
-                        f"no data.text_key={text_key!r} field (fields: {sorted(obj)[:8]})",
-                        str(path), n, counts, skip,
-                    )
-                elif not isinstance(obj[text_key], str):
-                    _bad_record(
-                        f"field {text_key!r} is {type(obj[text_key]).__name__}, not a string",
-                        str(path), n, counts, skip,
-                    )
-                else:
-                    yield from _doc(obj[text_key], counts, f"{rel}:{n}")
-    elif path.suffix == ".parquet":
+    elif kind == ".jsonl":
+        yield from _read_jsonl(path, rel, data_cfg, counts)
+    elif kind == ".parquet":
         import pyarrow.parquet as pq
 
         schema = pq.read_schema(path)
