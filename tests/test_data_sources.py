@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -352,7 +353,7 @@ def test_cli_tokenizer_stats_peek_and_bad_data(folder, tmp_path):
 
     r = _cli(tmp_path, "peek", "--step=3", overrides=[src])
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("=== row") == BATCH and "⟦seg 1 pos" in r.stdout and "word" in r.stdout
+    assert r.stdout.count("=== row") == BATCH and "⟦seg 1" in r.stdout and "word" in r.stdout
 
     with open(folder / "records.jsonl", "a") as f:
         f.write("{broken\n")
@@ -400,3 +401,17 @@ def test_cli_reads_gzip_and_zstd_by_their_magic_bytes(tmp_path):
     assert r.stderr.strip().splitlines()[-1] == (
         f"maxlm: data error: {root / 'book.txt.zst'}: the file is zstd-compressed; reading it needs the "
         "zstandard package: pip install zstandard (or decompress it: zstd -d)")
+
+
+@pytest.mark.slow
+def test_cli_peek_marks_the_rows_that_continue_a_document(folder, tmp_path):
+    """Documents of about 300 byte tokens in rows of 32: most rows begin inside a document, and
+    their first segment says so; every other segment starts a document."""
+    r = _cli(tmp_path, "peek", "--step=0", overrides=[f"--config.data.source={folder}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines()[1:] if not line.startswith("=== row")]
+    assert len(rows) == BATCH
+    firsts = [row.split("⟧", 1)[0] + "⟧" for row in rows]
+    assert set(firsts) <= {"⟦seg 1⟧", "⟦seg 1 continued⟧"} and "⟦seg 1 continued⟧" in firsts, firsts
+    later = [m for row in rows for m in re.findall(r"⟦seg \d+[^⟧]*⟧", row)[1:]]
+    assert all(re.fullmatch(r"⟦seg \d+⟧", m) for m in later), later

@@ -16,7 +16,8 @@
                               packing_efficiency, skipped and filtered counts
   peek --step=N [--split=train] [--rows=K]
                               prints the decoded rows of global batch N; each segment starts
-                              with a `⟦seg I pos P⟧` marker (pos > 0: continues from the previous row)
+                              with a `⟦seg I⟧` marker, or `⟦seg 1 continued⟧` where the row
+                              begins inside a document that began in the packed row before it
 
 Bad data or config: one line on stderr, exit status 2.
 """
@@ -177,7 +178,14 @@ def stats(cfg, split: str) -> dict:
     return {k: info.get(k) for k in keys}
 
 
+CONTINUED = "continued"
+
+
 def peek(cfg, step: int, split: str, max_rows: int) -> str:
+    """Global batch `step` of `split` decoded, at most `max_rows` rows: a header line naming the
+    rows, then per row its segments, each after a `⟦seg I⟧` marker, `⟦seg 1 continued⟧` for a
+    row's first segment that continues a document from the packed row before it, and a
+    `⟦pad ×N⟧` marker for its padding."""
     import numpy as np
 
     from maxlm.data import make_dataset
@@ -191,12 +199,15 @@ def peek(cfg, step: int, split: str, max_rows: int) -> str:
     else:
         out = [f"# step {step} of {split} (epoch {ds.epoch_of(step)}), rows {ds.row_ids(step).tolist()[:max_rows]}"]
     for r in range(min(max_rows, b["inputs"].shape[0])):
-        seg, pos, inputs = b["segment_ids"][r], b["positions"][r], b["inputs"][r]
+        seg, inputs = b["segment_ids"][r], b["inputs"][r]
         out.append(f"=== row {r}: {int(seg.max())} segments, {int(np.count_nonzero(seg))} tokens ===")
         parts = []
         for s in range(1, int(seg.max()) + 1):
             cols = np.flatnonzero(seg == s)
-            parts.append(f"⟦seg {s} pos {int(pos[cols[0]])}⟧" + ds.tokenizer.decode(inputs[cols]))
+            # Positions restart at 0 in every segment (maxlm/data/packing.py), so they cannot tell
+            # a continuation; a document's first input is bos, and a continuing segment's is not.
+            continued = f" {CONTINUED}" if int(inputs[cols[0]]) != ds.tokenizer.bos_id else ""
+            parts.append(f"⟦seg {s}{continued}⟧" + ds.tokenizer.decode(inputs[cols]))
         if (seg == 0).any():
             parts.append(f"⟦pad ×{int((seg == 0).sum())}⟧")
         out.append("".join(parts))
