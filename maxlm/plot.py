@@ -1,4 +1,7 @@
-"""Training curves of one or more runs: `python -m maxlm.plot DIR [DIR ...] --out=curves.png`.
+"""Training curves of one or more runs: `python -m maxlm.plot DIR [DIR ...] [--out=PNG]`.
+
+Without `--out` the PNG is `curves.png` in the first DIR, not the current directory: the plot
+belongs to a run.
 
 Reads each `DIR/metrics.jsonl` (local or `gs://`, through maxlm/runtime/paths.py) and draws a 2 x 3 grid:
 train loss, eval loss, learning rate and tokens/s against the step, one line per run (the legend
@@ -23,6 +26,7 @@ from maxlm.observe import goodput, metrics
 from maxlm.runtime import paths
 from maxlm.runtime.errors import UserError
 
+DEFAULT_NAME = "curves.png"
 # (panel title, metrics.jsonl key), row by row
 PANELS = (("train loss", "loss"), ("eval loss", "eval_loss"),
           ("learning rate", "lr"), ("tokens/s", "tokens_per_sec"))
@@ -146,12 +150,19 @@ def main(argv) -> None:
     cli.setup_logging()  # quiets matplotlib's INFO lines through absl's handler
     workdirs = argv[1:]
     if not workdirs:
-        _error("give one or more run directories: python -m maxlm.plot DIR [DIR ...] --out=curves.png")
+        _error("give one or more run directories: python -m maxlm.plot DIR [DIR ...] [--out=PNG]")
+    out = flags.FLAGS.out or default_out(workdirs)
     try:
-        plot_runs(workdirs, flags.FLAGS.out)
+        plot_runs(workdirs, out)
     except PlotError as e:
         _error(str(e))
-    print(f"wrote {paths.workdir_path(flags.FLAGS.out)}")
+    print(f"wrote {paths.workdir_path(out)}")
+
+
+def default_out(workdirs: list[str]) -> str:
+    """Where the plot goes without `--out`: `curves.png` in the first run's directory (a URL's
+    too)."""
+    return f"{workdirs[0].rstrip('/')}/{DEFAULT_NAME}"
 
 
 def _error(message: str) -> None:
@@ -162,7 +173,8 @@ def _error(message: str) -> None:
 def define_flags() -> None:
     from absl import flags
 
-    flags.DEFINE_string("out", "curves.png", "The PNG to write (local path or gs:// URL).")
+    flags.DEFINE_string("out", "", f"The PNG to write (local path or gs:// URL); default: {DEFAULT_NAME} in the "
+                        "first DIR.")
 
 
 if __name__ == "__main__":

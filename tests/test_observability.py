@@ -332,3 +332,23 @@ def test_plot_series_keeps_the_last_row_of_a_step():
             {"step": 2, "eval_loss": 9.0}]
     steps, values = plot.series(rows, "loss")
     assert steps == [1, 2] and math.isnan(values[0]) and values[1] == 2.0
+
+
+def test_plot_without_out_writes_into_the_first_runs_directory(tmp_path):
+    """No `--out`: curves.png goes into the first DIR, never into the directory the command runs in."""
+    runs = [tmp_path / "first", tmp_path / "second"]
+    for i, workdir in enumerate(runs):
+        writer = metrics.JsonlWriter(workdir / "metrics.jsonl")
+        for step in range(1, 4):
+            writer.write(step, {"loss": 5.0 - step - i, "lr": 1e-3})
+        writer.close()
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MPLCONFIGDIR": str(tmp_path / "mpl"),
+           "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "maxlm.plot", *map(str, runs)], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == f"wrote {runs[0] / 'curves.png'}"
+    assert (runs[0] / "curves.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert list(cwd.iterdir()) == [] and not (runs[1] / "curves.png").exists()
