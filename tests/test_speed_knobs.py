@@ -154,3 +154,25 @@ def test_plan_reports_memory():
     assert none["xla_cost"]["bytes_accessed"] > 0
     assert zero1["bytes_per_device"]["opt_state"] < none["bytes_per_device"]["opt_state"] / 4
     assert zero1["bytes_per_device"]["params"] == none["bytes_per_device"]["params"]
+
+
+def plan_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("maxlm: plan ")]
+
+
+@pytest.mark.slow  # a subprocess
+def test_bench_plan_prints_its_compile_phase_on_stderr_and_only_json_on_stdout(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, command_env
+
+    done = subprocess.run([sys.executable, "-m", "maxlm.bench", "plan", "--config=configs/tiny.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=command_env(tmp_path, devices=None, MAXLM_PROGRESS_SECONDS="0.1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["benchmark"] == "plan"  # stdout: the JSON alone
+    lines = plan_lines(done.stderr)
+    assert lines and all(line.startswith("maxlm: plan compile: elapsed ") for line in lines), done.stderr[-3000:]
+    assert lines[-1].endswith(", done")

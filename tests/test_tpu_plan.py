@@ -262,3 +262,23 @@ def test_two_slices_over_the_data_center_network(tmp_path):
                   "--config.model.dtype=bfloat16", "--config.mesh.data=2", "--config.mesh.dcn_data=2",
                   "--noestimate")
     assert result["device_count"] == 8 and result["process_count"] == 2 and result["fits"]
+
+
+@needs_libtpu
+def test_a_target_plan_prints_its_phases_compile_then_estimate(tmp_path):
+    """On stderr, a line per phase: the step's compile, then the estimate's 2 compiles counted;
+    stdout is the plan's JSON alone."""
+    command = (f"source launch/tpu_env.sh && {sys.executable} -m maxlm.bench plan --config=configs/tiny.py "
+               "--target=v5p-8")
+    done = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=command_env(tmp_path, devices=None, target_compile=True, PYTHONPATH=TARGET_COMPILERS,
+                                          MAXLM_PROGRESS_SECONDS="0.1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["estimate"]["step_sec"] > 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("maxlm: plan ")]
+    compile_lines = [line for line in lines if line.startswith("maxlm: plan v5p-8 compile (phase 1/2): ")]
+    estimate_lines = [line for line in lines if line.startswith("maxlm: plan v5p-8 estimate (phase 2/2): ")]
+    assert lines == compile_lines + estimate_lines and compile_lines and estimate_lines, done.stderr[-3000:]
+    assert compile_lines[-1].endswith(", done")
+    assert estimate_lines[-1].startswith("maxlm: plan v5p-8 estimate (phase 2/2): 2/2 compiles (100%)")
+    assert estimate_lines[-1].endswith(", done")

@@ -6,6 +6,9 @@
 Nothing runs and no state is materialised: the state and batch are ShapeDtypeStructs with their
 shardings, and `jit(...).lower(...).compile()` gives XLA's buffer assignment. For a target the plan
 adds an estimated step time, with its model written out (`estimate_step`).
+
+A big model's compiles take minutes, so each phase, `compile` and (for a target) `estimate`, has
+a progress line on stderr (maxlm/runtime/progress.py); stdout is the plan's JSON alone.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from maxlm.bench.targets import Target
 from maxlm.model import attention_plan, moe
 from maxlm.observe import flops
 from maxlm.optim import optimizers as optim
+from maxlm.runtime import progress
 from maxlm.sharding import mesh as mesh_lib, state as state_lib
 from maxlm.train import step as step_lib
 
@@ -88,9 +92,11 @@ def plan(cfg, target: Target | None = None, estimate: bool = True) -> dict:
         limit = target.usable_bytes
     else:
         limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+    phases = ["compile", "estimate"] if target and estimate else ["compile"]
     start = time.perf_counter()
     try:
-        compiled, state, batch = compile_step(cfg, devices)
+        with _phase("compile", phases, target) as line, progress.polling(line):  # one opaque compile: a heartbeat
+            compiled, state, batch = compile_step(cfg, devices)
     except Exception as e:  # noqa: BLE001 - XLA's errors come as several types
         message = _out_of_memory(e)
         if message is None:
@@ -129,9 +135,20 @@ def plan(cfg, target: Target | None = None, estimate: bool = True) -> dict:
         "xla_cost": xla_cost(compiled),
     })
     if target and estimate:
-        result["estimate"] = estimate_step(cfg, target, compiled)
+        with _phase("estimate", phases, target, total=len(PROBE_LAYERS), unit="compiles") as line, \
+                progress.polling(line):
+            result["estimate"] = estimate_step(cfg, target, compiled, line)
     result["jax_version"] = jax.__version__
     return result
+
+
+def _phase(name: str, phases: list[str], target: Target | None, total: int | None = None,
+           unit: str = "units") -> progress.Progress:
+    """The progress line of the plan's phase `name`: `plan [TARGET] NAME (phase K/N)`."""
+    what = f"plan {target.name + ' ' if target else ''}{name}"
+    if len(phases) > 1:
+        what += f" (phase {phases.index(name) + 1}/{len(phases)})"
+    return progress.Progress(what, total, unit)
 
 
 def tpu_kernels(hlo_text: str) -> list[str]:
@@ -181,25 +198,30 @@ def _probe_config(cfg, num_layers: int):
     return probe
 
 
-def probe_bytes(cfg, devices) -> float:
+PROBE_LAYERS = (1, 2)  # the unrolled layer counts `probe_bytes` compiles
+
+
+def probe_bytes(cfg, devices, line: progress.Progress | None = None) -> float:
     """XLA's bytes accessed per device for a whole step. XLA counts a loop's body once, whatever
     its trip count (the scanned layers, the accumulation scan), so the step is compiled twice more
     with 1 and 2 unrolled layers and one microbatch, and the count is extrapolated:
     step ≈ accumulation steps × (bytes(1) + (layers - 1) × (bytes(2) - bytes(1))). The optimizer
     update is then counted once per microbatch, so this errs high by (accumulation steps - 1)
-    updates."""
+    updates. `line` counts the compiles done."""
     counts = []
-    for layers in (1, 2):
+    for layers in PROBE_LAYERS:
         compiled, _, _ = compile_step(_probe_config(cfg, layers), devices)
         analysis = compiled.cost_analysis()
         analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
         counts.append(float(analysis.get("bytes accessed", 0.0)))
+        if line is not None:
+            line.update(advance=1)
     return cfg.optim.grad_accum_steps * (counts[0] + (cfg.model.num_layers - 1) * (counts[1] - counts[0]))
 
 
-def estimate_step(cfg, target: Target, compiled) -> dict:
+def estimate_step(cfg, target: Target, compiled, line: progress.Progress | None = None) -> dict:
     """A step time and MFU for `target` (ESTIMATE_MODEL), per device; none where its compiler gives
-    no cost analysis (`compiled`, the step's, tells)."""
+    no cost analysis (`compiled`, the step's, tells). `line` counts its compiles."""
     if not compiled.cost_analysis():
         return {"model": "none: this compiler gives no cost analysis without the device"}
     devices = list(target.devices)
@@ -207,7 +229,7 @@ def estimate_step(cfg, target: Target, compiled) -> dict:
     tokens_per_device = cfg.batch_size * cfg.seq_len / len(devices)
     model_flops = flops.flops_per_token(cfg.model, cfg.seq_len) * tokens_per_device
     hardware_flops = flops.hardware_flops_per_token(cfg.model, cfg.seq_len) * tokens_per_device
-    bytes_accessed = probe_bytes(cfg, devices)
+    bytes_accessed = probe_bytes(cfg, devices, line)
     compute_sec = hardware_flops / peak
     memory_sec = bytes_accessed / target.memory_bytes_per_sec
     step_sec = max(compute_sec, memory_sec)
