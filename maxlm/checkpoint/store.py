@@ -66,8 +66,8 @@ class _NoItemMetadataWarning(logging.Filter):
     """Drops orbax's warning `Metadata file does not exist: STEP/ITEM/_CHECKPOINT_METADATA`.
     Orbax writes that file for the step (`STEP/_CHECKPOINT_METADATA`, which `file_problem`
     checks), never inside an item, yet a PyTreeCheckpointer reading the item `STEP/state` looks
-    for one there first and warns, 1 to 3 times a resume: a line that reads like damage where
-    nothing is wrong. The same warning about any other file still shows."""
+    for one there and warns at each read of a resume: a line that reads like damage where nothing
+    is wrong. The same warning about any other file still shows."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg != "Metadata file does not exist: %s" or not record.args:
