@@ -247,7 +247,8 @@ def list_files(spec: str) -> tuple[Path, list[Path]]:
         )
     for f in files:
         if not file_kind(f):
-            raise DataError(f"unsupported file type {''.join(f.suffixes[-2:]) or f.name!r}; supported: "
+            name = "".join(f.suffixes[-2:]) if f.suffix in COMPRESSED_SUFFIXES else f.suffix
+            raise DataError(f"unsupported file type {name or f.name!r}; supported: "
                             f"{EXTENSIONS}, .txt and .jsonl (or .json) also with {COMPRESSED_SUFFIXES}", str(f))
     return root, files
 
