@@ -52,6 +52,7 @@ from maxlm.config.rules import (
     check_context_parallel,
     check_data,
     check_eval,
+    check_metrics,
     check_model_and_optim,
     check_monitor,
     check_optimizer,
@@ -166,6 +167,10 @@ def _declared() -> _Section:
 
     c.metrics = _Section()
     c.metrics.tensorboard = True, BOOL
+    c.metrics.wandb = False, BOOL  # Weights & Biases too (the optional wandb package: make install-wandb)
+    c.metrics.wandb_project = "maxlm"
+    c.metrics.wandb_entity = ""  # the W&B team or user ("": the API key's default)
+    c.metrics.wandb_run_id = ""  # "": the one made at the workdir's first start (WORKDIR/wandb_run_id)
 
     # The pretraining guides' ranges, watched on the logged rows (maxlm/observe/monitor.py): a
     # warning and a marker (monitor/<name>_out_of_range) when a quantity stays outside its range
@@ -441,6 +446,7 @@ def resolve(config: ml_collections.ConfigDict, num_devices: int,
     check_context_parallel(c)
     check_data(c)
     check_eval(c)
+    check_metrics(c)
     check_checkpoint(c)
     return c
 

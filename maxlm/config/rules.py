@@ -408,6 +408,18 @@ def check_data(c):
         raise ConfigError(f"data.mixture names must differ, got {names}")
 
 
+def check_metrics(c):
+    """metrics.wandb_project and metrics.wandb_run_id: names W&B accepts (its reserved characters
+    refused here, before the run starts, not by wandb.init after it)."""
+    m = c.metrics
+    if m.wandb and (not 0 < len(m.wandb_project) <= 128 or any(ch in m.wandb_project for ch in "/\\#?%:")):
+        raise ConfigError(f"metrics.wandb_project={m.wandb_project!r} must be a W&B project name: 1 to 128 "
+                          "characters, none of / \\ # ? % :")
+    if m.wandb_run_id and (m.wandb_run_id != m.wandb_run_id.strip() or any(ch in m.wandb_run_id for ch in ":;,#?/'")):
+        raise ConfigError(f"metrics.wandb_run_id={m.wandb_run_id!r} must be a W&B run id: no space at either end, "
+                          "none of : ; , # ? / '")
+
+
 def check_checkpoint(c):
     local = c.checkpoint.local_dir
     if local and "://" in local:

@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import string
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from maxlm.runtime import paths
+from maxlm.runtime import console, paths
+from maxlm.runtime.errors import UserError
 
 # ---------------------------------------------------------------------------
 # Metric writers
@@ -224,6 +227,85 @@ class _EpathEventFiles:
         pass  # object stores have no directories to create
 
 
+class WandbWriter:
+    """Rows and the config to a Weights & Biases run (the optional `wandb` package).
+
+    The run's id is `run_id` (`wandb_run_id`: the same at every start of a workdir), and the run
+    is resumed when W&B already has it, so a resumed training run goes on in the same W&B run.
+    Rows are logged at their training step under the TensorBoard tags (`train/loss`, `eval/loss`,
+    ...); W&B takes steps in increasing order only, so a row of a step before the last one logged
+    (a resume from an earlier checkpoint, a rollback) is left out, with one warning (metrics.jsonl
+    has it). The run's files go under `dir` (None: WANDB_DIR, else wandb's default, the current
+    directory). W&B refusing the run (no API key, a bad entity) raises UserError.
+    """
+
+    def __init__(self, run_id: str, project: str, entity: str = "", name: str | None = None,
+                 dir: str | None = None):
+        wandb = import_wandb()
+        try:
+            self._run = wandb.init(project=project, entity=entity or None, id=run_id, name=name,
+                                   resume="allow", dir=dir)
+        except wandb.errors.Error as e:
+            raise UserError(f"metrics.wandb: W&B refused run {run_id!r} of project {project!r}: {e}") from e
+        self._floor = self._run.step  # a resumed run's next W&B step: earlier ones are logged already
+        self._warned = False
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        if step < self._floor:
+            if not self._warned:
+                console.warn(f"W&B takes steps in increasing order: rows of steps before {self._floor} "
+                             "(repeated after a resume or a rollback) are left out of W&B; metrics.jsonl has them")
+                self._warned = True
+            return
+        self._floor = step  # more rows of this step (the eval's) join the same W&B row
+        self._run.log({tensorboard_tag(name): _to_python_scalar(name, value) for name, value in metrics.items()},
+                      step=int(step))
+
+    def write_hparams(self, hparams: Mapping[str, bool | int | float | str]) -> None:
+        # a resumed run may change keys (steps, a lower lr): W&B refuses a changed value unless allowed
+        self._run.config.update(dict(hparams), allow_val_change=True)
+
+    def flush(self) -> None:
+        pass  # wandb has no flush: each row goes to wandb-core (its own process) when logged
+
+    def close(self) -> None:
+        self._run.finish()  # commits the last step's row
+
+
+WANDB_INSTALL = "make install-wandb, or pip install -e '.[wandb]'"
+WANDB_RUN_ID_FILE = "wandb_run_id"
+
+
+def import_wandb():
+    """The `wandb` module; UserError naming the install line when it does not import."""
+    try:
+        import wandb  # only runs that ask for W&B need it (an optional dependency)
+    except ImportError as e:
+        raise UserError(f"metrics.wandb=True needs the wandb package ({e}): {WANDB_INSTALL}") from e
+    return wandb
+
+
+def check_writers(metrics_cfg) -> None:
+    """UserError (exit 2) when a writer `metrics_cfg` (a config's `metrics`) asks for cannot be
+    made here; a command calls it before it writes anything."""
+    if metrics_cfg.wandb:
+        import_wandb()
+
+
+def wandb_run_id(workdir, override: str = "") -> str:
+    """The W&B run id of the run in `workdir`: `override` when set, else the one in
+    WORKDIR/wandb_run_id, made (8 random base-36 characters, as wandb's own) and written there on
+    the first call, so every start of the workdir continues one W&B run."""
+    if override:
+        return override
+    path = paths.workdir_path(workdir) / WANDB_RUN_ID_FILE
+    if path.exists() and (recorded := path.read_text().strip()):
+        return recorded
+    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 class MultiWriter:
     """Fans every call out to several writers, in order."""
 
@@ -264,8 +346,9 @@ class NullWriter:
 
 
 def make_writers(workdir: str | os.PathLike, is_primary: bool,
-                 tensorboard: bool = True) -> MetricWriter:
-    """WORKDIR/metrics.jsonl (+ TensorBoard event files in WORKDIR) on the primary process.
+                 tensorboard: bool = True, wandb=None) -> MetricWriter:
+    """WORKDIR/metrics.jsonl (+ TensorBoard event files in WORKDIR, + a W&B run when `wandb`, a
+    config's `metrics` section, is given) on the primary process.
 
     Every process calls this; only the primary (process 0) touches the disk,
     so multi-host runs do not write N copies of the same metrics.
@@ -276,6 +359,11 @@ def make_writers(workdir: str | os.PathLike, is_primary: bool,
     writers: list[MetricWriter] = [JsonlWriter(workdir / "metrics.jsonl")]
     if tensorboard:
         writers.append(TensorBoardWriter(os.fspath(workdir)))
+    if wandb is not None:
+        # wandb writes its files through the local filesystem: WORKDIR/wandb/ unless WANDB_DIR or a gs:// workdir
+        local = os.fspath(workdir) if not paths.is_remote(workdir) and "WANDB_DIR" not in os.environ else None
+        writers.append(WandbWriter(wandb_run_id(workdir, wandb.wandb_run_id), wandb.wandb_project,
+                                   wandb.wandb_entity, name=workdir.name, dir=local))
     return MultiWriter(writers)
 
 

@@ -73,7 +73,8 @@ def train_and_evaluate(cfg, workdir: str, data=None, stopwatch: Stopwatch | None
         anomalies.rebase(int(state["step"]), position)  # data changed on purpose: data.resume_position
     train_fn = train_step_fn(cfg, mesh, rules, shardings, anomalies.position)
     policy = faults.FaultPolicy(cfg.checkpoint, cfg.steps, clock_every=cfg.log_every_steps)
-    writer = metrics.make_writers(workdir, jax.process_index() == 0, cfg.metrics.tensorboard)
+    writer = metrics.make_writers(workdir, jax.process_index() == 0, cfg.metrics.tensorboard,
+                                  wandb=cfg.metrics if cfg.metrics.wandb else None)
     writer.write_hparams(metrics.flatten_config(cfg.to_dict()))
     trace = profiler.StepProfiler(cfg.profile, workdir, enabled=jax.process_index() == 0)
     step = int(state["step"])
