@@ -16,7 +16,7 @@ TEST_STAMP := $(VENV)/.installed-test
 # PYTHONPATH to compile for H100/H200 hosts and TPU slices (maxlm/bench/targets).
 TARGET_COMPILERS := $(VENV)/target-compilers
 
-.PHONY: train test test-ci bench install install-tensorboard install-hf clean
+.PHONY: train test test-ci bench install install-tensorboard install-wandb install-hf clean
 
 train: $(STAMP)
 	$(PY) -m maxlm.train --config=$(CONFIG) --workdir=$(WORKDIR)
@@ -58,10 +58,13 @@ $(TARGET_COMPILERS)/.installed: $(STAMP) locks/cuda12.lock locks/tpu.lock
 	touch $@
 
 # Optional pieces the docs use, at the versions the tests run (requirements-test.lock): the
-# TensorBoard viewer, and torch + transformers to load an export in transformers (PyPI's Linux torch
+# TensorBoard viewer, wandb for metrics.wandb=True, and torch + transformers to load an export in transformers (PyPI's Linux torch
 # is its CUDA build, several GB, and runs on the CPU too).
 install-tensorboard: $(STAMP)
 	$(PY) -m pip install --quiet -c requirements.lock -c requirements-test.lock tensorboard
+
+install-wandb: $(STAMP)
+	$(PY) -m pip install --quiet -c requirements.lock -c requirements-test.lock wandb
 
 install-hf: $(STAMP)
 	$(PY) -m pip install --quiet -c requirements.lock -c requirements-test.lock torch transformers

@@ -62,9 +62,10 @@ def test_make_install_takes_the_accelerators_lock(tmp_path, accel):
 
 
 @pytest.mark.parametrize("target, packages", [("install-tensorboard", ["tensorboard"]),
+                                              ("install-wandb", ["wandb"]),
                                               ("install-hf", ["torch", "transformers"])])
 def test_the_optional_pieces_install_at_the_tested_versions(tmp_path, target, packages):
-    """The docs' `make install-tensorboard` and `make install-hf` (issue 54: they said
+    """The docs' `make install-tensorboard`, `make install-wandb` and `make install-hf` (issue 54: they said
     requirements.lock pinned what only the tests installed): each installs its packages under the
     test lock's pins, which pin every one of them, so the venv gets what CI ran."""
     venv = tmp_path / "venv"
