@@ -321,13 +321,14 @@ def test_norm_placements_and_qk_norms_without_a_class_are_refused():
     with pytest.raises(config_lib.ConfigError, match=r"which cannot hold model.attn_logit_softcap=50 \(Gemma3's "
                                                      r"attention does not cap its scores\)$"):
         architectures.architecture(gemma3, "X")
-    olmo = _cfg({**OLMO, "model.sliding_window": 9, "model.layer_pattern": "LLG", "model.rope_theta_local": 1e4})
+    olmo = _cfg({**OLMO, "model.sliding_window": 9, "model.layer_pattern": "LLG", "model.rope_theta_local": 1e4,
+                 "model.num_layers": 3})
     assert architectures.architecture(olmo.model, "X") is architectures.OLMO3
     with pytest.raises(config_lib.ConfigError, match=r"Llama.* model.sliding_window=9 with model.layer_pattern='LLG' "
                                                      r"\(Llama holds no sliding window\); model.rope_theta_local=10000 "
                                                      r"\(Llama's layers share one RoPE\)$"):
         architectures.architecture(_cfg({"model.sliding_window": 9, "model.layer_pattern": "LLG",
-                                         "model.rope_theta_local": 1e4}).model, "X")
+                                         "model.rope_theta_local": 1e4, "model.num_layers": 3}).model, "X")
 
 
 def test_gpt_style_keys_go_to_gpt2_alone_and_qkv_biases_to_no_class():

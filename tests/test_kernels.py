@@ -286,6 +286,10 @@ def test_attention_backend_choice(monkeypatch):
         ({"model.layer_pattern": "LLX", "model.sliding_window": 16}, "model.layer_pattern='LLX' must be '' or letters L"),
         ({"model.layer_pattern": "GG", "model.sliding_window": 16}, "model.layer_pattern='GG' must be '' or letters L"),
         ({"model.layer_pattern": "LG"}, "model.layer_pattern='LG' has local layers: set model.sliding_window > 0"),
+        # issue 54: accepted, it gave a model without a global layer, which its own export then refused
+        ({"model.layer_pattern": "LLLLLG", "model.sliding_window": 16},
+         "model.layer_pattern='LLLLLG' repeats every 6 layers, and model.num_layers=2 holds no global (G) layer of "
+         "it: use at least 6 layers or a shorter pattern"),
         ({"model.rope_theta_local": 1e4}, "model.rope_theta_local=10000 is the local layers' RoPE base under a "
                                           "model.layer_pattern of local and global layers"),
         ({"model.layer_pattern": "LLG", "model.sliding_window": 16, "model.num_layers": 4, "mesh.stage": 2,

@@ -233,6 +233,12 @@ def _check_layer_pattern(c) -> None:
     if m.rope_theta_local and len(set(pattern)) < 2:
         raise ConfigError(f"model.rope_theta_local={m.rope_theta_local:g} is the local layers' RoPE base under a "
                           "model.layer_pattern of local and global layers; without one, set model.rope_theta")
+    missing = set(pattern) - set(layer_kinds.kinds(m))
+    if missing:  # a pattern longer than the model: Gemma 3's LLLLLG on 2 layers holds no global layer
+        kind = "global (G)" if layer_kinds.GLOBAL in missing else "local (L)"
+        raise ConfigError(f"model.layer_pattern={pattern!r} repeats every {len(pattern)} layers, and "
+                          f"model.num_layers={m.num_layers} holds no {kind} layer of it: use at least "
+                          f"{len(pattern)} layers or a shorter pattern")
     units = c.mesh.stage * m.pipeline_repeats
     dense = m.first_dense_layers if m.num_experts else 0  # the model's layer groups: dense, then MoE
     for first, count in ((0, dense), (dense, m.num_layers - dense)):
