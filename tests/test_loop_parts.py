@@ -1,6 +1,8 @@
-"""The training loop's owners, alone: the fault-tolerance policy (plain values, no orbax, no
-device), NaN injection as a step wrapper, and the step logger (one step late, throughput clock)."""
+"""The training loop's owners, alone: the fault tracker with the loop's decision (plain values, no
+orbax, no device), NaN injection as a step wrapper, and the step logger (one step late, throughput
+clock). The decision alone, over all its inputs: tests/test_decision.py."""
 
+import dataclasses
 import math
 
 import jax
@@ -10,35 +12,52 @@ import pytest
 from maxlm import config as config_lib
 from maxlm.observe import step_logger
 from maxlm.resilience import faults
+from maxlm.train import decision
 
 
-def policy(clock=None, clock_every=1, broadcast=None, **overrides):
+def tracker(clock=None, clock_every=1, broadcast=None, **overrides):
     cfg = config_lib.defaults().checkpoint
     cfg.update(every_steps=10, max_bad_steps=3, max_restores=2, **overrides)
     extra = {k: v for k, v in (("clock", clock), ("broadcast", broadcast)) if v is not None}
-    return faults.FaultPolicy(cfg, total_steps=40, clock_every=clock_every, **extra)
+    return faults.FaultTracker(cfg, clock_every=clock_every, **extra)
+
+
+PLAN = decision.Plan(total_steps=40, every_steps=10, max_bad_steps=3)
+
+
+def at(t: faults.FaultTracker, done: int, bad_streak: int = 0, plan=PLAN, **facts) -> decision.Decision:
+    """Step `done`'s decision from the tracker's state, the tracker told of it as the loop tells
+    it (a save, a postponed one)."""
+    d = decision.decide(plan, decision.Facts(done, owed=t.owed, bad_streak=bad_streak, **facts))
+    if d.action is decision.Action.SAVE:
+        t.saved(done, d.kind)
+    elif d.action is decision.Action.POSTPONE:
+        t.postponed(done, d.kind, non_finite=bool(bad_streak))
+    return d
+
+
+def kinds(steps, plan=PLAN, **facts):
+    return [decision.save_point(plan, decision.Facts(s, **facts)) for s in steps]
+
 
 def test_save_points_regular_final_preemption():
-    p = policy()
-    assert [p.save_kind(s, preempted=False) for s in (1, 9, 10, 20, 39, 40)] == \
-        [None, None, "regular", "regular", None, "final"]
-    assert p.save_kind(7, preempted=True) == "preemption"
-    assert p.save_kind(40, preempted=True) == "preemption"
+    assert kinds((1, 9, 10, 20, 39, 40)) == [None, None, "regular", "regular", None, "final"]
+    assert kinds((7, 40), stop=True) == ["preemption", "preemption"]
+
 
 def test_local_saves_come_between_persistent_ones_and_are_skipped_in_a_streak():
     now = [0.0]
-    p = policy(clock=lambda: now[0], local_dir="/tmp/local", local_every_steps=4)
-    assert [p.save_kind(s, preempted=False) for s in (4, 8, 10, 12, 20, 40)] == \
-        ["local", "local", "regular", "local", "regular", "final"]
-    # in a streak of bad steps a local save is skipped: nothing is due after it
-    assert p.at_save_point(12, "local", bad_streak=1) == faults.POSTPONE and p.save_due is None
-    assert p.at_save_point(16, "local", bad_streak=0) == faults.SAVE
+    t = tracker(clock=lambda: now[0], local_dir="/tmp/local", local_every_steps=4)
+    local = dataclasses.replace(PLAN, local_every_steps=4)
+    assert kinds((4, 8, 10, 12, 20, 40), plan=local) == ["local", "local", "regular", "local", "regular", "final"]
+    # in a streak of bad steps a local save is skipped: nothing is owed after it
+    assert at(t, 12, bad_streak=1, plan=local).action is decision.Action.CONTINUE and t.owed is None
     now[0] = 100.0
-    p.saved(16, "local")  # the minutes count from the last persistent save
-    assert p.last_save == 0.0
-    p.saved(20, "regular")
-    assert p.last_save == 100.0
-    assert [policy().save_kind(s, preempted=False) for s in (4, 8)] == [None, None]  # no local_dir: none
+    assert at(t, 16, plan=local) == decision.Decision(decision.Action.SAVE, kind="local")
+    assert t.last_save == 0.0  # the minutes count from the last persistent save
+    t.saved(20, "regular")
+    assert t.last_save == 100.0
+    assert kinds((4, 8)) == [None, None]  # no local tier: none
 
 
 def test_time_based_saves_read_the_clock_at_log_steps_one_period_late():
@@ -46,54 +65,60 @@ def test_time_based_saves_read_the_clock_at_log_steps_one_period_late():
     period later (no step waits for the collective), and a save discards a reading older than it."""
     now, sent = [0.0], []
     broadcast = lambda flag: sent.append(flag) or flag  # noqa: E731
-    p = policy(clock=lambda: now[0], every_minutes=1.0, clock_every=5, broadcast=broadcast)
-    assert [p.save_kind(s, preempted=False) for s in (1, 2, 3, 4)] == [None] * 4
+    t = tracker(clock=lambda: now[0], every_minutes=1.0, clock_every=5, broadcast=broadcast)
+    assert [t.exchange_clock(s) for s in (1, 2, 3, 4)] == [False] * 4
     assert sent == []  # not a clock step: nothing read, nothing sent
     now[0] = 61.0
-    assert p.save_kind(5, preempted=False) is None  # read now (passed), used at the next one
+    assert t.exchange_clock(5) is False  # read now (passed), used at the next one
     assert sent == [True]
-    assert p.save_kind(6, preempted=False) is None
-    assert p.save_kind(15, preempted=False) == "temporary"  # 5's reading
-    p.saved(15)
-    assert p.save_kind(25, preempted=False) is None  # 15's reading was older than the save
+    assert t.exchange_clock(6) is False
+    assert t.exchange_clock(15) is True  # 5's reading
+    assert kinds((15,), time_due=True) == ["temporary"]
+    t.saved(15, "temporary")
+    assert t.exchange_clock(25) is False  # 15's reading was older than the save
     now[0] = 200.0
-    assert p.save_kind(35, preempted=False) is None  # 25's reading: 0 s since the save
-    assert p.save_kind(45, preempted=False) == "temporary"  # 35's: 139 s since the save at 61 s
+    assert t.exchange_clock(35) is False  # 25's reading: 0 s since the save
+    assert t.exchange_clock(45) is True  # 35's: 139 s since the save at 61 s
     assert sent == [True, True, False, True, True]
+    assert tracker(every_minutes=0.0, broadcast=broadcast).exchange_clock(5) is False and len(sent) == 5
 
-def test_a_save_in_a_bad_streak_waits_for_a_good_step():
-    p = policy()
-    assert p.at_save_point(10, "regular", bad_streak=1) == faults.POSTPONE
-    assert p.save_kind(11, preempted=False) == "regular"  # still due, as what it was
-    assert p.at_save_point(11, "regular", bad_streak=2) == faults.POSTPONE
-    assert p.at_save_point(12, "regular", bad_streak=0) == faults.SAVE
-    p.saved(12)
-    assert p.save_kind(13, preempted=False) is None
+
+def test_a_save_in_a_bad_streak_waits_for_a_good_step(caplog):
+    caplog.set_level("INFO", logger="maxlm")
+    t = tracker()
+    assert at(t, 10, bad_streak=1) == decision.Decision(decision.Action.POSTPONE, kind="regular")
+    assert "step 10 was non-finite: its checkpoint waits for a good step" in caplog.text
+    assert kinds((11,), owed=t.owed) == ["regular"]  # still owed, as what it was
+    assert at(t, 11, bad_streak=2).action is decision.Action.POSTPONE
+    assert at(t, 12) == decision.Decision(decision.Action.SAVE, kind="regular")
+    assert t.owed is None and kinds((13,), owed=t.owed) == [None]
     # the final step and a preemption save anyway (skipped steps left the state as it was)
-    assert p.at_save_point(40, "final", bad_streak=1) == faults.SAVE
-    assert p.at_save_point(17, "preemption", bad_streak=5) == faults.SAVE
+    assert at(t, 40, bad_streak=1).kind == "final"
+    assert at(t, 17, bad_streak=5, stop=True) == decision.Decision(decision.Action.SAVE, kind="preemption", stop=True)
     # a full streak at a save point restores instead
-    assert p.at_save_point(20, "regular", bad_streak=3) == faults.RECOVER
-    assert p.at_save_point(40, "final", bad_streak=3) == faults.RECOVER
+    assert at(t, 20, bad_streak=3) == decision.Decision(decision.Action.RECOVER, step=20)
+    assert at(t, 40, bad_streak=3) == decision.Decision(decision.Action.RECOVER, step=40)
+
 
 def test_a_save_in_a_loss_spike_waits_unless_forced():
-    p = policy()
-    assert p.at_save_point(10, "regular", bad_streak=0, spiking=True) == faults.POSTPONE
-    assert p.save_kind(11, preempted=False) == "regular"
-    assert p.at_save_point(11, "regular", bad_streak=0, spiking=False) == faults.SAVE
-    assert p.at_save_point(20, "final", bad_streak=0, spiking=True) == faults.SAVE
-    p.restarted()  # a rollback: nothing stays due
-    assert p.at_save_point(13, "temporary", bad_streak=0, spiking=True) == faults.POSTPONE
-    p.restarted()
-    assert p.save_kind(14, preempted=False) is None
+    t = tracker()
+    assert at(t, 10, in_spike=True).action is decision.Action.POSTPONE
+    assert kinds((11,), owed=t.owed) == ["regular"]
+    assert at(t, 11).kind == "regular"
+    assert at(t, 40, in_spike=True) == decision.Decision(decision.Action.SAVE, kind="final")
+    t.restarted()  # a rollback: nothing stays owed
+    assert at(t, 13, in_spike=True, time_due=True) == decision.Decision(decision.Action.POSTPONE, kind="temporary")
+    t.restarted()
+    assert kinds((14,), owed=t.owed) == [None]
+
 
 def test_streak_is_read_one_step_late():
-    p = policy()
+    p = tracker()
     verdicts = [p.streak_ended({"bad_streak": np.int32(s)}) for s in (0, 3, 0, 1)]
     assert verdicts == [False, False, True, False]  # step 2's streak, seen after step 3's dispatch
 
 def test_restores_count_until_past_the_failure_then_stop():
-    p = policy()
+    p = tracker()
     assert p.recovering(bad_step=14, newest=10) == 1
     assert p.recovering(bad_step=14, newest=10) == 2
     p.saved(12)  # a save before the failing step: not past it
@@ -102,7 +127,7 @@ def test_restores_count_until_past_the_failure_then_stop():
         p.recovering(bad_step=14, newest=10)
 
 def test_getting_past_the_failure_resets_the_restores():
-    p = policy()
+    p = tracker()
     p.recovering(bad_step=14, newest=10)
     p.recovering(bad_step=14, newest=10)
     p.saved(20)  # saved after step 14: the fault is behind us

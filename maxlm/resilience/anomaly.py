@@ -1,8 +1,9 @@
 """Loss-spike recovery, PaLM's recipe for steps that are finite but abnormal (`anomaly.*`).
 
-A non-finite step is skipped inside the jitted step and handled by `faults.FaultPolicy`. A loss
-*spike* is finite, so its update is applied; PaLM's answer (Chowdhery et al. 2022, section 5.1) is
-to go back to a checkpoint from before the spike and skip the batches around it. Here:
+A non-finite step is skipped inside the jitted step and counted in a streak of its own
+(`faults.FaultTracker`, maxlm/train/decision.py). A loss *spike* is finite, so its update is
+applied; PaLM's answer (Chowdhery et al. 2022, section 5.1) is to go back to a checkpoint from
+before the spike and skip the batches around it. Here:
 
 * `SpikeDetector` keeps running statistics of the training loss on the host, from the rows the
   loop reads back one step late: exponential moving averages of its mean and variance (decay
@@ -149,7 +150,7 @@ class Anomalies:
             return None
         prev_step, metrics = previous
         loss, applied = float(metrics["loss"]), bool(int(metrics["applied"]))
-        if not (applied and math.isfinite(loss)):  # a skipped step: FaultPolicy's to handle
+        if not (applied and math.isfinite(loss)):  # a skipped step: the non-finite streak's to handle
             return None
         if self.detector.observe(prev_step, loss):
             self.spikes += 1

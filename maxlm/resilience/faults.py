@@ -1,7 +1,9 @@
-"""Fault tolerance: when to save, postpone, restore or stop; preemption; NaN injection.
+"""Fault tolerance: what the loop remembers to save, postpone, restore or stop; preemption; NaN
+injection.
 
-`FaultPolicy` decides from plain values (the step, the bad-step streak, the clock), so it is
-testable without orbax or a device:
+`FaultTracker` holds the plain values the loop's decisions need from one step to the next (the
+owed save, the restore count, the clock); the decisions themselves are a pure function,
+maxlm/train/decision.py. Both are testable without orbax or a device:
 
 * a step whose update came out non-finite is skipped inside the jitted step (maxlm/train/step.py);
   after `checkpoint.max_bad_steps` consecutive ones the loop restores the last good checkpoint,
@@ -11,7 +13,7 @@ testable without orbax or a device:
   a preemption) that falls in a streak of non-finite steps is postponed to the next good step,
   so every checkpoint is a good one to restore (a local save, every `checkpoint.local_every_steps`,
   is skipped instead); the minutes are read off process 0's clock at log steps only, without a
-  host sync (`broadcast_later`);
+  host sync (`broadcast_later`, in `FaultTracker.exchange_clock`, which every process joins);
 * SIGTERM (`PreemptionWatcher`) saves at the current step and ends the run with `Preempted`
   (exit `PREEMPTED_EXIT`); every process agrees on that step. Ctrl-C (SIGINT) does the same
   (exit `INTERRUPTED_EXIT`); a second Ctrl-C kills the process at once, which loses only the
@@ -38,8 +40,6 @@ log = logging.getLogger("maxlm")
 # scripts); 0 would tell them the run is finished and stop the requeue.
 PREEMPTED_EXIT = 143
 INTERRUPTED_EXIT = 130  # 128 + SIGINT: the user's Ctrl-C, the checkpoint committed
-
-SAVE, POSTPONE, RECOVER = "save", "postpone", "recover"  # FaultPolicy.at_save_point's verdicts
 
 
 class TrainingDiverged(RuntimeError):
@@ -87,20 +87,25 @@ def read(value) -> bool:
     return bool(np.asarray(value.addressable_data(0)) if isinstance(value, jax.Array) else value)
 
 
-class FaultPolicy:
-    """The loop's fault-tolerance decisions for one run (`checkpoint_cfg`: the config's
-    `checkpoint` section; `total_steps`: the run's `steps`; `clock`: seconds, monotonic; the clock
-    is consulted every `clock_every` steps, and `broadcast` carries process 0's reading of it to
-    every process, read one such period later: see `broadcast_later`)."""
+class FaultTracker:
+    """What the loop's fault handling carries from step to step, as plain values (no orbax, no
+    device): the save owed since a save point fell in a streak, the restores since the latest
+    failure, the time of the last save and process 0's clock reading in flight, and the previous
+    step's metrics (a streak is read one step late). The decisions made from them are
+    maxlm/train/decision.py's.
 
-    def __init__(self, checkpoint_cfg, total_steps: int, clock_every: int = 1,
-                 clock=time.monotonic, broadcast=broadcast_later):
-        self.cfg, self.total_steps, self.clock = checkpoint_cfg, total_steps, clock
+    `checkpoint_cfg`: the config's `checkpoint` section; `clock`: seconds, monotonic; process 0's
+    clock is read every `clock_every` steps and `broadcast` carries the reading to every process,
+    used one such period later (`exchange_clock`, the tracker's one collective)."""
+
+    def __init__(self, checkpoint_cfg, clock_every: int = 1, clock=time.monotonic,
+                 broadcast=broadcast_later):
+        self.cfg, self.clock = checkpoint_cfg, clock
         self.clock_every, self.broadcast = clock_every, broadcast
         self._minutes_passed = None  # process 0's clock reading at the last clock step, in flight
         self.restores = 0  # restores after bad streaks without getting past the failure since
         self.failed_at = -1  # the last step of the latest such streak
-        self.save_due: str | None = None  # a save point's kind that fell in a bad streak
+        self.owed: str | None = None  # the kind of a save point that fell in a streak
         self.last_save = clock()
         self._previous = None  # the previous step's metrics: its streak is read one step late
 
@@ -110,25 +115,13 @@ class FaultPolicy:
         previous, self._previous = self._previous, step_metrics
         return previous is not None and int(previous["bad_streak"]) >= self.cfg.max_bad_steps
 
-    def save_kind(self, done: int, preempted: bool) -> str | None:
-        """The kind of checkpoint due after `done` steps, or None: preemption, final, regular
-        (every `every_steps`), a postponed one, or temporary (every `every_minutes`)."""
-        if preempted:
-            return "preemption"
-        if done == self.total_steps:
-            return "final"
-        if done % self.cfg.every_steps == 0:
-            return "regular"
-        if self.save_due:
-            return self.save_due
-        if self._time_passed(done):
-            return "temporary"
-        local = self.cfg.local_dir and done % self.cfg.local_every_steps == 0
-        return "local" if local else None
-
-    def _time_passed(self, done: int) -> bool:
-        """Whether, at the previous clock step, process 0's clock said `every_minutes` had passed
-        since the last save: the same answer on every process, and no step waits for it."""
+    def exchange_clock(self, done: int) -> bool:
+        """A collective: every process calls it once per iteration, whatever the iteration then
+        does, so that all of them join the same broadcasts. At a clock step (every `clock_every`
+        steps, with `every_minutes` set) it sends process 0's reading (have `every_minutes` passed
+        since the last save?) to every process without waiting for it, and returns the reading
+        sent at the previous clock step: whether a temporary save is due, the same answer on every
+        process. False at other steps, and when a save came after that reading."""
         minutes = self.cfg.every_minutes
         if not minutes or done % self.clock_every:
             return False
@@ -136,33 +129,23 @@ class FaultPolicy:
         self._minutes_passed = self.broadcast(self.clock() - self.last_save >= 60 * minutes)
         return due is not None and read(due)
 
-    def at_save_point(self, done: int, kind: str, bad_streak: int, spiking: bool = False) -> str:
-        """SAVE, POSTPONE (step `done` was non-finite, or a loss-spike streak is running
-        (`spiking`, maxlm/resilience/anomaly.py): save at the next good step) or RECOVER (it ended a streak of
-        `max_bad_steps`). A preemption or the final step saves regardless: the state saved is the
-        last good one (skipped steps leave it unchanged)."""
-        forced = kind in ("preemption", "final")
-        if bad_streak >= self.cfg.max_bad_steps and kind != "preemption":
-            return RECOVER
-        if (bad_streak or spiking) and kind == "local":  # skipped, not postponed: the next one comes soon
-            return POSTPONE
-        if (bad_streak or spiking) and not forced:
-            if not self.save_due:
-                log.info("step %d was %s: its checkpoint waits for a good step", done,
-                         "non-finite" if bad_streak else "in a loss spike")
-            self.save_due = self.save_due or ("regular" if kind == "regular" else "temporary")
-            return POSTPONE
-        return SAVE
+    def postponed(self, done: int, kind: str, non_finite: bool) -> None:
+        """A save point at step `done` fell in a streak (`non_finite`: of non-finite steps, else
+        of loss spikes): a save of `kind` is owed to the next good step."""
+        if not self.owed:
+            log.info("step %d was %s: its checkpoint waits for a good step", done,
+                     "non-finite" if non_finite else "in a loss spike")
+        self.owed = kind
 
     def saved(self, done: int, kind: str = "regular") -> None:
         if kind != "local":  # the minutes count from the last save to the persistent tier
-            self.save_due, self.last_save, self._minutes_passed = None, self.clock(), None
+            self.owed, self.last_save, self._minutes_passed = None, self.clock(), None
         if done > self.failed_at >= 0:  # got past the failure: restores start counting afresh
             self.restores, self.failed_at = 0, -1
 
     def restarted(self) -> None:
-        """The loop went back to a checkpoint: no save is due, no streak is being read."""
-        self.save_due, self._previous = None, None
+        """The loop went back to a checkpoint: no save is owed, no streak is being read."""
+        self.owed, self._previous = None, None
 
     def recovering(self, bad_step: int, newest: int | None) -> int:
         """Counts a restore after the streak ending at `bad_step` (`newest`: the newest checkpoint,

@@ -2,13 +2,15 @@
 
 One step, end to end: `mesh.read_batch` (this process's rows of batch `step`, as one global
 jax.Array sharded over (data, fsdp)) → `step.make_train_step`'s jitted step (in/out shardings,
-the state donated) → metrics read back one step late (`step_logger.StepLogger`) → eval, and an
-orbax checkpoint when `faults.FaultPolicy` says one is due. Rerunning with the same DIR resumes
-from the newest good checkpoint.
+the state donated) → metrics read back one step late (`step_logger.StepLogger`) → the one action
+`decision.decide` returns for the step's facts (eval, an orbax checkpoint, a postponed save, a
+restore, a rollback, a stop) carried out. Rerunning with the same DIR resumes from the newest good
+checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -32,7 +34,7 @@ from maxlm.resilience import anomaly, data_position, faults
 from maxlm.runtime import console, paths
 from maxlm.runtime.errors import ConfigError
 from maxlm.sharding import mesh as mesh_lib, state as state_lib
-from maxlm.train import step as step_lib
+from maxlm.train import decision, step as step_lib
 
 log = logging.getLogger("maxlm")
 
@@ -72,7 +74,8 @@ def train_and_evaluate(cfg, workdir: str, data=None, stopwatch: Stopwatch | None
     if (position := data_position.continued(meta, cfg, train_data, ckpt.directory)) is not None:
         anomalies.rebase(int(state["step"]), position)  # data changed on purpose: data.resume_position
     train_fn = train_step_fn(cfg, mesh, rules, shardings, anomalies.position)
-    policy = faults.FaultPolicy(cfg.checkpoint, cfg.steps, clock_every=cfg.log_every_steps)
+    tracker = faults.FaultTracker(cfg.checkpoint, clock_every=cfg.log_every_steps)
+    plan = decision.Plan.of(cfg)
     writer = metrics.make_writers(workdir, jax.process_index() == 0, cfg.metrics.tensorboard,
                                   wandb=cfg.metrics if cfg.metrics.wandb else None)
     writer.write_hparams(metrics.flatten_config(cfg.to_dict()))
@@ -89,50 +92,49 @@ def train_and_evaluate(cfg, workdir: str, data=None, stopwatch: Stopwatch | None
                     state, step_metrics = logger.call(train_fn, state, batch, np.float32(lr_scale))
                 done = step = step + 1
                 iteration += 1
-                # Asked every iteration, restores and rollbacks included: every process must reach
-                # the same sync points, or a multi-process job hangs at the next one.
-                stop = preemption.reached(iteration)
+                # Both asked every iteration, restores and rollbacks included: every process must
+                # reach the same sync points, or a multi-process job hangs at the next one.
+                stop, time_due = preemption.reached(iteration), tracker.exchange_clock(done)
                 if trace.after_step(done, step_metrics):  # waited for the step, wrote the trace
                     logger.flush()
                     logger.restart_clock(done)
                 logger.step_done(done, step_metrics)  # the previous log step's row; `done` queued
-                # a streak of non-finite steps, read one step late (`done - 1`) or at a save point
-                bad_step = done - 1 if policy.streak_ended(step_metrics) else None
-                # a streak of loss spikes, read one step late like the above
-                spike_step = anomalies.spiked(done - 1, step_metrics) if bad_step is None else None
-                if spike_step is not None:
-                    state = roll_back(cfg, ckpt, anomalies, abstract, fresh_state, state, spike_step)
-                    policy.restarted()
-                    step = int(state["step"])
-                    logger.restart(step)
-                    if stop:
-                        stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption, train_data)
-                    continue
-                if bad_step is None and eval_due(cfg, done):
+                # the streaks of non-finite steps and of loss spikes, read one step late (a skipped
+                # step is not a loss sample, so a non-finite streak never ends a spike streak too)
+                facts = decision.Facts(done, stop=stop, streak_ended=tracker.streak_ended(step_metrics),
+                                       last_spike=anomalies.spiked(done - 1, step_metrics),
+                                       in_spike=anomalies.in_streak(), owed=tracker.owed, time_due=time_due)
+                if at_save_point := (decision.save_point(plan, facts) is not None):
+                    # reading the step's own streak waits for the step, as its save would: only here
+                    logger.flush()
+                    facts = dataclasses.replace(facts, bad_streak=int(step_metrics["bad_streak"]))
+                act = decision.decide(plan, facts)
+                if act.evaluate:
                     logger.flush()
                     logger.eval_done(done, gp.timed("eval", during_training.eval_row)(cfg, state["params"], eval_data, mesh, rules))
-                preempted = bad_step is None and stop
-                kind = policy.save_kind(done, preempted) if bad_step is None else None
-                if kind:
-                    logger.flush()
-                    action = policy.at_save_point(done, kind, int(step_metrics["bad_streak"]),
-                                                  spiking=anomalies.in_streak())
-                    if action == faults.SAVE:
+                match act.action:
+                    case decision.Action.SAVE:
                         ckpt.save(done, state, checkpoint_meta(cfg, lr_scale, anomalies, done, train_data),
-                                  cfg.to_dict(), kind=kind)
-                        policy.saved(done, kind)
+                                  cfg.to_dict(), kind=act.kind)
+                        tracker.saved(done, act.kind)
                         anomalies.saved(done)
-                    bad_step = done if action == faults.RECOVER else None
+                    case decision.Action.POSTPONE:
+                        tracker.postponed(done, act.kind, non_finite=bool(facts.bad_streak))
+                    case decision.Action.RECOVER:  # back to the last good checkpoint
+                        state, lr_scale, meta = recover(cfg, ckpt, tracker, abstract, fresh_state, state,
+                                                        lr_scale, act.step)
+                        anomalies.restored(meta)
+                    case decision.Action.ROLL_BACK:  # back to before the spikes, skipping their batches
+                        state = roll_back(cfg, ckpt, anomalies, abstract, fresh_state, state, act.step)
+                        tracker.restarted()
+                if at_save_point:  # the flush and the save are not training time
                     logger.restart_clock(done)
-                if bad_step is not None:  # back to the last good checkpoint
-                    state, lr_scale, meta = recover(cfg, ckpt, policy, abstract, fresh_state, state,
-                                                    lr_scale, bad_step)
-                    anomalies.restored(meta)
+                if act.action in (decision.Action.RECOVER, decision.Action.ROLL_BACK):
                     step = int(state["step"])
                     logger.restart(step)
-                    if stop:
+                    if act.stop:
                         stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption, train_data)
-                elif preempted:
+                elif act.stop:  # the preemption's checkpoint saved: once committed, stop
                     ckpt.wait()
                     raise faults.Preempted(done, interrupted=preemption.interrupted)
             logger.flush()
@@ -218,17 +220,13 @@ def stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption, train_
     raise faults.Preempted(step, interrupted=preemption.interrupted)
 
 
-def eval_due(cfg, done: int) -> bool:
-    return bool(cfg.eval.every_steps) and (done % cfg.eval.every_steps == 0 or done == cfg.steps)
-
-
-def recover(cfg, ckpt, policy: faults.FaultPolicy, abstract, fresh_state, state, lr_scale: float,
+def recover(cfg, ckpt, tracker: faults.FaultTracker, abstract, fresh_state, state, lr_scale: float,
             bad_step: int):
     """After `max_bad_steps` consecutive non-finite steps ending at `bad_step`: (state, lr scale)
-    of the last good checkpoint (every checkpoint is one: see FaultPolicy.at_save_point), or
+    of the last good checkpoint (every checkpoint is one: see decision.decide's POSTPONE), or
     `fresh_state()`'s when there is none; the lr scale times `restore_lr_scale`."""
     ckpt.wait()
-    restores = policy.recovering(bad_step, ckpt.latest_step())  # raises past max_restores
+    restores = tracker.recovering(bad_step, ckpt.latest_step())  # raises past max_restores
     back = ckpt.restore_latest(abstract)
     if back is None:
         state = fresh_state()
