@@ -1,5 +1,5 @@
-"""Fault tolerance: what the loop remembers to save, postpone, restore or stop; preemption; NaN
-injection.
+"""Fault tolerance: the state behind the loop's saves, postponed saves, restores and stops;
+preemption; NaN injection.
 
 `FaultTracker` holds the plain values the loop's decisions need from one step to the next (the
 owed save, the restore count, the clock); the decisions themselves are a pure function,

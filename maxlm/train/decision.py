@@ -89,6 +89,8 @@ class Facts:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
+    """One action for the step, with what carrying it out needs."""
+
     action: Action
     kind: str | None = None  # SAVE: the checkpoint's kind; POSTPONE: the kind owed from now on
     step: int | None = None  # RECOVER, ROLL_BACK: the streak's last step (see the module's docstring)
