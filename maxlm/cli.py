@@ -63,13 +63,29 @@ def parse_flags(argv: list[str]) -> list[str]:
 
     try:
         return flags.FLAGS(argv)
-    except flags.Error as e:
-        config_error(str(e))
-    except (AttributeError, KeyError) as e:  # --config.KEY names no key of the config
-        config_error(f"unknown config key {str(e).strip(chr(34))} in: {' '.join(argv[1:])}")
-    except Exception as e:  # raised while loading or overriding the config file
-        cause = e.__cause__ or e
-        config_error(f"{type(cause).__name__}: {cause}")
+    except flags.Error as e:  # a config file that raised comes as its whole traceback: its last line
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        config_error(lines[0] if len(lines) == 1 else f"{lines[0].split(': ')[0]}: {lines[-1].strip()}")
+    except Exception as e:  # raised while loading the config file or applying a --config.KEY
+        config_error(flag_error_message(argv, e))
+
+
+def flag_error_message(argv: list[str], error: Exception) -> str:
+    """One line for a config file or a --config.KEY flag that could not be applied: the unknown
+    key with its nearest known one, the file without get_config(), or the file's own error."""
+    from maxlm import config as config_lib
+    from maxlm.config import schema
+
+    known = list(config_lib.declared())
+    for arg in argv[1:]:
+        name = arg.removeprefix("--config.").split("=", 1)[0]
+        if arg.startswith("--config.") and name not in known and not any(name.startswith(k + ".") for k in known):
+            return schema.unknown_key_message(name, known)
+    cause = error.__cause__ or error
+    path = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), "the config file")
+    if "has no attribute 'get_config'" in str(cause):
+        return f"{path} defines no get_config(), which a config file must (configs/tiny.py is one)"
+    return f"{path}: {type(cause).__name__}: {' '.join(str(cause).split())}"
 
 
 def setup_logging() -> None:
@@ -160,12 +176,14 @@ def resolved_config(num_devices: int, num_granules: int | None = None, platform:
         config = flags.FLAGS.config
         if config is None:
             config_error("--config=configs/NAME.py is required")
-        config = config.to_dict()  # a config file that failed to load raises only when read
+        config.to_dict()  # a config file that failed to load raises only when read
     except OSError as e:
         config_error(" ".join(str(e).split()))
-    try:
-        return config_lib.resolve(config_lib.ml_collections.ConfigDict(config), num_devices,
-                                  num_granules, platform=platform or jax.default_backend())
+    except Exception as e:  # the file's own get_config() failed (a wrong type: `c.steps = 8.5`)
+        config_error(flag_error_message(sys.argv, e))
+    try:  # the config as the file made it, with what the file and the flags assigned recorded
+        return config_lib.resolve(config, num_devices, num_granules, platform=platform or jax.default_backend(),
+                                  flags=flags.FLAGS["config"].override_values)
     except config_lib.ConfigError as e:
         config_error(str(e))
 

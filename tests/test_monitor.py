@@ -172,8 +172,8 @@ def test_warmup_fraction_resolves_to_warmup_steps():
     again = config_lib.resolve(config_lib.from_recorded(resolved.to_dict()), 8)  # config.json resolves again
     assert again.optim.warmup_steps == 30 and again.optim.decay_steps == 1000
     with pytest.raises(config_lib.ConfigError, match=r"^optim.warmup_fraction=0.02 \(= 20 of steps=1000\) and "
-                       r"optim.warmup_steps=50 are both set: give one of them \(optim.warmup_steps at its default, "
-                       r"100, counts as not set\)$"):
+                       r"optim.warmup_steps=50 are both set \(both in the config file, or both on the command "
+                       r"line\): give one of them$"):
         resolve(**{"optim.warmup_fraction": 0.02, "optim.warmup_steps": 50})
     with pytest.raises(config_lib.ConfigError, match=r"optim.warmup_fraction must be in \[0, 1\], got 1.5"):
         resolve(**{"optim.warmup_fraction": 1.5})
@@ -190,7 +190,8 @@ def test_batch_tokens_resolve_to_batch_size():
                        r"is whole sequences \(3840 or 4096 tokens\)$"):
         resolve(batch_tokens=4000)
     with pytest.raises(config_lib.ConfigError, match=r"^batch_tokens=4096 \(= 16 sequences of seq_len=256\) and "
-                       r"batch_size=32 are both set: give one of them \(batch_size at its default, 8, counts as not set\)$"):
+                       r"batch_size=32 are both set \(both in the config file, or both on the command line\): give "
+                       r"one of them$"):
         resolve(batch_tokens=4096, batch_size=32)
     # the resolved batch meets the batch_size rules: 2 sequences over 8 devices
     with pytest.raises(config_lib.ConfigError, match="batch_size=2 must be divisible by"):
@@ -199,9 +200,9 @@ def test_batch_tokens_resolve_to_batch_size():
 
 @pytest.mark.parametrize("flags, expected", [
     (["--config.batch_tokens=100"], "batch_tokens=100 must be divisible by seq_len=64"),
-    # configs/tiny.py sets optim.warmup_steps=5: the fraction is a second warmup
-    (["--config.optim.warmup_fraction=0.1"], "optim.warmup_fraction=0.1 (= 2 of steps=20) and optim.warmup_steps=5 "
-                                              "are both set"),
+    # two warmups on the command line (configs/tiny.py's own warmup_steps=5 would give way to the flag)
+    (["--config.optim.warmup_fraction=0.1", "--config.optim.warmup_steps=7"],
+     "optim.warmup_fraction=0.1 (= 2 of steps=20) and optim.warmup_steps=7 are both set"),
 ])
 def test_the_units_errors_exit_2_through_the_cli(tmp_path, flags, expected):
     result = subprocess.run(
@@ -212,7 +213,8 @@ def test_the_units_errors_exit_2_through_the_cli(tmp_path, flags, expected):
 
 
 def test_the_budget_line():
-    cfg = config_lib.resolve(with_overrides(load_config("quickstart"), {"batch_tokens": 4096, "batch_size": 8}), 1)
+    # as `--config.batch_tokens=4096` gives it, over the file's batch_size
+    cfg = config_lib.resolve(with_overrides(load_config("quickstart"), {"batch_tokens": 4096}), 1, flags=["batch_tokens"])
     assert cfg.batch_size == 32  # 4096 tokens of seq_len 128
     flops = 5.31e6  # training FLOPs per token
     assert step_logger.budget_line(cfg, flops) == (

@@ -43,4 +43,4 @@ def test_a_command_with_libtpu_installed_prints_only_its_own_line(tmp_path):
                            f"--workdir={tmp_path / 'run'}", "--config.batch_size=-3"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == ["maxlm: config error: batch_size must be a positive finite number, got -3"]
+    assert done.stderr.strip().splitlines() == ["maxlm: config error: batch_size must be a positive int, got -3"]

@@ -41,18 +41,21 @@ SPLASH_BLOCK = 128  # splash attention's tiles are multiples of the TPU's 128 la
 
 
 # Domains: the values one key may take. Each key's domain is declared beside its default in
-# maxlm/config/ (`s.lr = 3e-4, POSITIVE`); `check_values` checks them all, first.
+# maxlm/config/*_keys.py (`s.lr = key(3e-4, POSITIVE, doc)`); `check_values` checks them all, first.
 @dataclasses.dataclass(frozen=True)
 class Domain:
-    """What a key's values must be (`what`: the error says "KEY must be WHAT, got VALUE") and the
-    `test` a value passes when it is one of them. No number domain holds NaN or an infinity."""
+    """What a key's values must be (`what`: the error says "KEY must be WHAT, got VALUE"), the
+    `test` a value passes when it is one of them, and their Python `type` (int, float, bool or
+    str): a key's default is of it, and docs/config.md names it. No number domain holds NaN or an
+    infinity; a float domain holds ints too (`--config.lr=1`)."""
 
     what: str
     test: Callable[[object], bool]
+    type: type
 
     def described(self, what: str) -> Domain:
         """The same values, with `what` saying more of what they mean."""
-        return Domain(what, self.test)
+        return Domain(what, self.test, self.type)
 
 
 def _is_number(value, kinds=(int, float)) -> bool:
@@ -60,13 +63,13 @@ def _is_number(value, kinds=(int, float)) -> bool:
     return isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
 
 
-POSITIVE = Domain("a positive finite number", lambda v: _is_number(v) and v > 0)
-NON_NEGATIVE = Domain("a finite number >= 0", lambda v: _is_number(v) and v >= 0)
-POSITIVE_INT = Domain("a positive int", lambda v: _is_number(v, int) and v > 0)
-NON_NEGATIVE_INT = Domain("an int >= 0", lambda v: _is_number(v, int) and v >= 0)
-INT_OR_OFF = Domain("an int >= 0 or -1 (off)", lambda v: _is_number(v, int) and v >= -1)
-MESH_SIZE = Domain("a positive int or -1", lambda v: _is_number(v, int) and (v > 0 or v == -1))  # -1: filled by resolve
-BOOL = Domain("True or False", lambda v: isinstance(v, bool))
+POSITIVE = Domain("a positive finite number", lambda v: _is_number(v) and v > 0, float)
+NON_NEGATIVE = Domain("a finite number >= 0", lambda v: _is_number(v) and v >= 0, float)
+POSITIVE_INT = Domain("a positive int", lambda v: _is_number(v, int) and v > 0, int)
+NON_NEGATIVE_INT = Domain("an int >= 0", lambda v: _is_number(v, int) and v >= 0, int)
+INT_OR_OFF = Domain("an int >= 0 or -1 (off)", lambda v: _is_number(v, int) and v >= -1, int)
+MESH_SIZE = Domain("a positive int or -1", lambda v: _is_number(v, int) and (v > 0 or v == -1), int)  # -1: filled by resolve
+BOOL = Domain("True or False", lambda v: isinstance(v, bool), bool)
 
 
 def between(interval: str) -> Domain:
@@ -74,11 +77,11 @@ def between(interval: str) -> Domain:
     low, high = (float(x) for x in interval[1:-1].split(","))
     above = (lambda v: v >= low) if interval[0] == "[" else (lambda v: v > low)
     below = (lambda v: v <= high) if interval[-1] == "]" else (lambda v: v < high)
-    return Domain(f"in {interval}", lambda v: _is_number(v) and above(v) and below(v))
+    return Domain(f"in {interval}", lambda v: _is_number(v) and above(v) and below(v), float)
 
 
 def one_of(choices: tuple) -> Domain:
-    return Domain(f"one of {choices}", lambda v: v in choices)
+    return Domain(f"one of {choices}", lambda v: v in choices, type(choices[0]))
 
 
 def _get(c, key):
@@ -95,32 +98,46 @@ def check_values(c, domains: dict[str, Domain]) -> None:
             raise ConfigError(f"{key} must be {domain.what}, got {value!r}")
 
 
-def resolve_units(c, default) -> None:
+def resolve_units(c, default, assigned=None, flags=frozenset()) -> None:
     """The guides' units, resolved to the keys the run reads (right after the domains, before
     any rule reads those): `batch_tokens` > 0 to `batch_size` = batch_tokens / seq_len sequences,
     `optim.warmup_fraction` > 0 to `optim.warmup_steps` = that share of `steps` (at least 1).
-    Each is an alternative to the other key, which must then be left at its default (`default`:
-    the defaults' config) or already hold the value resolved, as a config.json recorded after
-    resolving does, so that it resolves again to itself."""
-    if c.batch_tokens:
-        sequences = c.batch_tokens // c.seq_len
-        if c.batch_tokens % c.seq_len:
-            nearest = " or ".join(str(n * c.seq_len) for n in (sequences, sequences + 1) if n)
-            raise ConfigError(f"batch_tokens={c.batch_tokens} must be divisible by seq_len={c.seq_len}: the batch "
-                              f"is whole sequences ({nearest} tokens)")
-        if c.batch_size not in (default.batch_size, sequences):
-            raise ConfigError(f"batch_tokens={c.batch_tokens} (= {sequences} sequences of seq_len={c.seq_len}) and "
-                              f"batch_size={c.batch_size} are both set: give one of them (batch_size at its default, "
-                              f"{default.batch_size}, counts as not set)")
-        c.batch_size = sequences
-    o = c.optim
-    if o.warmup_fraction:
-        steps = max(1, math.floor(o.warmup_fraction * c.steps + 0.5))
-        if o.warmup_steps not in (default.optim.warmup_steps, steps):
-            raise ConfigError(f"optim.warmup_fraction={o.warmup_fraction:g} (= {steps} of steps={c.steps}) and "
-                              f"optim.warmup_steps={o.warmup_steps} are both set: give one of them "
-                              f"(optim.warmup_steps at its default, {default.optim.warmup_steps}, counts as not set)")
-        o.warmup_steps = steps
+
+    Each is an alternative to the other key. `assigned`: the keys the user set (the config file's
+    and the flags'; `flags`: the flags' alone). A unit given beside its alternative set to another
+    value is refused, naming both, unless the unit came from a flag and the alternative from the
+    file alone: the command line wins. Where what the user set is unknown (None: a config.json read
+    back), the alternative must be at its default (`default`: the defaults' config) or hold the
+    value resolved already, as a recorded config does, so that it resolves again to itself."""
+    for unit, target, resolved, said in (("batch_tokens", "batch_size", _batch_sequences, "sequences of seq_len={c.seq_len}"),
+                                         ("optim.warmup_fraction", "optim.warmup_steps", _warmup_steps, "of steps={c.steps}")):
+        if not _get(c, unit):
+            continue
+        value, old = resolved(c), _get(c, target)
+        if old != value:
+            if assigned is None:
+                conflict = old != _get(default, target)
+            else:
+                conflict = target in assigned and not (unit in flags and target not in flags)
+            if conflict:
+                where = "" if assigned is None else " (both in the config file, or both on the command line)"
+                raise ConfigError(f"{unit}={_get(c, unit):g} (= {value} {said.format(c=c)}) and {target}={old} are both "
+                                  f"set{where}: give one of them")
+        section, _, name = target.rpartition(".")
+        (c[section] if section else c)[name] = value
+
+
+def _batch_sequences(c) -> int:
+    sequences = c.batch_tokens // c.seq_len
+    if c.batch_tokens % c.seq_len:
+        nearest = " or ".join(str(n * c.seq_len) for n in (sequences, sequences + 1) if n)
+        raise ConfigError(f"batch_tokens={c.batch_tokens} must be divisible by seq_len={c.seq_len}: the batch "
+                          f"is whole sequences ({nearest} tokens)")
+    return sequences
+
+
+def _warmup_steps(c) -> int:
+    return max(1, math.floor(c.optim.warmup_fraction * c.steps + 0.5))
 
 
 def check_monitor(c) -> None:

@@ -30,8 +30,8 @@ import collections
 import contextlib
 import glob
 import gzip
-import io
 import hashlib
+import io
 import json
 import logging
 import os
