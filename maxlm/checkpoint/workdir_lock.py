@@ -47,6 +47,9 @@ LEASE_SECONDS = 60.0  # a gs:// lease lasts this long unrenewed: how long a dead
 LEASE_LOST_EXIT = 2  # maxlm.train's when another run takes the lease: the user's to sort out, as for the second run
 log = logging.getLogger("maxlm")
 _held: list = []  # this process's open lock files and leases: the lock lives as long as they do
+# what taking a local lock wrote, so a refused run can undo it (`abandon`): the lock file, its
+# text before (None: it was not there), and the directories made for it, deepest first
+_made: list[tuple[str, str | None, list[str]]] = []
 
 
 def log_lost(message: str) -> None:
@@ -82,6 +85,67 @@ def release() -> None:
             held.close()
 
 
+def abandon() -> None:
+    """Undoes `hold` for a run refused before it wrote anything else (exit 2): lets go of the lock
+    and leaves the workdir as it was: a lock file this process created is removed (one that was
+    there gets its previous text back), and the directories made for it are removed while empty.
+    A refused run then leaves no trace of itself; a rerun of the same command finds what the first
+    attempt found."""
+    made, _made[:] = list(_made), []
+    for lock_path, previous, _ in made:
+        if previous is None:
+            _remove(lock_path, os.unlink)
+        else:
+            with open(lock_path, "w") as f:
+                f.write(previous)
+    release()  # after the unlink: no other run can take the lock on a file about to vanish
+    for _, _, directories in made:
+        for directory in directories:
+            _remove(directory, os.rmdir)  # only while empty: another run may have written since
+
+
+def _remove(path: str, how) -> None:
+    try:
+        how(path)
+    except OSError:  # gone already, or not empty: nothing of ours to undo there
+        pass
+
+
+def _text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _missing(directory: str) -> list[str]:
+    """The directories `os.makedirs(directory)` would create, deepest first."""
+    out = []
+    while directory and not os.path.lexists(directory):
+        out.append(directory)
+        parent = os.path.dirname(directory)
+        directory = parent if parent != directory else ""
+    return out
+
+
+def _open_lock_file(workdir: str, directory: str):
+    """(the open lock file, its text before or None if new, the directories made for it); a
+    ConfigError (exit 2, one line) for a workdir that cannot be one: a file, or a path where no
+    directory can be made or written."""
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise ConfigError(f"the workdir {workdir} is not a directory: give --workdir a directory (new or existing)")
+    made = _missing(directory)
+    lock_path = os.path.join(directory, LOCK_NAME)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        previous = _text(lock_path) if os.path.exists(lock_path) else None
+        handle = open(lock_path, "a+")  # noqa: SIM115 - held open on purpose
+    except OSError as e:
+        for path in made:
+            _remove(path, os.rmdir)
+        raise ConfigError(f"cannot use {workdir} as the workdir: {e.strerror or e} "
+                          f"({e.filename or directory}): give --workdir a directory this run can create and write") from e
+    return handle, previous, made
+
+
 def holder_text() -> str:
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     return f"host {socket.gethostname()}, pid {os.getpid()}, started {started}"
@@ -101,8 +165,7 @@ def _take(workdir: str, on_lost) -> str | None:
                      "make sure one job at a time uses it")
         return None
     directory = os.path.abspath(os.path.expanduser(workdir))
-    os.makedirs(directory, exist_ok=True)
-    handle = open(os.path.join(directory, LOCK_NAME), "a+")  # noqa: SIM115 - held open on purpose
+    handle, previous, made = _open_lock_file(workdir, directory)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -110,6 +173,7 @@ def _take(workdir: str, on_lost) -> str | None:
         holder = handle.read().strip() or "another process"
         handle.close()
         return holder
+    _made.append((handle.name, previous, made))
     handle.seek(0)
     handle.truncate()
     handle.write(holder_text() + "\n")

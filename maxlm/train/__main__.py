@@ -43,9 +43,11 @@ def train(f, stopwatch: goodput.Stopwatch | None = None) -> None:
         # one run per workdir: a second one stops here, having written nothing there, before it
         # reads the checkpoints a live run may be writing
         workdir_lock.hold(f.workdir, on_lost=stop_on_lost_lease)
-        data = loop.load_data(cfg)
+        # the checkpoint first: a resume it refuses then prepares no packed cache of the data
         loop.check_start(cfg, f.workdir)
+        data = loop.load_data(cfg)
     except ValueError as e:  # bad data or a data/config mismatch: the user's to fix
+        workdir_lock.abandon()  # exit 2 writes nothing: the workdir is left as it was
         cli.config_error(str(e))
     try:
         last = loop.train_and_evaluate(cfg, f.workdir, data, stopwatch)

@@ -1,0 +1,73 @@
+"""Runs that `python -m maxlm.train` refuses (exit 2, one line on stderr) leave nothing behind:
+a workdir that cannot be one, a resume with another model function (issue 54, items 2, 6, 8) or
+with data files changed since the checkpoint (item 3)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from maxlm import config as config_lib
+from maxlm.train import loop
+from tests.helpers import ROOT, command_env, load_config, with_overrides
+
+pytestmark = pytest.mark.slow
+
+BASE = {"steps": 2, "eval.every_steps": 0, "log_every_steps": 1, "metrics.tensorboard": False,
+        "checkpoint.every_steps": 2, "optim.warmup_steps": 1}
+
+
+def tiny(data_dirs, **overrides):
+    return config_lib.resolve(with_overrides(load_config("tiny"), {**data_dirs, **BASE, **overrides}),
+                              jax.device_count())
+
+
+def train_command(workdir, data_dirs, home, **overrides) -> subprocess.CompletedProcess:
+    """`python -m maxlm.train` on configs/tiny.py with BASE and `overrides`, as a user types it."""
+    flags = {**data_dirs, **BASE, **overrides}
+    return subprocess.run(
+        [sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={workdir}",
+         *(f"--config.{k}={v}" for k, v in flags.items())],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=command_env(home, devices=None))
+
+
+def refused_line(result) -> str:
+    """The one `maxlm:` line of an exit-2 run, with no traceback."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("maxlm:")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return lines[0]
+
+
+def snapshot(directory) -> dict[str, tuple[int, bytes]]:
+    """Every file under `directory`: (its mtime, its bytes); directories by name alone."""
+    out = {}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs:
+            out[os.path.relpath(os.path.join(root, name), directory)] = (0, b"")
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = (os.stat(path).st_mtime_ns, f.read())
+    return out
+
+
+def test_a_workdir_that_is_a_file_or_cannot_be_made_exits_2_in_one_line(tmp_path, data_dirs):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a workdir\n")
+    line = refused_line(train_command(a_file, data_dirs, tmp_path))
+    assert "is not a directory" in line and str(a_file) in line
+    assert a_file.read_text() == "not a workdir\n"
+    line = refused_line(train_command("/proc/nope/run", data_dirs, tmp_path))
+    assert "cannot use /proc/nope/run as the workdir" in line
+
+
+def test_a_refused_new_workdir_leaves_no_directory_and_no_lock(tmp_path, data_dirs):
+    workdir = tmp_path / "new" / "run"
+    line = refused_line(train_command(workdir, data_dirs, tmp_path,
+                                      **{"checkpoint.restore_from": str(tmp_path / "none")}))
+    assert "holds no complete checkpoint" in line
+    assert not (tmp_path / "new").exists()  # not the workdir, nor its parent made for it
