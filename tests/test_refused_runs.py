@@ -11,6 +11,7 @@ import jax
 import pytest
 
 from maxlm import config as config_lib
+from maxlm.checkpoint import compatibility
 from maxlm.train import loop
 from tests.helpers import ROOT, command_env, load_config, with_overrides
 
@@ -71,3 +72,48 @@ def test_a_refused_new_workdir_leaves_no_directory_and_no_lock(tmp_path, data_di
                                       **{"checkpoint.restore_from": str(tmp_path / "none")}))
     assert "holds no complete checkpoint" in line
     assert not (tmp_path / "new").exists()  # not the workdir, nor its parent made for it
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_dirs):
+    """A workdir trained 2 steps (one checkpoint), in-process: no lock file of its own."""
+    workdir = tmp_path_factory.mktemp("trained")
+    loop.train_and_evaluate(tiny(data_dirs), str(workdir))
+    return workdir
+
+
+def test_a_resume_as_another_model_of_the_same_shapes_exits_2_and_writes_nothing(trained, data_dirs, tmp_path):
+    before = snapshot(trained)
+    line = refused_line(train_command(trained, data_dirs, tmp_path, steps=4, **{"model.mlp_activation": "geglu"}))
+    assert "model.mlp_activation='geglu' (checkpoint: 'swiglu')" in line and "another function" in line
+    assert snapshot(trained) == before  # config.json, metrics.jsonl, the checkpoint; no .maxlm-lock
+
+
+@pytest.mark.parametrize("key, value", [("model.norm_plus_one", True), ("model.scale_embeddings", True),
+                                        ("model.qk_norm", "per_head"), ("model.norm_eps", 1e-6)])
+def test_every_key_of_the_function_is_compared_on_resume(trained, data_dirs, key, value):
+    with pytest.raises(config_lib.ConfigError, match=rf"{key}={value!r} \(checkpoint: "):
+        loop.check_start(tiny(data_dirs, steps=4, **{key: value}), str(trained))
+
+
+def test_the_encoding_changes_only_with_seq_len_and_the_free_keys_change_freely(trained, data_dirs):
+    with pytest.raises(config_lib.ConfigError, match=r"model.rope_theta=500000.0 \(checkpoint: 10000.0\).*same seq_len"):
+        loop.check_start(tiny(data_dirs, steps=4, **{"model.rope_theta": 500000.0}), str(trained))
+    seq_len = tiny(data_dirs).seq_len
+    loop.check_start(tiny(data_dirs, steps=4, seq_len=2 * seq_len, **{  # a context extension
+        "model.rope_theta": 500000.0, "data.resume_position": "tokens"}), str(trained))
+    loop.check_start(tiny(data_dirs, steps=4, **{"model.sliding_window": 16, "model.remat": "full",
+                                                 "model.z_loss": 1e-4}), str(trained))
+
+
+def test_every_model_key_is_in_exactly_one_class():
+    classes = (compatibility.FUNCTION_KEYS, compatibility.ENCODING_KEYS, compatibility.FREE_KEYS)
+    listed = [key for keys in classes for key in keys]
+    assert sorted(listed) == sorted(config_lib.defaults().model.keys())  # none twice, none left out
+
+
+def test_docs_list_the_keys_free_to_change_on_resume():
+    text = (ROOT / "docs" / "checkpoints.md").read_text()
+    section = text.split("## What may change on resume")[1].split("\n## ")[0]
+    for key in compatibility.FREE_KEYS + compatibility.ENCODING_KEYS:
+        assert f"`model.{key}`" in section, key

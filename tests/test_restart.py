@@ -353,11 +353,11 @@ EXTENDED = {"seq_len": 128, "model.rope_scaling": "llama3", "model.rope_scaling_
             "model.rope_original_max_len": 64}  # two_layer_run's 64 tokens, twice as long
 
 
-def test_seq_len_changes_on_resume_only_with_a_new_rope_and_rope_theta_may_change(two_layer_run, data_dirs):
+def test_seq_len_and_the_position_encoding_change_on_resume_only_together(two_layer_run, data_dirs):
     """A seq_len change with the checkpoint's position encoding is an accident: exit 2 naming
     seq_len whatever data.resume_position says. With a new rope scaling or theta it is a context
     extension, and data.resume_position decides where the data goes on (same: refused, naming
-    seq_len). rope_theta alone may change between phases."""
+    seq_len). A new encoding at the same seq_len is refused too (issue 54: the loss jumped)."""
     for mode in ("same", "tokens", "start"):
         with pytest.raises(ConfigError, match=r"seq_len=128 but the checkpoint .* was trained at seq_len=64, with the "
                                               r"same position encoding .*model.rope_scaling='none'"):
@@ -366,7 +366,8 @@ def test_seq_len_changes_on_resume_only_with_a_new_rope_and_rope_theta_may_chang
         loop.check_start(tiny(data_dirs, BASE, **EXTENDED), str(two_layer_run))
     for extension in (EXTENDED, {"seq_len": 128, "model.rope_theta": 5e5}):
         loop.check_start(tiny(data_dirs, BASE, **extension, **{"data.resume_position": "tokens"}), str(two_layer_run))
-    loop.check_start(tiny(data_dirs, BASE, steps=8, **{"model.rope_theta": 5e5}), str(two_layer_run))
+    with pytest.raises(ConfigError, match=r"model.rope_theta=500000.0 \(checkpoint: 10000.0\).*same seq_len=64"):
+        loop.check_start(tiny(data_dirs, BASE, steps=8, **{"model.rope_theta": 5e5}), str(two_layer_run))
 
 
 @pytest.mark.ci  # make test keeps within its 12 minutes (CI runs it: make test-ci)

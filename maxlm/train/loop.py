@@ -302,7 +302,7 @@ def make_step_logger(cfg, writer, start_step: int, counters=dict) -> StepLogger:
              peak["source"])
     log.info(budget_line(cfg, per_token))
     kernels = attention_plan.kernels(cfg)
-    # may change on resume (they change no parameter): say them
+    # what the attention computes: the window may change on resume (docs/checkpoints.md#what-may-change-on-resume)
     window = f", sliding window {m.sliding_window}" if m.sliding_window else ""
     if m.layer_pattern:
         window += f" on the L layers of {m.layer_pattern!r}"
