@@ -11,7 +11,9 @@ import jax
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.checkpoint import compatibility
+from maxlm.checkpoint import compatibility, store as checkpoint
+from maxlm.data import source_fingerprints as data_source_fingerprints
+from maxlm.resilience import data_position
 from maxlm.train import loop
 from tests.helpers import ROOT, command_env, load_config, with_overrides
 
@@ -117,3 +119,32 @@ def test_docs_list_the_keys_free_to_change_on_resume():
     section = text.split("## What may change on resume")[1].split("\n## ")[0]
     for key in compatibility.FREE_KEYS + compatibility.ENCODING_KEYS:
         assert f"`model.{key}`" in section, key
+
+
+def write_documents(directory, name: str, count: int) -> None:
+    """`count` text documents of a few hundred words each in `directory/name`, one per line of a .jsonl."""
+    directory.mkdir(exist_ok=True)
+    lines = [json.dumps({"text": " ".join(f"word{(i * 7 + j) % 97} line{i}" for j in range(300))})
+             for i in range(count)]
+    (directory / name).write_text("\n".join(lines) + "\n")
+
+
+def test_files_added_to_the_data_since_the_checkpoint_follow_data_resume_position(tmp_path, data_dirs):
+    source = tmp_path / "docs"
+    write_documents(source, "a.jsonl", 40)
+    workdir = tmp_path / "run"
+    loop.train_and_evaluate(tiny(data_dirs, **{"data.source": str(source)}), str(workdir))
+    write_documents(source, "b.jsonl", 40)  # more data in the same directory: the same data.source
+    before, cache_before = snapshot(workdir), sorted(os.listdir(data_dirs["data.cache_dir"]))
+    line = refused_line(train_command(workdir, data_dirs, tmp_path, steps=4, **{"data.source": str(source)}))
+    assert f"the files of data source {str(source)!r}" in line and "data.resume_position=tokens" in line
+    assert snapshot(workdir) == before
+    assert sorted(os.listdir(data_dirs["data.cache_dir"])) == cache_before  # no cache of the new files built
+    # data.resume_position=start: the new files from their first batch, and the step goes on
+    loop.train_and_evaluate(tiny(data_dirs, steps=4, **{"data.source": str(source), "data.resume_position": "start"}),
+                            str(workdir))
+    meta = checkpoint.read_json(str(workdir / "checkpoints" / "4"), "meta")
+    assert meta["data_position"] == 2  # steps 3 and 4 read batches 0 and 1 of the new stream
+    assert meta["data"]["fingerprints"] == data_source_fingerprints(tiny(data_dirs, **{"data.source": str(source)}))
+    # a checkpoint that recorded no fingerprint (before they were) resumes on its keys alone
+    assert data_position.edited_since(str(workdir), {"keys": meta["data"]["keys"]}, tiny(data_dirs)) == []

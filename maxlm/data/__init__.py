@@ -6,7 +6,7 @@ steps' modules in that order.
 
 from maxlm.data.batches import TokenDataset
 from maxlm.data.corpus import ensure_corpus, load_split
-from maxlm.data.dataset import STREAM_KEYS, make_dataset
+from maxlm.data.dataset import STREAM_KEYS, make_dataset, source_fingerprints
 from maxlm.data.errors import DataError
 from maxlm.data.packing import pack_documents, packing_efficiency
 from maxlm.data.tokenizers import ByteTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
@@ -25,6 +25,7 @@ __all__ = [
     "load_tokenizer",
     "STREAM_KEYS",
     "make_dataset",
+    "source_fingerprints",
     "pack_documents",
     "packing_efficiency",
 ]

@@ -39,10 +39,23 @@ def make_dataset(config, split: str) -> TokenDataset | MixtureDataset:
     seed = config.seed if split == "train" else None
     if not config.data.mixture:
         [(rows, meta)] = packed
-        return TokenDataset(rows, tokenizer=tokenizer, batch_size=config.batch_size, seed=seed, split=split,
-                            packing_efficiency=meta["packing_efficiency"])
-    names = [name for name, _, _ in resolved]
-    return MixtureDataset([(name, rows) for name, (rows, _) in zip(names, packed)],
-                          [weight for _, weight, _ in resolved], tokenizer=tokenizer,
-                          batch_size=config.batch_size, seq_len=config.seq_len, seed=seed, split=split,
-                          stats={name: meta for name, (_, meta) in zip(names, packed)})
+        dataset = TokenDataset(rows, tokenizer=tokenizer, batch_size=config.batch_size, seed=seed, split=split,
+                               packing_efficiency=meta["packing_efficiency"])
+    else:
+        names = [name for name, _, _ in resolved]
+        dataset = MixtureDataset([(name, rows) for name, (rows, _) in zip(names, packed)],
+                                 [weight for _, weight, _ in resolved], tokenizer=tokenizer,
+                                 batch_size=config.batch_size, seq_len=config.seq_len, seed=seed, split=split,
+                                 stats={name: meta for name, (_, meta) in zip(names, packed)})
+    # what the checkpoints record of the content read, taken once (a save does not list the files)
+    dataset.source_fingerprints = source_fingerprints(config)
+    return dataset
+
+
+def source_fingerprints(config) -> dict[str, str]:
+    """{source name: fingerprint} of each source the run reads (`sources.resolve`'s names): the
+    fingerprint the packed cache's key holds (`sources.source_fingerprint`: the files' names,
+    sizes and modification times, or a TFDS dataset's info), so that a resume can tell that files
+    were added, removed or edited since a checkpoint. Reads no document."""
+    return {name: sources.source_fingerprint(sources.parse_source(sub.data.source), sub.data)
+            for name, _, sub in sources.resolve(config)}

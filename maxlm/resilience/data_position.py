@@ -12,6 +12,11 @@ Each checkpoint's meta records those keys and the row stream's index of the next
 The step, and with it the lr schedule, goes on either way. The jump is an entry of the skip list
 (maxlm/resilience/anomaly.py), so later resumes land on the same batches.
 
+The meta also records each source's fingerprint (its files' names, sizes and modification times,
+as the packed cache's key holds them: `data.source_fingerprints`): files added to, removed from or
+edited in a source since the checkpoint are a change like a stream key's, under the same rules. A
+checkpoint from before fingerprints were recorded compares its keys alone.
+
 `seq_len` changes only to extend the context: together with the position encoding's settings
 (`model.rope_theta`, `model.rope_scaling` and its parameters: `encoding`), whatever
 `data.resume_position` says. A seq_len change alone is taken for an accident and refused (exit 2).
@@ -22,7 +27,7 @@ from __future__ import annotations
 import logging
 
 from maxlm import config as config_lib
-from maxlm.data import STREAM_KEYS
+from maxlm.data import STREAM_KEYS, source_fingerprints
 from maxlm.observe import metrics
 from maxlm.runtime.errors import ConfigError
 
@@ -47,7 +52,23 @@ def record(cfg, dataset, position: int) -> dict:
     """What a checkpoint's meta records about the data (`{"data": ...}`), and the position
     encoding it was read with (a seq_len change needs a new one: `check`)."""
     return {"data": {"keys": stream_keys(cfg.to_dict()), "rows": dataset.first_row(position),
-                     "encoding": encoding(cfg.to_dict())}}
+                     "encoding": encoding(cfg.to_dict()), "fingerprints": dataset.source_fingerprints}}
+
+
+def edited(recorded: dict | None, now: dict) -> list[str]:
+    """A line for each source whose fingerprint differs between those `recorded` by a checkpoint
+    (None: an older checkpoint that recorded none: nothing to compare) and those `now`; a source
+    in one of them only is a `data.source` or `data.mixture` change, which `changes` names."""
+    return [f"the files of data source {name!r} (fingerprint {now[name]}, checkpoint: {recorded[name]}: files "
+            "added, removed or edited since)" for name in sorted(set(recorded or {}) & set(now))
+            if recorded[name] != now[name]]
+
+
+def edited_since(path: str, recorded_data: dict, cfg) -> list[str]:
+    """`edited` for the checkpoint at `path` (its meta's `data`: `recorded_data`) against the
+    sources of `cfg` as they are now, fingerprinted only when the checkpoint recorded theirs."""
+    recorded = recorded_data.get("fingerprints")
+    return edited(recorded, source_fingerprints(cfg)) if recorded else []
 
 
 def changes(recorded: dict, cfg) -> list[str]:
@@ -59,11 +80,12 @@ def changes(recorded: dict, cfg) -> list[str]:
             if now.get(k) != recorded.get(k)]
 
 
-def check(recorded: dict, cfg, path: str, recorded_encoding: dict | None = None) -> None:
-    """ConfigError when the stream keys `recorded` by the checkpoint at `path` differ from `cfg`'s
-    and `data.resume_position` is "same", or when seq_len differs with the position encoding
-    `recorded_encoding` (its `encoding`; None: not known, not checked) unchanged."""
-    differ = changes(recorded, cfg)
+def check(recorded: dict, cfg, path: str, recorded_encoding: dict | None = None, files: list[str] = ()) -> None:
+    """ConfigError when the stream keys `recorded` by the checkpoint at `path` differ from `cfg`'s,
+    or its sources' files did (`files`: `edited`'s lines), and `data.resume_position` is "same";
+    or when seq_len differs with the position encoding `recorded_encoding` (its `encoding`; None:
+    not known, not checked) unchanged."""
+    differ = changes(recorded, cfg) + list(files)
     now = encoding(cfg.to_dict())
     if recorded_encoding is not None and recorded.get("seq_len") != cfg.seq_len and recorded_encoding == now:
         rope = ", ".join(f"{k}={v!r}" for k, v in now.items() if k in ("model.rope_theta", "model.rope_scaling"))
@@ -87,8 +109,9 @@ def continued(meta: dict, cfg, dataset, path: str) -> int | None:
     recorded = meta.get("data")
     if not recorded:
         return None
-    check(recorded["keys"], cfg, path, recorded.get("encoding"))
-    differ = changes(recorded["keys"], cfg)
+    files = edited(recorded.get("fingerprints"), dataset.source_fingerprints)
+    check(recorded["keys"], cfg, path, recorded.get("encoding"), files)
+    differ = changes(recorded["keys"], cfg) + files
     if not differ:
         return None
     if cfg.data.resume_position == "start":

@@ -189,8 +189,9 @@ def check_start(cfg, workdir: str) -> None:
         raise ConfigError(problem)
     if start and full_state:  # the step goes on, and with it the data position
         saved = config_lib.from_recorded(checkpoint.read_json(start, "config")).to_dict()
-        recorded = checkpoint.read_json(start, "meta").get("data", {}).get("keys")
-        data_position.check(recorded or data_position.stream_keys(saved), cfg, start, data_position.encoding(saved))
+        recorded = checkpoint.read_json(start, "meta").get("data", {})
+        data_position.check(recorded.get("keys") or data_position.stream_keys(saved), cfg, start,
+                            data_position.encoding(saved), data_position.edited_since(start, recorded, cfg))
 
 
 def train_step_fn(cfg, mesh, rules, shardings, position):
