@@ -85,10 +85,11 @@ def trained(tmp_path_factory, data_dirs):
 
 
 def test_a_resume_as_another_model_of_the_same_shapes_exits_2_and_writes_nothing(trained, data_dirs, tmp_path):
+    (trained / ".maxlm-lock").write_text("host earlier, pid 1, started 2026-12-01T00:00:00+00:00\n")  # a dead run's
     before = snapshot(trained)
     line = refused_line(train_command(trained, data_dirs, tmp_path, steps=4, **{"model.mlp_activation": "geglu"}))
     assert "model.mlp_activation='geglu' (checkpoint: 'swiglu')" in line and "another function" in line
-    assert snapshot(trained) == before  # config.json, metrics.jsonl, the checkpoint; no .maxlm-lock
+    assert snapshot(trained) == before  # config.json, metrics.jsonl, the checkpoint, the old lock's text and time
 
 
 @pytest.mark.parametrize("key, value", [("model.norm_plus_one", True), ("model.scale_embeddings", True),

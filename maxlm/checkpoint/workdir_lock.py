@@ -48,8 +48,9 @@ LEASE_LOST_EXIT = 2  # maxlm.train's when another run takes the lease: the user'
 log = logging.getLogger("maxlm")
 _held: list = []  # this process's open lock files and leases: the lock lives as long as they do
 # what taking a local lock wrote, so a refused run can undo it (`abandon`): the lock file, its
-# text before (None: it was not there), and the directories made for it, deepest first
-_made: list[tuple[str, str | None, list[str]]] = []
+# text and (atime, mtime) in ns before (None: it was not there), and the directories made for it,
+# deepest first
+_made: list[tuple[str, tuple[str, tuple[int, int]] | None, list[str]]] = []
 
 
 def log_lost(message: str) -> None:
@@ -95,9 +96,10 @@ def abandon() -> None:
     for lock_path, previous, _ in made:
         if previous is None:
             _remove(lock_path, os.unlink)
-        else:
+        else:  # a previous run's: its text and times back, as if this run had never started
             with open(lock_path, "w") as f:
-                f.write(previous)
+                f.write(previous[0])
+            os.utime(lock_path, ns=previous[1])
     release()  # after the unlink: no other run can take the lock on a file about to vanish
     for _, _, directories in made:
         for directory in directories:
@@ -111,9 +113,10 @@ def _remove(path: str, how) -> None:
         pass
 
 
-def _text(path: str) -> str:
+def _text_and_times(path: str) -> tuple[str, tuple[int, int]]:
+    st = os.stat(path)
     with open(path) as f:
-        return f.read()
+        return f.read(), (st.st_atime_ns, st.st_mtime_ns)
 
 
 def _missing(directory: str) -> list[str]:
@@ -127,7 +130,7 @@ def _missing(directory: str) -> list[str]:
 
 
 def _open_lock_file(workdir: str, directory: str):
-    """(the open lock file, its text before or None if new, the directories made for it); a
+    """(the open lock file, its text and times before or None if new, the directories made for it); a
     ConfigError (exit 2, one line) for a workdir that cannot be one: a file, or a path where no
     directory can be made or written."""
     if os.path.lexists(directory) and not os.path.isdir(directory):
@@ -136,7 +139,7 @@ def _open_lock_file(workdir: str, directory: str):
     lock_path = os.path.join(directory, LOCK_NAME)
     try:
         os.makedirs(directory, exist_ok=True)
-        previous = _text(lock_path) if os.path.exists(lock_path) else None
+        previous = _text_and_times(lock_path) if os.path.exists(lock_path) else None
         handle = open(lock_path, "a+")  # noqa: SIM115 - held open on purpose
     except OSError as e:
         for path in made:
