@@ -177,8 +177,10 @@ def starting_state(cfg, ckpt: checkpoint.Checkpointer, fresh_state, abstract):
 def check_start(cfg, workdir: str) -> None:
     """Before anything compiles: what a fresh workdir would start from (`checkpoint.restore_from`,
     `checkpoint.init_from_hf`) exists and fits the run, and the checkpoint it starts from has the
-    run's position encoding and, for a full state, its `optim.name`; ValueError (exit 2) if not. A
-    workdir with a checkpoint of its own resumes it, so `init_from_hf` is not read then."""
+    run's shapes, model function (compatibility.FUNCTION_KEYS) and position encoding and, for a
+    full state, its `optim.name`, and read the data as this run would (the stream keys, the
+    sources' files: data_position.py); ValueError (exit 2) if not. Reads no packed data. A workdir
+    with a checkpoint of its own resumes it, so `init_from_hf` is not read then."""
     ckpt_cfg, own = cfg.checkpoint, checkpoint.complete_steps(checkpoint.checkpoint_dir(workdir))
     source = checkpoint.resolve_restore_from(ckpt_cfg.restore_from) if ckpt_cfg.restore_from else None
     if ckpt_cfg.init_from_hf and not own:
