@@ -69,7 +69,7 @@ def declare() -> Section:
     s.shard_examples = key(100_000, POSITIVE_INT, 'TFDS sources: examples per unit (shard)')
     s.resume_position = key("same", one_of(("same", "tokens", "start")),
                             'a resume where a key the batches depend on changed (`batch_size`, `seq_len`, the '
-                            'source, ...) or the source's files did: `same` exits 2, `tokens` continues after the '
+                            "source, ...) or the source's files did: `same` exits 2, `tokens` continues after the "
                             'tokens read, `start` reads '
                             'the new data from its start '
                             '([checkpoints](checkpoints.md#changing-the-data-on-resume)); `seq_len` changes only '
