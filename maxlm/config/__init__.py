@@ -65,8 +65,8 @@ from maxlm.config.schema import Assigned, Key, assigned_keys, flatten, unknown_k
 from maxlm.runtime.errors import ConfigError  # noqa: F401  (config_lib.ConfigError)
 
 # Read once: the declarations are constants of the code.
-_DECLARED = run_keys.declare().keys()
-_DECLARED_TREE = run_keys.declare().values()
+_DECLARED = run_keys.RUN.keys()
+_DECLARED_TREE = run_keys.RUN.values()
 
 
 def declared() -> dict[str, Key]:

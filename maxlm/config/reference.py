@@ -33,7 +33,7 @@ def shown(k: Key) -> str:
 
 def table() -> str:
     rows: list[list] = []  # [names, types, defaults, doc]
-    for name, k in run_keys.declare().keys().items():
+    for name, k in run_keys.RUN.keys().items():
         default = k.shown if k.shown is not None else f"`{shown(k)}`"
         if k.doc == SAME and rows:
             rows[-1][0].append(name)
