@@ -57,12 +57,19 @@ def config_error(message: str) -> NoReturn:
     sys.exit(2)
 
 
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parser, every failure turned into `config_error`."""
     from absl import flags
 
     try:
         return flags.FLAGS(argv)
+    except SystemExit as e:  # absl's --help ends the process with status 1: asking for help is no failure
+        if e.code == 1 and any(a in HELP_FLAGS for a in argv[1:]):
+            sys.exit(0)
+        raise
     except flags.Error as e:  # a config file that raised comes as its whole traceback: its last line
         lines = [line for line in str(e).splitlines() if line.strip()]
         config_error(lines[0] if len(lines) == 1 else f"{lines[0].split(': ')[0]}: {lines[-1].strip()}")
@@ -122,8 +129,13 @@ def run(main: Callable[[list[str]], None], define_flags: Callable[[], None],
     if config_file:
         from ml_collections import config_flags
 
-        config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
+        config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file; --config.KEY=VALUE overrides "
+                                        "any key (docs/config.md).", lock_config=True)
     define_flags()
+    if config_file:  # --help lists the command's own flags: --config is one of them, defined here
+        from absl import flags
+
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS["config"])
     app.run(guarded, flags_parser=parse_flags)
 
 

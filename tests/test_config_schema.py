@@ -115,3 +115,13 @@ def test_a_bad_config_file_or_flag_is_one_line(tmp_path, file, flags, line):
     assert done.returncode == 2 and not (tmp_path / "run").exists()
     [got] = done.stderr.strip().splitlines()
     assert got.startswith("maxlm: config error: ") and got.endswith(line), got
+
+
+@pytest.mark.parametrize("command, flag", [("train", "--config"), ("train", "--workdir"), ("eval", "--workdir"),
+                                           ("generate", "--prompt"), ("data", "--config")])
+def test_help_lists_the_commands_flags_and_exits_0(tmp_path, command, flag):
+    """Issue 54: `train --help` listed only --workdir (--config is defined in cli.py), and exited 1."""
+    done = subprocess.run([sys.executable, "-m", f"maxlm.{command}", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=command_env(tmp_path, devices=None))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"  {flag}:" in done.stdout + done.stderr
