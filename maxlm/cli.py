@@ -193,6 +193,15 @@ def resolved_config(num_devices: int, num_granules: int | None = None, platform:
         config_error(" ".join(str(e).split()))
     except Exception as e:  # the file's own get_config() failed (a wrong type: `c.steps = 8.5`)
         config_error(flag_error_message(sys.argv, e))
+    if config.model.from_hf:
+        from maxlm.hf import files as hf_files
+
+        try:
+            taken = hf_files.take_model_keys(config)
+        except config_lib.ConfigError as e:
+            config_error(str(e))
+        logging.getLogger("maxlm").info("model keys from %s/config.json: %s", config.checkpoint.init_from_hf,
+                                        ", ".join(f"model.{k}={v!r}" for k, v in taken.items()))
     try:  # the config as the file made it, with what the file and the flags assigned recorded
         return config_lib.resolve(config, num_devices, num_granules, platform=platform or jax.default_backend(),
                                   flags=flags.FLAGS["config"].override_values)

@@ -341,3 +341,20 @@ def test_train_cli_rejects_a_mismatched_checkpoint(exported, tmp_path, data_dirs
     assert line.startswith("maxlm: config error: checkpoint.init_from_hf=")
     assert "model.num_layers=3 but the checkpoint has 2" in line and "model.num_kv_heads=4" in line
     assert not (workdir / "checkpoints").exists()
+
+
+def test_model_from_hf_takes_the_folders_model_keys_through_the_cli(exported, tmp_path, data_dirs):
+    """Issue 54: starting from a published model took a dozen flags; `model.from_hf=True` takes the
+    model keys from the folder's config.json (here tiny's export on a config of another shape) and
+    says which it set; without a folder it is exit 2."""
+    _, out, _ = exported
+    flags = [f"--config.{k}={v}" for k, v in data_dirs.items()]
+    base = ["maxlm.train", "--config=configs/tiny.py", "--config.model.num_layers=3", "--config.model.d_model=96",
+            "--config.steps=2", "--config.optim.warmup_steps=1", "--config.model.from_hf=True", *flags]
+    done = _cli(*base, f"--workdir={tmp_path / 'run'}", f"--config.checkpoint.init_from_hf={out}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "model.num_layers=2" in done.stderr and "model.d_model=64" in done.stderr
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert (recorded["num_layers"], recorded["d_model"]) == (2, 64)
+    refused = _cli(*base, f"--workdir={tmp_path / 'none'}")
+    assert refused.returncode == 2 and "set checkpoint.init_from_hf=PATH as well" in refused.stderr

@@ -48,7 +48,8 @@ FREE_KEYS = (
     "sliding_window", "layer_pattern", "attention", "context_parallel", "context_load_balance", "splash_block_q",
     "splash_block_kv", "dtype", "fp8", "remat", "pipeline_microbatches", "pipeline_repeats",
     "logits_chunk_size", "grouped_matmul", "expert_dispatch", "init_std", "z_loss", "label_smoothing",
-    "load_balance_weight", "router_z_loss", "mtp_loss_weight", "bias_update_rate")
+    "load_balance_weight", "router_z_loss", "mtp_loss_weight", "bias_update_rate",
+    "from_hf")  # from_hf: where the keys came from, not what they compute (those are compared)
 
 _MLA = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 _MOE = ("experts_per_token", "expert_mlp_dim", "shared_experts", "first_dense_layers", "router", "router_renormalize",

@@ -30,6 +30,10 @@ from maxlm.config.schema import SAME, Section, key
 
 # The `model` section.
 MODEL = Section()
+MODEL.from_hf = key(False, BOOL,
+                    "take the model's keys from `checkpoint.init_from_hf`'s config.json instead of the config's "
+                    "(each one it sets is printed at start); a folder holding what maxlm's model cannot "
+                    "represent is exit 2 ([import](huggingface.md#import))")
 MODEL.num_layers = key(4, POSITIVE_INT, '`num_heads % num_kv_heads == 0` (grouped-query attention)')
 MODEL.d_model = key(256, POSITIVE_INT, SAME)
 MODEL.num_heads = key(4, POSITIVE_INT, SAME)

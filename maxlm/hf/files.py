@@ -36,7 +36,7 @@ from etils import epath
 
 from maxlm import config as config_lib
 from maxlm.hf.architectures import architecture
-from maxlm.hf.config_json import check_config, hf_config
+from maxlm.hf.config_json import check_config, hf_config, model_config_from_hf
 from maxlm.hf.mapping import hf_index, hf_tensors, read_block, sources, to_hf
 from maxlm.hf.tokenizer_files import write_json, write_tokenizer
 from maxlm.runtime import console, paths, processes
@@ -183,6 +183,24 @@ def _open(path: str, weight_map: dict[str, str]):
                 f"checkpoint.init_from_hf={path} cannot be read by process(es) {', '.join(map(str, blind))} "
                 f"of the job{f' ({problem})' if problem else ''}: put it on storage every host shares")
         yield {name: files[f].get_slice(name) for name, f in weight_map.items()}
+
+
+def take_model_keys(cfg) -> dict:
+    """`model.from_hf`: the model keys of `checkpoint.init_from_hf`'s config.json, set on
+    `cfg.model` and returned, before the config is resolved. ConfigError (exit 2) without a folder,
+    or where the folder's model holds what maxlm's cannot represent."""
+    path = cfg.checkpoint.init_from_hf
+    if not path:
+        raise config_lib.ConfigError("model.from_hf=True takes the model keys from checkpoint.init_from_hf's "
+                                     "config.json: set checkpoint.init_from_hf=PATH as well")
+    hf, _ = read_dir(path)
+    mapped, unsupported = model_config_from_hf(hf)
+    if unsupported:
+        raise config_lib.ConfigError(f"model.from_hf: {path}/config.json holds what maxlm's model cannot "
+                                     f"represent: {'; '.join(unsupported)}")
+    for name, value in mapped.items():
+        cfg.model[name] = value
+    return mapped
 
 
 def check_init_from_hf(cfg) -> None:
