@@ -15,6 +15,11 @@ TEST_STAMP := $(VENV)/.installed-test
 # the venv's own packages so that CPU runs never try to load them. The plan tests put them on
 # PYTHONPATH to compile for H100/H200 hosts and TPU slices (maxlm/bench/targets).
 TARGET_COMPILERS := $(VENV)/target-compilers
+# uv installs the locked sets in half pip's time (docs/testing.md); pip puts this pinned uv into the
+# venv first, the release launch/tpu.py installs on workers. Bytecode is compiled at install, as pip
+# does: where PYTHONDONTWRITEBYTECODE is set, every start would compile every module it imports.
+UV_VERSION := 0.13.8
+INSTALL := $(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode
 
 .PHONY: train test test-ci bench install install-tensorboard install-wandb install-hf clean
 
@@ -41,19 +46,19 @@ $(STAMP): requirements.lock pyproject.toml $(wildcard locks/$(ACCEL).lock)
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null || { \
 		python=$$(PYTHON='$(PYTHON)' launch/find_python.sh) || exit 2; \
 		echo "making $(VENV) with $$python"; rm -rf $(VENV) && $$python -m venv $(VENV); }
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.lock $(if $(filter-out cpu,$(ACCEL)),-r locks/$(ACCEL).lock)
-	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip install --quiet uv==$(UV_VERSION)
+	$(INSTALL) -r requirements.lock $(if $(filter-out cpu,$(ACCEL)),-r locks/$(ACCEL).lock)
+	$(INSTALL) --no-deps -e .
 	echo $(ACCEL) > $(VENV)/.accel
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP) requirements-test.lock
-	$(PY) -m pip install --quiet -r requirements.lock -r requirements-test.lock
+	$(INSTALL) -r requirements.lock -r requirements-test.lock
 	touch $(TEST_STAMP)
 
 $(TARGET_COMPILERS)/.installed: $(STAMP) locks/cuda12.lock locks/tpu.lock
 	rm -rf $(TARGET_COMPILERS)
-	$(PY) -m pip install --quiet --no-deps --target $(TARGET_COMPILERS) -c locks/cuda12.lock -c locks/tpu.lock \
+	$(INSTALL) --no-deps --target $(TARGET_COMPILERS) -c locks/cuda12.lock -c locks/tpu.lock \
 		jax-cuda12-plugin jax-cuda12-pjrt nvidia-cudnn-cu12 libtpu
 	touch $@
 
@@ -61,13 +66,13 @@ $(TARGET_COMPILERS)/.installed: $(STAMP) locks/cuda12.lock locks/tpu.lock
 # TensorBoard viewer, wandb for metrics.wandb=True, and torch + transformers to load an export in transformers (PyPI's Linux torch
 # is its CUDA build, several GB, and runs on the CPU too).
 install-tensorboard: $(STAMP)
-	$(PY) -m pip install --quiet -c requirements.lock -c requirements-test.lock tensorboard
+	$(INSTALL) -c requirements.lock -c requirements-test.lock tensorboard
 
 install-wandb: $(STAMP)
-	$(PY) -m pip install --quiet -c requirements.lock -c requirements-test.lock wandb
+	$(INSTALL) -c requirements.lock -c requirements-test.lock wandb
 
 install-hf: $(STAMP)
-	$(PY) -m pip install --quiet -c requirements.lock -c requirements-test.lock torch transformers
+	$(INSTALL) -c requirements.lock -c requirements-test.lock torch transformers
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

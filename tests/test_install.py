@@ -57,8 +57,17 @@ def test_make_install_takes_the_accelerators_lock(tmp_path, accel):
     dry = subprocess.run(["make", "-n", "install", f"ACCEL={accel}", f"VENV={venv}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
-    assert f"pip install --quiet -r requirements.lock -r locks/{accel}.lock" in dry.stdout
+    assert f"uv pip install --python {venv}/bin/python --quiet --compile-bytecode -r requirements.lock -r locks/{accel}.lock" in dry.stdout
     assert f"echo {accel} > {venv}/.accel" in dry.stdout  # later make commands keep it
+
+
+def test_make_installs_with_the_uv_release_the_tpu_workers_install():
+    """pip puts a pinned uv into the venv, and uv installs the locks: one release here and on TPU
+    workers (launch/tpu.py), so a resolver change reaches both at once."""
+    dry = subprocess.run(["make", "-n", "install", "VENV=/nonexistent/venv"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    workers = re.search(r'^UV_VERSION = "([0-9.]+)"$', (ROOT / "launch" / "tpu.py").read_text(), re.M)
+    assert workers and f"-m pip install --quiet uv=={workers[1]}" in dry.stdout, dry.stdout
 
 
 @pytest.mark.parametrize("target, packages", [("install-tensorboard", ["tensorboard"]),
