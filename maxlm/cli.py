@@ -168,6 +168,7 @@ def start(argv: list[str], required: tuple[str, ...] = ()):
         from maxlm.runtime import gcs
 
         gcs.check_reachable(str(workdir))  # a UserError: exit 2, one line
+        gcs.check_access(str(workdir))  # the same: no credentials, no access, no bucket
     return flags.FLAGS
 
 

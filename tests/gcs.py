@@ -8,7 +8,8 @@ Storage, over loopback. NO_GCE_CHECK keeps google-auth (which gcsfs asks for cre
 a bucket's layout, then falls back) from probing the GCE metadata server at 169.254.169.254.
 Where the emulator differs from Cloud Storage in what maxlm relies on, it is patched: suffix
 ranges, generation headers, generation preconditions (the workdir lease). `uploads` counts
-the bytes each upload sends.
+the bytes each upload sends. `fake_gcs(refuse=401 or 403)` answers every request as Cloud Storage
+refusing the caller, for the checks of a workdir that cannot be used.
 """
 
 from __future__ import annotations
@@ -57,9 +58,41 @@ def _serve_suffix_ranges() -> None:
 
     def handle_unless_gone(self, method):
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            if refusing:
+                return _refuse(self._request_handler, method, refusing[0])
             return handle(self, method)
 
     server.Router.handle = handle_unless_gone
+
+
+REFUSALS = {  # Cloud Storage's words for a caller it refuses: no credentials, or an account without access
+    401: "Anonymous caller does not have storage.objects.list access to the Google Cloud Storage bucket. "
+         "Permission 'storage.objects.list' denied on resource (or it may not exist).",
+    403: "runner@example-project.iam.gserviceaccount.com does not have storage.objects.list access to the "
+         "Google Cloud Storage bucket. Permission 'storage.objects.list' denied on resource (or it may not exist).",
+}
+refusing: list[int] = []  # the status fake_gcs(refuse=...) answers every request with
+
+
+def _refuse(request_handler, method, status) -> None:
+    """Answers as Cloud Storage refusing the caller, in its JSON error shape; a token refresh
+    (a POST to /token, where a test's credentials file sends it) as Google's token endpoint
+    refusing an expired or revoked grant."""
+    from http import HTTPStatus
+
+    from gcp_storage_emulator.server import Request, Response
+
+    request, response = Request(request_handler, method), Response(request_handler)
+    _ = request.data  # read, so the connection stays usable
+    if request.path == "/token":
+        status, body = 400, {"error": "invalid_grant", "error_description": "Token has been expired or revoked."}
+    else:
+        reason = "required" if status == 401 else "forbidden"
+        body = {"error": {"code": status, "message": REFUSALS[status],
+                          "errors": [{"message": REFUSALS[status], "domain": "global", "reason": reason}]}}
+    response.status = HTTPStatus(status)
+    response.json(body)
+    response.close()
 
 
 def _replace_handler(original, replacement) -> None:
@@ -150,15 +183,16 @@ def _record_uploads() -> None:
 
 
 @contextlib.contextmanager
-def fake_gcs():
+def fake_gcs(refuse: int | None = None):
     """Serves an empty bucket `BUCKET`; yields the environment that points clients at it (also
-    set in this process while it runs)."""
+    set in this process while it runs). `refuse` (401, 403): every request is refused so."""
     from gcp_storage_emulator.server import create_server
 
     _serve_suffix_ranges()
     _honour_generation_preconditions()
     _record_uploads()
     uploads.clear()
+    refusing[:] = [refuse] if refuse else []
     port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
     server.start()
@@ -176,6 +210,7 @@ def fake_gcs():
         yield env
     finally:
         _metadata._NO_GCE_CHECK = no_gce_check
+        refusing.clear()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -283,3 +283,85 @@ def test_a_gs_workdir_that_cannot_be_reached_is_one_line_and_exit_2_in_seconds(t
         assert done.returncode == 2 and time.monotonic() - start < 15 + 30  # + a loaded machine's start-up
         [line] = done.stderr.strip().splitlines()
         assert "gs://bucket/run: Cloud Storage (127.0.0.1:" in line and "cannot be reached" in line, line
+
+
+def service_account_key(path, token_uri: str) -> str:
+    """A service-account key file (a fresh RSA key) whose token refreshes go to `token_uri`."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    pem = rsa.generate_private_key(65537, 2048).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    path.write_text(json.dumps({"type": "service_account", "project_id": "example-project", "private_key_id": "1",
+                                "private_key": pem.decode(), "token_uri": token_uri,
+                                "client_email": "runner@example-project.iam.gserviceaccount.com"}))
+    return str(path)
+
+
+COMMANDS = (["maxlm.train", "--config=configs/tiny.py"], ["maxlm.eval"])
+
+
+def run_commands(workdir: str, env: dict, home, commands=COMMANDS) -> list[list[str]]:
+    """`commands` at `workdir`, each ending with exit 2 in under 30 s (start-up on a loaded machine
+    included; gcsfs's retries of a refused token alone take 31 s): each one's stderr lines."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import command_env
+
+    lines = []
+    for command in commands:
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", *command, f"--workdir={workdir}"], cwd=ROOT,
+                              env=command_env(home, devices=None, **env), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and time.monotonic() - start < 30, (done.returncode, done.stderr[-3000:])
+        lines.append(done.stderr.strip().splitlines())
+    return lines
+
+
+@pytest.mark.parametrize("refuse, bucket, said", [
+    (401, "maxlm-test", "HTTP 401 from Cloud Storage: no credentials (none were found on this machine); "
+                        "run `gcloud auth application-default login`"),
+    ("key", "maxlm-test", "HTTP 401 from Cloud Storage: the credentials found were refused"),
+    (403, "maxlm-test", "HTTP 403 from Cloud Storage: the account has no access to bucket maxlm-test "
+                        "(runner@example-project.iam.gserviceaccount.com does not have storage.objects.list"),
+    (None, "no-such-bucket", "HTTP 404 from Cloud Storage: bucket no-such-bucket does not exist"),
+], ids=["no credentials", "credentials refused", "no access", "no bucket"])
+def test_a_gs_workdir_cloud_storage_refuses_is_one_line_and_exit_2_in_seconds(tmp_path, refuse, bucket, said):
+    """Issue 54: the endpoint answers but refuses (no credentials; a key whose token refresh is
+    refused, which gcsfs retried for 39 s; an account without access), or there is no such bucket:
+    each was a 60-300-line traceback with exit 1. Now one line, exit 2, nothing written."""
+    from tests import gcs as stand_in
+
+    with stand_in.fake_gcs(refuse=401 if refuse == "key" else refuse) as env:
+        if refuse == "key":  # the token endpoint, on the stand-in, refuses the key's grant
+            env = {**env, "GOOGLE_APPLICATION_CREDENTIALS": service_account_key(
+                tmp_path / "key.json", f"{env['STORAGE_EMULATOR_HOST']}/token")}
+        for lines in run_commands(f"gs://{bucket}/run", env, tmp_path):
+            assert len(lines) == 1 and f"gs://{bucket}/run: {said}" in lines[0], lines
+        assert not stand_in.uploads and not (ROOT / "gs:").exists()
+
+
+def test_a_gs_workdir_not_made_yet_passes_the_access_check(tmp_path):
+    """A new run's prefix has no objects yet: no refusal, the command goes on (and eval finds no
+    run there)."""
+    from tests.gcs import BUCKET, fake_gcs
+
+    with fake_gcs() as env:
+        [[*_, line]] = run_commands(f"gs://{BUCKET}/new/run", env, tmp_path, [["maxlm.eval"]])
+    assert line.startswith(f"maxlm: config error: no config.json in gs://{BUCKET}/new/run "), line
+
+
+def test_a_gs_endpoint_that_does_not_answer_is_one_line(monkeypatch):
+    """An endpoint that takes the connection but never answers: a UserError after
+    ACCESS_TIMEOUT_SEC, not aiohttp's 5 minutes and gcsfs's retries."""
+    import socket
+
+    from maxlm.runtime.errors import UserError
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody reads
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setattr(gcs, "ACCESS_TIMEOUT_SEC", 1.0)
+        with pytest.raises(UserError, match=r"^gs://b/run: Cloud Storage \(127.0.0.1:\d+\) did not answer within 1 s$"):
+            gcs.check_access("gs://b/run")

@@ -7,6 +7,8 @@
 - `append`: compose, Cloud Storage's own append. The new bytes are uploaded as a small segment,
   composed onto the end of the object server-side, and the segment deleted: what a flush costs
   is its own bytes, not the whole file's.
+- The start-up checks of a gs:// workdir (`check_reachable`, `check_access`): one line and exit 2,
+  in seconds, where gcsfs would retry and end in a traceback.
 
 Every call goes to the service (no cached listing is consulted), and the objects written are
 dropped from gcsfs's listing cache so epath, which shares the filesystem, reads them anew.
@@ -14,6 +16,7 @@ dropped from gcsfs's listing cache so epath, which shares the filesystem, reads 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import urllib.parse
@@ -29,6 +32,9 @@ class GenerationChanged(Exception):
 
 
 REACH_TIMEOUT_SEC = 5.0  # one TCP connect; gcsfs itself retries a dead endpoint for most of a minute
+ACCESS_TIMEOUT_SEC = 10.0  # one request; gcsfs gives it aiohttp's 5 minutes, then retries
+LOG_IN = ("run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a "
+          "service-account key file")
 
 
 def endpoint() -> tuple[str, int]:
@@ -50,6 +56,67 @@ def check_reachable(url: str) -> None:
         reason = e.strerror or str(e) or type(e).__name__
         raise UserError(f"{url}: Cloud Storage ({host}:{port}) cannot be reached from this machine ({reason}): "
                         "no network, or a firewall or proxy in the way") from None
+
+
+def check_access(url: str) -> None:
+    """UserError (one line: `url`, the HTTP status, what to do) when Cloud Storage answers but
+    refuses the workdir: no credentials found on this machine, or the ones found refused (401); an
+    account without access to the bucket (403); no such bucket (404); or no answer within
+    ACCESS_TIMEOUT_SEC. One request, a one-object listing under `url` with the credentials gcsfs
+    found, through the filesystem epath then uses. A prefix with no objects yet is no error (a new
+    run makes it); any other failure is left to the run (gcsfs retries a 5xx, for one)."""
+    from fsspec.asyn import FSTimeoutError, sync
+    from gcsfs.retry import HttpError
+
+    bucket, key = bucket_and_key(url)
+    fs = _filesystem_with_credentials()
+    once = type(fs)._request.__wrapped__  # without gcsfs's retries, which take half a minute on a refused token
+    try:
+        sync(fs.loop, once, fs, "GET", "b/{}/o", bucket, prefix=key, maxResults=1, timeout=ACCESS_TIMEOUT_SEC)
+        return
+    except FileNotFoundError:  # of a bucket's listing: the bucket
+        raise UserError(f"{url}: HTTP 404 from Cloud Storage: bucket {bucket} does not exist; create it "
+                        f"(`gcloud storage buckets create gs://{bucket}`) or correct the URL") from None
+    except FSTimeoutError:
+        host, port = endpoint()
+        raise UserError(f"{url}: Cloud Storage ({host}:{port}) did not answer within "
+                        f"{ACCESS_TIMEOUT_SEC:.0f} s") from None
+    except Exception as e:  # the rest: sorted below, and what is not a refusal left to the run
+        refused = e
+    if isinstance(refused, HttpError) and refused.code == 401:
+        if fs.credentials.credentials is None:  # google-auth found none, so gcsfs went on anonymously
+            given = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+            found = f"GOOGLE_APPLICATION_CREDENTIALS={given} gave none" if given else "none were found on this machine"
+            raise UserError(f"{url}: HTTP 401 from Cloud Storage: no credentials ({found}); {LOG_IN}")
+        raise UserError(f"{url}: HTTP 401 from Cloud Storage: the credentials found were refused (expired, "
+                        f"revoked or a deleted key); {LOG_IN}")
+    if type(refused) is OSError and str(refused).startswith("Forbidden"):  # gcsfs's 403
+        said = " ".join(str(refused).split("\n")[1:])  # Cloud Storage's words, which name the account
+        raise UserError(f"{url}: HTTP 403 from Cloud Storage: the account has no access to bucket {bucket} "
+                        f"({said}); grant it the storage.objects.* permissions there (e.g. roles/storage.objectUser)")
+
+
+def _filesystem_with_credentials():
+    """filesystem(), its credentials looked up without gcsfs's own probe of a GCE metadata server
+    (its "cloud" step, tried after google-auth's own probe in "google_default" found none, and
+    retried for seconds before gcsfs goes on anonymously), and without google-auth's warnings
+    about where it found none (check_access says what that means)."""
+    import gcsfs.credentials  # noqa: F401 (imports google-auth's _metadata, which reads NO_GCE_CHECK once)
+
+    auth_log, saved = logging.getLogger("google.auth"), os.environ.get("NO_GCE_CHECK")
+    level = auth_log.level
+    auth_log.setLevel(logging.ERROR)
+    # gcsfs reads the variable as it connects: its probe (15 s on a machine without credentials,
+    # gcsfs 2026.10.1) is skipped; google-auth read it on import, so its own probe stays
+    os.environ["NO_GCE_CHECK"] = "true"
+    try:
+        return filesystem()
+    finally:
+        auth_log.setLevel(level)
+        if saved is None:
+            os.environ.pop("NO_GCE_CHECK")
+        else:
+            os.environ["NO_GCE_CHECK"] = saved
 
 
 def filesystem():
