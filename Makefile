@@ -52,8 +52,8 @@ $(STAMP): requirements.lock pyproject.toml $(wildcard locks/$(ACCEL).lock)
 	echo $(ACCEL) > $(VENV)/.accel
 	touch $(STAMP)
 
-$(TEST_STAMP): $(STAMP) requirements-test.lock
-	$(INSTALL) -r requirements.lock -r requirements-test.lock
+$(TEST_STAMP): $(STAMP) requirements-test.lock requirements-test.overrides
+	$(INSTALL) -r requirements.lock -r requirements-test.lock --override requirements-test.overrides
 	touch $(TEST_STAMP)
 
 $(TARGET_COMPILERS)/.installed: $(STAMP) locks/cuda12.lock locks/tpu.lock

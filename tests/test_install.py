@@ -32,6 +32,8 @@ def test_the_runtime_and_test_locks_are_disjoint_and_within_pyproject_ranges():
         name = re.sub(r"[-_.]+", "-", requirement.name).lower()
         version = runtime.get(name) or test.get(name)
         assert version and requirement.specifier.contains(version), (requirement, version)
+    # the overrides lift a package's declared bound to the runtime lock's own pin, nothing more
+    assert pins("requirements-test.overrides").items() <= runtime.items()
     # the venv CI tests in is the locked one
     assert importlib.metadata.version("jaxlib") == runtime["jaxlib"] == runtime["jax"]
 
