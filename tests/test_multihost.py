@@ -202,6 +202,7 @@ def test_what_process_0_alone_reads_or_builds_stops_every_process_when_it_fails(
         assert code == 2, err[-3000:]
         assert f"tokenizer model file not found: {str(homes[0] / 'tok.model')!r}" in err
         assert "Traceback" not in err
+    assert not (tmp_path / "run_sp").exists()  # a refused run writes nothing, on any process
 
     cfg = config_lib.resolve(load_config("tiny"), jax.device_count())
     hf.export(random_params(cfg.model), cfg, str(homes[0] / "hf"))
@@ -213,6 +214,7 @@ def test_what_process_0_alone_reads_or_builds_stops_every_process_when_it_fails(
         assert code == 2, err[-3000:]
         assert "checkpoint.init_from_hf=" in err and "cannot be read by process(es) 1 of the job" in err
         assert "Traceback" not in err
+    assert not (tmp_path / "run_hf").exists()
 
 
 HARNESS_TASK = """task: {name}

@@ -218,7 +218,9 @@ def check_init_from_hf(cfg) -> None:
         raise config_lib.ConfigError(
             f"checkpoint.init_from_hf={ckpt.init_from_hf} with model.mtp_depth={cfg.model.mtp_depth}: a Llama "
             "checkpoint holds no multi-token prediction modules to start them from; set model.mtp_depth=0")
-    checked_dir(ckpt.init_from_hf, cfg.model, cfg.seq_len)
+    path = os.path.expanduser(ckpt.init_from_hf)
+    with _open(path, checked_dir(path, cfg.model, cfg.seq_len)):
+        pass  # every process opens the weights now: one that cannot stops the job before it writes
 
 
 # ----------------------------------------------------------------------------- import

@@ -133,8 +133,11 @@ def check_shared_workdir(workdir: str) -> None:
     multihost_utils.sync_global_devices("maxlm_workdir_probe_read")
     if jax.process_index() == 0:
         probe.unlink()
-        if not seen.all() and not existed:
-            directory.rmdir()  # created for the probe: leave nothing behind
+        if not existed and not paths.is_remote(workdir):
+            # made for the probe: the run's lock makes it again (and removes it if the run is
+            # refused), so a refused run leaves nothing. (On gs:// there is no directory to remove,
+            # and gcsfs's rmdir of a bucket's root would delete the bucket.)
+            directory.rmdir()
     if not seen.all():
         blind = ", ".join(str(p) for p in np.flatnonzero(seen == 0))
         raise ConfigError(
