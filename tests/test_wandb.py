@@ -67,7 +67,7 @@ def offline_runs(wandb_dir):
 
 
 def train(tmp_path, workdir, steps, **extra):
-    env = command_env(tmp_path, devices=None, WANDB_MODE="offline", **extra)
+    env = command_env(tmp_path, devices=None, **{"WANDB_MODE": "offline", **extra})
     return subprocess.run([sys.executable, "-m", "maxlm.train", "--config=configs/tiny.py", f"--workdir={workdir}",
                            f"--config.steps={steps}", "--config.log_every_steps=2", "--config.eval.every_steps=4",
                            "--config.checkpoint.every_steps=4", "--config.optim.warmup_steps=1",
@@ -141,6 +141,17 @@ def test_without_wandb_the_run_exits_2_with_the_install_line_before_writing(tmp_
     assert line.startswith("maxlm: config error: metrics.wandb=True needs the wandb package (")
     assert line.endswith("make install-wandb, or pip install -e '.[wandb]'")
     assert not workdir.exists()
+
+
+@pytest.mark.slow
+def test_online_without_an_api_key_the_run_exits_2_before_writing(tmp_path):
+    """wandb.init refused it only after the run had written its workdir (issue 54)."""
+    workdir = tmp_path / "run"
+    done = train(tmp_path, workdir, 2, WANDB_MODE="online")  # HOME is tmp_path: no ~/.netrc
+    assert done.returncode == 2, done.stderr[-3000:]
+    line, = done.stderr.strip().splitlines()
+    assert line.startswith("maxlm: config error: metrics.wandb=True: no W&B API key for https://api.wandb.ai")
+    assert "WANDB_MODE=offline" in line and not workdir.exists()
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from maxlm.runtime import console, paths
+from maxlm.runtime import console, paths, processes
 from maxlm.runtime.errors import UserError
 
 # ---------------------------------------------------------------------------
@@ -287,9 +287,33 @@ def import_wandb():
 
 def check_writers(metrics_cfg) -> None:
     """UserError (exit 2) when a writer `metrics_cfg` (a config's `metrics`) asks for cannot be
-    made here; a command calls it before it writes anything."""
+    made here; a command calls it before it writes anything, on every process of the job at once
+    (W&B's credentials are process 0's, which alone writes to W&B)."""
     if metrics_cfg.wandb:
         import_wandb()
+        processes.from_process_0(lambda: check_wandb_credentials() or b"")
+
+
+WANDB_OFFLINE_MODES = ("offline", "dryrun", "disabled")
+
+
+def check_wandb_credentials() -> None:
+    """UserError when W&B would log online without an API key for its server: wandb.init refuses
+    that only once the run has started writing. An offline run (WANDB_MODE=offline, uploaded later
+    with `wandb sync`) needs none. The lookup is wandb's own (WANDB_API_KEY, its identity token
+    file, ~/.netrc, its settings), asked not to prompt."""
+    if os.environ.get("WANDB_MODE", "").lower() in WANDB_OFFLINE_MODES:
+        return
+    from wandb.sdk.lib import wbauth
+
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    try:
+        found = wbauth.authenticate_session(host=host, source="maxlm", prompt=False, update_session=False)
+    except Exception as e:  # a key of the wrong form, two sources set at once
+        raise UserError(f"metrics.wandb=True: the W&B credentials for {host} are not usable ({e})") from None
+    if found is None:
+        raise UserError(f"metrics.wandb=True: no W&B API key for {host} on this machine: run `wandb login` or set "
+                        "WANDB_API_KEY; or log offline (WANDB_MODE=offline) and upload later with `wandb sync`")
 
 
 def wandb_run_id(workdir, override: str = "") -> str:
