@@ -146,6 +146,24 @@ def test_a_workdir_the_processes_do_not_share_is_exit_2(tmp_path, data_dirs):
     assert list(run.iterdir()) == []
 
 
+def test_processes_that_run_different_configs_stop_on_both_naming_the_keys(tmp_path, data_dirs):
+    """Issue 55: process 0 on optim.lr=0.003 and process 1 on 0.001 both trained 20 steps and exited
+    0, each applying its own learning rate to its own shards. Now both exit 2 with one line, the same
+    on each, before anything is written."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "maxlm.train", *train_flags(run, data_dirs)]
+    lr = {0: "--config.optim.lr=0.003", 1: "--config.optim.lr=0.001"}
+    results = two_processes(tmp_path, command, timeout=120, wrap=lambda i, argv: [*argv, lr[i]])
+    lines = []
+    for (out, err), code in results:
+        assert code == 2, err[-3000:]
+        assert "Traceback" not in err
+        lines += [line for line in err.splitlines() if "do not run the same program" in line]
+    assert len(lines) == 2 and lines[0] == lines[1], lines
+    assert "process(es) 1 differ from process 0 in optim.lr (process 0: 0.003)" in lines[0]
+    assert not run.exists()
+
+
 @pytest.mark.ci
 def test_process_0_prepares_the_data_and_a_cache_the_processes_do_not_share_is_exit_2(tmp_path, data_dirs):
     """With a fresh shared data.cache_dir only process 0 prepares; process 1 reads its shards and

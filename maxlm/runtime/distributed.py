@@ -9,12 +9,15 @@ SLURM_* variables, or Open MPI's OMPI_* ones. Each process then sees every proce
 `jax.devices()`. On CPU the cross-process collectives use gloo. Must run before anything touches a
 JAX backend.
 
-`check_shared_workdir` then makes sure every process sees the same workdir: the checkpoints and
-every decision about them depend on it.
+`check_same_program` then makes sure every process runs the same config on the same packages,
+and `check_shared_workdir` that every process sees the same workdir: the checkpoints and every
+decision about them depend on it.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import logging
 import os
 import secrets
@@ -22,8 +25,11 @@ import secrets
 import jax
 import numpy as np
 
-from maxlm.runtime import paths
+from maxlm.runtime import paths, processes
 from maxlm.runtime.errors import ConfigError
+
+# The packages whose versions decide what a step computes and how a checkpoint is written.
+PROGRAM_PACKAGES = ("maxlm", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")
 
 
 def initialize() -> bool:
@@ -103,6 +109,44 @@ def _nvidia_gpu_count() -> int:
 def _quiet_unless_first() -> None:
     if jax.process_index() != 0:
         logging.getLogger("maxlm").setLevel(logging.WARNING)
+
+
+def program_fingerprint(settings: dict) -> dict[str, str]:
+    """`settings` (a resolved config, flattened to dotted keys) and PROGRAM_PACKAGES' versions
+    (`version.NAME`), each value as JSON text: what check_same_program compares."""
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    values = {**settings, **{f"version.{name}": version(name) for name in PROGRAM_PACKAGES}}
+    return {key: json.dumps(value, sort_keys=True, default=str) for key, value in values.items()}
+
+
+def check_same_program(settings: dict) -> None:
+    """Raises ConfigError (exit 2) on every process of the job, with the same line, unless every
+    process runs the same program: `program_fingerprint(settings)` equal to process 0's. Else each
+    process would apply its own config to its own shards (another learning rate, say) and the job
+    would train on, or hang where their programs part. Two collectives, before anything compiles;
+    single-process runs skip it."""
+    if jax.process_count() == 1:
+        return
+    mine = program_fingerprint(settings)
+    first = json.loads(processes.from_process_0(lambda: json.dumps(mine, sort_keys=True).encode()))
+    keys = sorted(first)  # process 0's, the same on every process (so is the table's shape)
+    # which keys differ from process 0's on each process, and whether it has keys process 0 lacks:
+    # a [processes, keys + 1] table every process holds
+    row = [mine.get(k) != first[k] for k in keys] + [bool(mine.keys() - first.keys())]
+    differs = processes.allgather(np.array(row, np.int32)).reshape(jax.process_count(), len(keys) + 1)
+    if not differs.any():
+        return
+    named = [f"{keys[k]} (process 0: {first[keys[k]]})" if k < len(keys) else "keys process 0 does not have"
+             for k in np.flatnonzero(differs.any(0))]
+    shown = ", ".join(named[:8]) + (f" and {len(named) - 8} more" if len(named) > 8 else "")
+    who = ", ".join(str(p) for p in np.flatnonzero(differs.any(1)))
+    raise ConfigError(f"the job's processes do not run the same program: process(es) {who} differ from process 0 "
+                      f"in {shown}; give every process the same config file, flags and packages")
 
 
 def check_shared_workdir(workdir: str) -> None:

@@ -16,6 +16,7 @@ from absl import flags
 
 from maxlm import cli
 from maxlm.checkpoint import store as checkpoint, workdir_lock
+from maxlm.config import schema
 from maxlm.observe import goodput, metrics
 from maxlm.resilience import faults
 from maxlm.runtime import distributed, paths
@@ -36,6 +37,7 @@ def main(argv) -> None:
 def train(f, stopwatch: goodput.Stopwatch | None = None) -> None:
     distributed.initialize()  # multi-process runs: from JAX_COORDINATOR_ADDRESS etc.
     cfg = cli.resolved_config(jax.device_count())
+    distributed.check_same_program(schema.flatten(cfg.to_dict()))  # before any process acts on its own config
     metrics.check_writers(cfg.metrics)  # an optional writer's package missing: exit 2 here, not after writing
     cli.use_compile_cache(cfg)
     try:
