@@ -66,21 +66,29 @@ def test_exactly_one_action_with_the_fields_it_needs():
     assert violations(consistent) == []
 
 
+def finished(plan, f):
+    """The run's last step, a good one: the run is done whatever else happened on it."""
+    return f.done == plan.total_steps and not ended(f) and not full_streak(plan, f)
+
+
 def test_a_preemption_is_never_lost():
-    """Agreed on any iteration, it ends the run after the action: a preemption checkpoint of the
-    step, or, when the step goes back, at the restored step (which the loop saves unless it is a
-    checkpoint already)."""
-    assert violations(lambda plan, f, d: d.stop == f.stop) == []
-    assert violations(lambda plan, f, d: not f.stop or d.action in GOING_BACK
+    """Agreed on any iteration but a finished run's last, it ends the run after the action: a
+    preemption checkpoint of the step, or, when the step goes back, at the restored step (which the
+    loop saves unless it is a checkpoint already)."""
+    assert violations(lambda plan, f, d: d.stop == (f.stop and not finished(plan, f))) == []
+    assert violations(lambda plan, f, d: not f.stop or finished(plan, f) or d.action in GOING_BACK
                       or (d.action is Action.SAVE and d.kind == "preemption")) == []
     # even where the step completes a full non-finite streak: the state is the last good one
-    assert violations(lambda plan, f, d: not (f.stop and not ended(f))
+    assert violations(lambda plan, f, d: not (f.stop and not ended(f)) or finished(plan, f)
                       or (d.action is Action.SAVE and d.kind == "preemption")) == []
 
 
 def test_the_final_step_always_saves_unless_it_goes_back():
-    assert violations(lambda plan, f, d: f.done != plan.total_steps or f.stop or ended(f)
-                      or full_streak(plan, f) or (d.action is Action.SAVE and d.kind == "final")) == []
+    """A preemption agreed on it too: the run is done (exit 0), not requeued to do nothing."""
+    assert violations(lambda plan, f, d: not finished(plan, f)
+                      or (d.action is Action.SAVE and d.kind == "final" and not d.stop)) == []
+    assert violations(lambda plan, f, d: f.done != plan.total_steps or ended(f) or not full_streak(plan, f)
+                      or d.action is Action.RECOVER or (f.stop and d.kind == "preemption")) == []
 
 
 def test_nothing_is_saved_in_an_open_streak_but_a_forced_save():
@@ -177,6 +185,8 @@ PLAN = Plan(total_steps=20, every_steps=10, max_bad_steps=MAX_BAD, local_every_s
     (Facts(20, bad_streak=1), decision.Decision(Action.SAVE, kind="final", evaluate=True)),
     (Facts(20, bad_streak=2), decision.Decision(Action.RECOVER, step=20, evaluate=True)),
     (Facts(7, stop=True, bad_streak=5), decision.Decision(Action.SAVE, kind="preemption", stop=True)),
+    (Facts(20, stop=True, bad_streak=0), decision.Decision(Action.SAVE, kind="final", evaluate=True)),
+    (Facts(20, stop=True, bad_streak=2), decision.Decision(Action.SAVE, kind="preemption", evaluate=True, stop=True)),
     (Facts(7, stop=True, streak_ended=True), decision.Decision(Action.RECOVER, step=6, stop=True)),
     (Facts(10, stop=True, last_spike=8), decision.Decision(Action.ROLL_BACK, step=8, stop=True)),
     (Facts(20, last_spike=18), decision.Decision(Action.ROLL_BACK, step=18)),

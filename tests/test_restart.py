@@ -321,6 +321,20 @@ def test_a_preemption_agreed_around_a_restore_stops_at_a_committed_checkpoint(tm
     assert compatibility.verify_one(str(tmp_path / "checkpoints" / str(stopped.value.step))) is None
 
 
+def test_a_preemption_on_the_last_step_ends_the_run_done_not_preempted(tmp_path, data_dirs, monkeypatch):
+    """Issue 55: a SIGTERM during the last step saved a preemption checkpoint and exited 143, so a
+    launcher requeued a finished run. The last step saves as the final one and the run ends (exit 0)."""
+    class StopAtTheEnd(faults.PreemptionWatcher):
+        def reached(self, step):
+            return step >= 4
+
+    monkeypatch.setattr(faults, "PreemptionWatcher", StopAtTheEnd)
+    cfg = tiny(data_dirs, BASE, **{"steps": 4, "checkpoint.every_steps": 3})
+    last = loop.train_and_evaluate(cfg, str(tmp_path))  # no faults.Preempted
+    assert last["step"] == 4 and checkpoint.complete_steps(str(tmp_path / "checkpoints"))[-1][0] == 4
+    assert compatibility.verify_one(str(tmp_path / "checkpoints" / "4")) is None
+
+
 def test_a_resume_with_another_batch_size_is_refused_naming_it_or_continues_after_the_rows_read(
         two_layer_run, data_dirs, tmp_path):
     """The data position is a batch index: with another batch_size the same position holds other

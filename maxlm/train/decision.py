@@ -20,7 +20,8 @@ no JAX, no I/O here), calls `decide` and carries out the one action it returns:
 
 and with `stop` (a preemption agreed on this iteration), the run ends after the action: after a
 SAVE, of kind preemption; after a RECOVER or ROLL_BACK, at the restored step (saved first unless
-it is a checkpoint already).
+it is a checkpoint already). On the run's last step (a good one) a preemption is no stop: the step
+saves as the final one and the run ends done.
 
 The multi-host contract: every fact is a value all processes hold alike (the preemption sync
 point's answer, the metrics of one global step, process 0's clock reading broadcast, and counters
@@ -142,4 +143,7 @@ def decide(plan: Plan, facts: Facts) -> Decision:
         # an owed save stays what it was; a regular or temporary one becomes owed as itself
         owed = facts.owed or ("regular" if kind == "regular" else "temporary")
         return Decision(Action.POSTPONE, kind=owed, evaluate=evaluate)
+    if stop and facts.done == plan.total_steps and streak < plan.max_bad_steps:
+        # the run's last step: the run is done, not preempted (exit 0: a launcher must not requeue it)
+        kind, stop = "final", False
     return Decision(Action.SAVE, kind=kind, evaluate=evaluate, stop=stop)
