@@ -91,6 +91,25 @@ def test_a_local_save_restores_bitwise_and_a_damaged_copy_is_marked_and_skipped(
     assert tier.restore(abstract, fine, at_least=3) is None  # the persistent tier's newer: not local
 
 
+def test_a_local_write_that_fails_for_any_reason_is_one_warning_and_leaves_no_step(tmp_path, monkeypatch, capsys):
+    """Issue 55: the write thread ended silently on any exception but an OSError. Each failure is
+    the same warning on the run's thread, and the step's partial copy is removed."""
+    from ml_collections import ConfigDict
+
+    state = {"w": jax.device_put(np.ones((8, 8), np.float32)), "step": jax.device_put(np.int32(0))}
+    tier = LocalTier(ConfigDict({"local_dir": str(tmp_path / "local"), "local_max_to_keep": 2}), str(tmp_path / "run"))
+    for step, error in ((2, OSError(28, "No space left on device")), (4, ValueError("a bug's message"))):
+        def failing(*args, error=error):
+            raise error
+        monkeypatch.setattr(tier, "_write", failing)
+        tier.save(step, state, {}, {})
+        tier.wait()
+        assert not os.path.exists(os.path.join(tier.root, str(step)))
+    err = capsys.readouterr().err
+    assert "local checkpoint not written: No space left on device (" in err
+    assert "local checkpoint not written: ValueError: a bug's message (" in err
+
+
 def test_a_local_dir_on_shared_storage_or_not_below_every_steps_is_exit_2(tmp_path, data_dirs):
     for extra, words in ((["--config.checkpoint.local_dir=gs://bucket/x"], "each host's own disk"),
                          ([f"--config.checkpoint.local_dir={tmp_path}/l", "--config.checkpoint.local_every_steps=8"],

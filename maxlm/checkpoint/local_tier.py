@@ -130,8 +130,11 @@ class LocalTier:
         try:
             for owner, buffer, entries in copies:
                 self._write(step, owner, buffer, entries, meta, config_dict)
-        except OSError as e:  # a full or lost local disk: the persistent tier still holds the run
-            self._failure = f"{e.strerror or e} ({os.path.join(self.root, str(step))})"
+        # a full or lost local disk, or anything else: the persistent tier still holds the run, and
+        # wait() says why on the run's thread (an exception here would end only this thread, unseen)
+        except Exception as e:
+            why = (e.strerror or str(e)) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+            self._failure = f"{why} ({os.path.join(self.root, str(step))})"
             shutil.rmtree(os.path.join(self.root, str(step)), ignore_errors=True)
 
     def _write(self, step: int, owner: int, buffer, entries, meta: dict, config_dict: dict) -> None:
