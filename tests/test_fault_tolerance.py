@@ -107,7 +107,12 @@ def test_kill9_and_sigterm_then_resume_is_bitwise_exact(tmp_path, data_dirs, tie
 
 
 @pytest.mark.ci
-def test_sigterm_two_processes_agree_on_the_step(tmp_path, data_dirs):
+@pytest.mark.parametrize("signum, code, line", [(signal.SIGTERM, 143, "maxlm: preempted (SIGTERM): checkpoint of step"),
+                                               (signal.SIGINT, 130, "maxlm: interrupted (Ctrl-C): checkpoint of step")],
+                         ids=["sigterm", "ctrl_c"])
+def test_one_process_signalled_and_both_agree_on_the_step_and_the_exit(tmp_path, data_dirs, signum, code, line):
+    """One process gets the signal; both stop at the same step with the same exit status (with a
+    Ctrl-C, only the process that got it exited 130, the other 143: issue 55)."""
     run = tmp_path / "two"
     port = free_port()
     procs = [
@@ -123,13 +128,13 @@ def test_sigterm_two_processes_agree_on_the_step(tmp_path, data_dirs):
         assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
         time.sleep(0.05)
     sent = time.monotonic()
-    os.kill(procs[1].pid, signal.SIGTERM)  # one process told; both must stop at the same step
+    os.kill(procs[1].pid, signum)  # one process told; both must stop at the same step
     results = [p.communicate(timeout=120) for p in procs]
     assert time.monotonic() - sent < 60
     for p, (out, err) in zip(procs, results):
-        assert p.returncode == 143, err[-3000:]
+        assert p.returncode == code, err[-3000:]
     err0 = results[0][1]
-    assert "maxlm: preempted (SIGTERM): checkpoint of step" in err0, err0[-2000:]
+    assert line in err0, err0[-2000:]
     saved = int(err0.split("checkpoint of step ")[1].split()[0])
     assert compatibility.verify_one(str(run / "checkpoints" / str(saved))) is None
     assert saved < 2000

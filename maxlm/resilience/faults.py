@@ -31,7 +31,7 @@ import time
 import jax
 import numpy as np
 
-from maxlm.runtime import console
+from maxlm.runtime import console, processes
 
 log = logging.getLogger("maxlm")
 
@@ -201,6 +201,14 @@ class PreemptionWatcher:
         for signum, previous in self._previous.items():
             if previous is not None:
                 signal.signal(signum, previous)
+
+    def agreed_interrupted(self) -> bool:
+        """Whether a Ctrl-C, not a SIGTERM, stopped the run, on any process: the same answer on
+        every process (a collective on several: call it on each once the stop is agreed), so all
+        exit 130 or all 143, not only the process that got the Ctrl-C."""
+        if not self.multi:
+            return self.interrupted
+        return bool(processes.allgather(np.array([self.interrupted], np.int32)).any())
 
     def reached(self, step: int) -> bool:
         if self.multi:

@@ -136,7 +136,7 @@ def train_and_evaluate(cfg, workdir: str, data=None, stopwatch: Stopwatch | None
                         stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption, train_data)
                 elif act.stop:  # the preemption's checkpoint saved: once committed, stop
                     ckpt.wait()
-                    raise faults.Preempted(done, interrupted=preemption.interrupted)
+                    raise faults.Preempted(done, interrupted=preemption.agreed_interrupted())
             logger.flush()
     finally:
         trace.close()
@@ -220,7 +220,7 @@ def stop_after_restore(cfg, ckpt, state, lr_scale, anomalies, preemption, train_
     if ckpt.latest_step() != step:
         ckpt.save(step, state, checkpoint_meta(cfg, lr_scale, anomalies, step, train_data), cfg.to_dict(), kind="preemption")
         ckpt.wait()
-    raise faults.Preempted(step, interrupted=preemption.interrupted)
+    raise faults.Preempted(step, interrupted=preemption.agreed_interrupted())
 
 
 def recover(cfg, ckpt, tracker: faults.FaultTracker, abstract, fresh_state, state, lr_scale: float,
