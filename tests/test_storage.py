@@ -90,13 +90,22 @@ def test_a_write_refused_inside_orbax_removes_its_partial_directory_and_keeps_th
     (ValueError("RESOURCE_EXHAUSTED: Failed to write 662008 bytes [os_error_code='28']"), "no space left on device"),
     (OSError(errno.EROFS, "Read-only file system"), "read-only file system"),
     (OSError(errno.EDQUOT, "Disk quota exceeded"), "disk quota exceeded"),
-    (RuntimeError("upload failed: 403 Forbidden"), "the bucket refused the write (403 Forbidden)"),
+    (ValueError("PERMISSION_DENIED: Error writing local file \"/ckpt/5/d/x\" [os_error_code='13']"), "permission denied"),
+    (ValueError("RESOURCE_EXHAUSTED: Failed to write"), "storage is out of space (RESOURCE_EXHAUSTED)"),
     # gcsfs's answer to a 403 (gcsfs/retry.py validate_response), as the write probe meets it
     (OSError("Forbidden: bkt/run/checkpoints/.maxlm-write-probe\nuser lacks storage.objects.create"),
      "the bucket refused the write (403 Forbidden)"),
+    (RuntimeError("the save failed"), "the bucket refused the write (403 Forbidden)"),  # from gcsfs's HttpError(403)
     (ValueError("shapes differ"), None),
+    # words in a path are no refusal (issue 55: `gs://b/exp403/` read as a 403, the partial checkpoint deleted)
+    (ValueError("NOT_FOUND: gs://b/exp403/forbidden-permission denied/checkpoints/5 [os_error_code='2']"), None),
+    (RuntimeError("no space left in gs://b/exp403/"), None),
 ])
 def test_storage_refusals_are_named(error, reason):
+    if str(error) == "the save failed":  # raised from gcsfs's own error object, as orbax re-raises it
+        from gcsfs.retry import HttpError
+
+        error.__cause__ = HttpError({"code": 403, "message": "user lacks storage.objects.create"})
     assert checkpoint.storage_problem(error) == reason
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import functools
 import json
 import logging
@@ -180,24 +181,36 @@ def _recorded_kind(path: str) -> str | None:
         return None
 
 
-_STORAGE_REFUSALS = (  # (text in an error from the OS, tensorstore or Cloud Storage, the reason it means)
-    ("no space left", "no space left on device"), ("resource_exhausted", "no space left on device"),
-    ("disk quota", "disk quota exceeded"), ("read-only file system", "read-only file system"),
-    ("permission denied", "permission denied"), ("permission_denied", "permission denied"),
-    ("forbidden", "the bucket refused the write (403 Forbidden)"),
-    ("403", "the bucket refused the write (403 Forbidden)"))
+# Storage's refusals, by their codes, never by words a path could hold (`gs://b/exp403/`):
+_ERRNO_REFUSALS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                   errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                   errno.EPERM: "permission denied"}
+# tensorstore's errors (orbax's array writes) are absl statuses, their text `CODE: message`, an OS
+# error's number in it as `[os_error_code='28']`
+_STATUS_REFUSALS = {"RESOURCE_EXHAUSTED": "storage is out of space (RESOURCE_EXHAUSTED)",
+                    "PERMISSION_DENIED": "permission denied"}
+FORBIDDEN = "the bucket refused the write (403 Forbidden)"
 
 
 def storage_problem(e: BaseException) -> str | None:
     """What storage said in `e` (or the errors it was raised from) when it refused a write, in a
-    few words, or None if `e` is not such a refusal."""
+    few words, or None if `e` is not such a refusal. Read from codes only: an OSError's errno
+    (its strerror for the others), an HTTP status 403 (gcsfs's HttpError, whose 403 reaches
+    callers as its `OSError("Forbidden: ...")`), a tensorstore status code."""
     while e is not None:
-        text = str(e).lower()
-        for needle, reason in _STORAGE_REFUSALS:
-            if needle in text:
-                return reason
-        if isinstance(e, OSError) and e.strerror:
-            return e.strerror.lower()
+        if isinstance(e, OSError):
+            if e.errno in _ERRNO_REFUSALS:
+                return _ERRNO_REFUSALS[e.errno]
+            if e.errno is None and type(e) is OSError and str(e).startswith("Forbidden: "):
+                return FORBIDDEN  # gcsfs.retry.validate_response's 403
+            if e.strerror:
+                return e.strerror.lower()
+        if getattr(e, "code", None) == 403:  # an HTTP error object (gcsfs, google-api-core)
+            return FORBIDDEN
+        status = re.match(r"([A-Z_]+): ", str(e))
+        if status and status[1] in _STATUS_REFUSALS:
+            os_error = re.search(r"\[os_error_code='(\d+)'\]", str(e))
+            return _ERRNO_REFUSALS.get(int(os_error[1]) if os_error else None) or _STATUS_REFUSALS[status[1]]
         e = e.__cause__ or e.__context__
     return None
 
