@@ -97,3 +97,19 @@ def test_blind_names_the_processes_that_cannot_see(monkeypatch):
     monkeypatch.setattr(processes, "process_count", lambda: 3)
     monkeypatch.setattr(processes, "allgather", lambda array: np.array([[1], [0], [0]], np.int32))
     assert processes.blind(True) == [1, 2]
+
+
+def test_the_checkpoint_every_process_restores_is_the_one_process_0_resolved(monkeypatch, tmp_path):
+    """Issue 55: each host resolved `checkpoint.restore_from`, and the commands' (eval, generate,
+    export) newest checkpoint, from its own listing; a step committing between two hosts' listings
+    had them restore different steps into one array, with no error. Process 1 here listed before
+    step 6 committed: both take process 0's step 6."""
+    from maxlm.checkpoint import saved_run, store as checkpoint
+
+    newest = str(tmp_path / "checkpoints" / "6")
+    listings = {0: [(3, str(tmp_path / "checkpoints" / "3")), (6, newest)],
+                1: [(3, str(tmp_path / "checkpoints" / "3"))]}
+    monkeypatch.setattr(checkpoint, "complete_steps", lambda directory: (
+        listings[processes.process_index()] if directory.endswith("checkpoints") else []))
+    assert as_two_processes(monkeypatch, lambda: checkpoint.resolve_restore_from(str(tmp_path))) == [newest] * 2
+    assert as_two_processes(monkeypatch, lambda: saved_run.checkpoint_path(str(tmp_path))) == [newest] * 2

@@ -20,7 +20,7 @@ import ml_collections
 
 from maxlm import config as config_lib
 from maxlm.checkpoint import store as checkpoint
-from maxlm.runtime import paths
+from maxlm.runtime import paths, processes
 from maxlm.runtime.errors import UserError
 from maxlm.sharding import mesh as mesh_lib, state as state_lib
 
@@ -58,7 +58,13 @@ def read_config(workdir: str, num_devices: int | None = None) -> ml_collections.
 
 
 def checkpoint_path(workdir: str, step: int | None = None) -> str:
-    """`DIR/checkpoints/STEP`: the newest complete checkpoint, or the one of `step`."""
+    """`DIR/checkpoints/STEP`: the newest complete checkpoint, or the one of `step`. Process 0
+    decides and every process gets its answer (a live run's step can commit between two hosts'
+    listings): call it on every process of the command."""
+    return processes.from_process_0(lambda: _checkpoint_path(workdir, step).encode()).decode()
+
+
+def _checkpoint_path(workdir: str, step: int | None) -> str:
     directory = checkpoint.checkpoint_dir(workdir)
     complete = checkpoint.complete_steps(directory)
     if not complete:

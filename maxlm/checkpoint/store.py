@@ -548,7 +548,13 @@ def complete_steps(directory: str) -> list[tuple[int, str]]:
 
 
 def resolve_restore_from(path: str) -> str:
-    """A checkpoint step directory from PATH: a step dir, a `checkpoints/` dir or a workdir."""
+    """A checkpoint step directory from PATH: a step dir, a `checkpoints/` dir or a workdir (its
+    newest complete step). Process 0 resolves it and every process gets its answer, so all restore
+    the same step even where one commits between two hosts' listings: call it on every process."""
+    return processes.from_process_0(lambda: _resolve_restore_from(path).encode()).decode()
+
+
+def _resolve_restore_from(path: str) -> str:
     path = path if paths.is_remote(path) else os.path.abspath(os.path.expanduser(path))
     if epath.Path(path, "state").is_dir():
         return path
