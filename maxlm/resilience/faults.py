@@ -206,9 +206,7 @@ class PreemptionWatcher:
         """Whether a Ctrl-C, not a SIGTERM, stopped the run, on any process: the same answer on
         every process (a collective on several: call it on each once the stop is agreed), so all
         exit 130 or all 143, not only the process that got the Ctrl-C."""
-        if not self.multi:
-            return self.interrupted
-        return bool(processes.allgather(np.array([self.interrupted], np.int32)).any())
+        return bool(processes.blind(not self.interrupted))  # the processes a Ctrl-C reached
 
     def reached(self, step: int) -> bool:
         if self.multi:
